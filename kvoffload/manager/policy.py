@@ -1,0 +1,76 @@
+"""The eviction-policy seam of the offload index.
+
+A policy orders the *ready* chunks of one index and picks victims. It knows
+keys only: the index owns slots, pins and in-flight stores, and tells the
+policy what happened. Every method is O(1) amortised per key.
+
+Protocol, as the index drives it:
+
+* ``insert(key)`` once a store of ``key`` completed successfully; the key is
+  now resident and evictable (unless protected at eviction time).
+* ``touch(key)`` when a resident key is used (a load, a GPU prefix hit).
+* ``remove(key)`` when a resident key leaves for a reason other than
+  eviction (reset of one key, a tier dropping a corrupt chunk).
+* ``evict(n, protected)`` chooses up to ``n`` resident victims for which
+  ``protected(key)`` is false, forgets them and returns them, oldest first.
+  Fewer than ``n`` means no more unprotected keys exist; the index then
+  undoes nothing, because it asks for victims only after checking it can
+  succeed (``prepare_store`` is all or nothing).
+* ``admit(key)`` (optional hook) is asked before a missing key is stored;
+  returning ``False`` skips the store. Filters that track sightings record
+  the sighting here.
+* ``on_miss(key)`` (optional hook) is told of a lookup miss of ``key``.
+
+A policy never raises on a key it does not know in ``touch``/``on_miss``;
+``remove`` of an unknown key is a no-op, so the index can call it freely.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+
+__all__ = ["EvictionPolicy"]
+
+
+class EvictionPolicy(ABC):
+    """Orders resident chunks; see the module docstring for the protocol."""
+
+    #: Registry name of the policy, for stats and error messages.
+    name: str = ""
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+
+    # -- required -----------------------------------------------------------
+    @abstractmethod
+    def insert(self, key: bytes) -> None:
+        """``key`` became resident."""
+
+    @abstractmethod
+    def touch(self, key: bytes) -> None:
+        """A resident ``key`` was used; unknown keys are ignored."""
+
+    @abstractmethod
+    def remove(self, key: bytes) -> None:
+        """Forget a resident ``key``; unknown keys are ignored."""
+
+    @abstractmethod
+    def evict(self, n: int, protected: Callable[[bytes], bool]) -> list[bytes]:
+        """Pick, forget and return up to ``n`` unprotected resident keys."""
+
+    @abstractmethod
+    def __len__(self) -> int:
+        """Number of resident keys the policy tracks (ghost entries excluded)."""
+
+    @abstractmethod
+    def reset(self) -> None:
+        """Forget everything, ghosts and adaptive state included."""
+
+    # -- optional hooks -----------------------------------------------------
+    def admit(self, key: bytes) -> bool:
+        """Whether a missing ``key`` should be stored now. Default: always."""
+        return True
+
+    def on_miss(self, key: bytes) -> None:
+        """A lookup missed ``key``. Default: nothing."""
