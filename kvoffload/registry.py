@@ -39,7 +39,7 @@ class Registry:
         self._targets[name] = target
 
     def resolve(self, name: str) -> Callable[..., Any]:
-        """Import and return the factory for ``name``, or raise ``ConfigError`` listing the names."""
+        """Import the factory for ``name``; ``ConfigError`` listing the names if unknown."""
         self.check(name)
         module_name, _, attribute = self._targets[name].partition(":")
         factory: Callable[..., Any] = getattr(importlib.import_module(module_name), attribute)

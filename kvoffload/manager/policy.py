@@ -20,6 +20,10 @@ Protocol, as the index drives it:
   returning ``False`` skips the store. Filters that track sightings record
   the sighting here.
 * ``on_miss(key)`` (optional hook) is told of a lookup miss of ``key``.
+* ``check_integrity(resident)`` (optional hook) raises ``KVOffloadError``
+  with the numbers if the policy's own state is inconsistent or does not
+  track exactly the index's ready keys; the index's ``check_integrity`` and
+  the stateful tests call it after every step.
 
 A policy never raises on a key it does not know in ``touch``/``on_miss``;
 ``remove`` of an unknown key is a no-op, so the index can call it freely.
@@ -28,7 +32,9 @@ A policy never raises on a key it does not know in ``touch``/``on_miss``;
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable
+from collections.abc import Callable, Collection
+
+from kvoffload.errors import KVOffloadError
 
 __all__ = ["EvictionPolicy"]
 
@@ -74,3 +80,14 @@ class EvictionPolicy(ABC):
 
     def on_miss(self, key: bytes) -> None:
         """A lookup missed ``key``. Default: nothing."""
+
+    def check_integrity(self, resident: Collection[bytes]) -> None:
+        """Raise ``KVOffloadError`` if the policy does not track ``resident``.
+
+        Default: compares sizes only; policies override it to check
+        membership and their own invariants (queue bounds, ghost sizes).
+        """
+        if len(self) != len(resident):
+            raise KVOffloadError(
+                f"policy {self.name!r} tracks {len(self)} keys, the index has {len(resident)} ready"
+            )

@@ -64,7 +64,7 @@ class Tier(ABC):
         return {}
 
     def check_integrity(self) -> None:
-        """Raise ``AssertionError``-free ``TierError`` with numbers if internal state is inconsistent."""
+        """Raise ``TierError`` with the numbers if internal state is inconsistent."""
 
     def close(self) -> None:
         """Release resources; safe to call twice."""

@@ -1,0 +1,131 @@
+"""``kvoffload plan``: show the groups of a model and what an offloading budget holds.
+
+It runs the same validation as the engine adapter, so a configuration that
+``plan`` accepts starts; one it rejects prints the one-line ``ConfigError``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+from kvoffload.config import OffloadConfig, build_offloading_config
+from kvoffload.config.keys import KEYS
+from kvoffload.config.values import format_bytes
+from kvoffload.errors import ConfigError
+from kvoffload.layout import KVLayout
+
+__all__ = ["EXAMPLES", "example_path", "register", "run"]
+
+#: Model configs shipped in the package, usable by name: ``kvoffload plan tiny_gemma4``.
+EXAMPLES = ("tiny_gemma4", "tiny_llama")
+
+
+def example_path(name: str) -> Path:
+    """Path of a bundled example config."""
+    return Path(str(resources.files("kvoffload") / "examples" / f"{name}.json"))
+
+
+def register(subparsers: Any) -> None:
+    keys = "\n".join(
+        f"  {key.name:<20} {key.type.label:<11} {key.default_text().strip('`'):<9} {key.meaning}"
+        for key in KEYS
+        if not key.ignored
+    )
+    parser = subparsers.add_parser(
+        "plan",
+        help="show a model's KV cache groups and what the CPU budget holds",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="Validate an offloading configuration against a model's KV cache layout.",
+        epilog=f"keys of --extra-config (name, type, default, meaning):\n{keys}",
+    )
+    parser.add_argument(
+        "model",
+        help=f"model directory, config.json, or a bundled example: {', '.join(EXAMPLES)}",
+    )
+    parser.add_argument("--dtype", default="bfloat16", help="KV cache dtype (default bfloat16)")
+    parser.add_argument(
+        "--block-size", type=int, default=16, help="engine tokens per block (default 16)"
+    )
+    parser.add_argument(
+        "--extra-config",
+        default='{"cpu_bytes_to_use": "1GiB"}',
+        help="kv_connector_extra_config as JSON, or @FILE (default: 1 GiB of CPU memory)",
+    )
+    parser.add_argument("--world-size", type=int, default=1, help="workers sharing the budget")
+    parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    parser.set_defaults(func=run)
+
+
+def _model_source(model: str) -> Path:
+    path = Path(model)
+    if not path.exists() and model in EXAMPLES:
+        return example_path(model)
+    return path
+
+
+def _extra_config(text: str) -> Any:
+    if text.startswith("@"):
+        try:
+            text = Path(text[1:]).read_text(encoding="utf-8")
+        except OSError as exc:
+            raise ConfigError(f"cannot read --extra-config file {text[1:]!r}: {exc}") from exc
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"--extra-config is not valid JSON ({exc}): {text!r}") from exc
+
+
+def plan_summary(config: OffloadConfig) -> dict[str, Any]:
+    """Machine-readable plan: groups, chunk geometry and what the CPU budget holds."""
+    groups = [
+        {
+            "kind": group.kind,
+            "layers": group.num_layers,
+            "tokens_per_block": group.tokens_per_block,
+            "tokens_per_chunk": span,
+            "chunk_bytes": size,
+            "cpu_tokens_if_alone": config.num_cpu_chunks * span,
+        }
+        for group, span, size in zip(
+            config.layout.groups, config.tokens_per_chunk, config.chunk_bytes, strict=True
+        )
+    ]
+    # A prefix of T tokens needs T / tokens_per_chunk chunks in every group.
+    chunks_per_token = sum(1 / span for span in config.tokens_per_chunk)
+    return {
+        "groups": groups,
+        "blocks_per_chunk": config.blocks_per_chunk,
+        "eviction_policy": config.eviction_policy,
+        "cpu_bytes_to_use": config.cpu_bytes_to_use,
+        "world_size": config.world_size,
+        "cpu_chunks_per_worker": config.num_cpu_chunks,
+        "cpu_prefix_tokens": int(config.num_cpu_chunks / chunks_per_token),
+        "disk_path": config.disk_path,
+        "disk_chunks": config.num_disk_chunks,
+    }
+
+
+def run(args: argparse.Namespace) -> int:
+    layout = KVLayout.from_hf_config(
+        _model_source(args.model), dtype=args.dtype, block_size=args.block_size
+    )
+    config = build_offloading_config(
+        _extra_config(args.extra_config), layout, world_size=args.world_size
+    )
+    summary = plan_summary(config)
+    if args.json:
+        print(json.dumps(summary, indent=2))
+        return 0
+    print(config)
+    print(
+        f"\nThe CPU tier holds {config.num_cpu_chunks} chunks per worker "
+        f"({format_bytes(config.max_chunk_bytes)} slots): a shared prefix of about "
+        f"{summary['cpu_prefix_tokens']} tokens in every group, or per group alone:"
+    )
+    for i, group in enumerate(summary["groups"]):
+        print(f"  group {i} ({group['kind']}): {group['cpu_tokens_if_alone']} tokens")
+    return 0

@@ -1,0 +1,170 @@
+"""``build_offloading_config``: the one boundary where raw settings are checked.
+
+It reads the declarative key table (:mod:`kvoffload.config.keys`) and applies
+its rules in a fixed order, so the first error a user sees is the most basic
+one (an unknown key before a bad value, a bad value before a rule between
+keys). Only ``ConfigError`` ever escapes.
+"""
+
+from __future__ import annotations
+
+import difflib
+import warnings
+from collections.abc import Mapping
+from typing import Any
+
+from kvoffload.config.keys import EXCLUSIVE, KEYS, KEYS_BY_NAME, REQUIRES, Key, KeyType
+from kvoffload.config.offload_config import OffloadConfig
+from kvoffload.config.values import format_bytes, safe_repr, to_int
+from kvoffload.errors import ConfigError
+from kvoffload.layout import KVLayout
+from kvoffload.registry import POLICIES
+
+__all__ = ["IgnoredKeysWarning", "build_offloading_config"]
+
+
+class IgnoredKeysWarning(UserWarning):
+    """Keys of vLLM's own connector were given that kvoffload does not use."""
+
+
+def build_offloading_config(
+    extra_config: Mapping[str, Any] | None, layout: KVLayout, world_size: int = 1
+) -> OffloadConfig:
+    """Validate vLLM's ``kv_connector_extra_config`` mapping against ``layout``.
+
+    ``world_size`` is the number of workers that share ``cpu_bytes_to_use``.
+    Raises ``ConfigError`` (a ``ValueError``) naming the key, the value and
+    the fix; no other exception escapes.
+    """
+    if not isinstance(layout, KVLayout):
+        raise ConfigError(f"layout must be a KVLayout, got {safe_repr(layout)}")
+    workers = to_int("world_size", world_size)
+    if workers <= 0:
+        raise ConfigError(f"'world_size' must be greater than 0, got {workers}")
+    given = _known_items(extra_config)
+    parsed = {name: _coerce(KEYS_BY_NAME[name], raw) for name, raw in given.items()}
+    _check_rules(parsed)
+    blocks_per_chunk = _blocks_per_chunk(parsed, layout)
+    config = OffloadConfig(
+        layout=layout,
+        blocks_per_chunk=blocks_per_chunk,
+        cpu_bytes_to_use=parsed["cpu_bytes_to_use"],
+        eviction_policy=parsed.get("eviction_policy", POLICIES.default),
+        store_threshold=parsed.get("store_threshold", KEYS_BY_NAME["store_threshold"].default),
+        offload_prompt_only=parsed.get(
+            "offload_prompt_only", KEYS_BY_NAME["offload_prompt_only"].default
+        ),
+        disk_path=parsed.get("disk_path"),
+        disk_bytes_to_use=parsed.get("disk_bytes_to_use", 0),
+        world_size=workers,
+    )
+    _check_budgets(config)
+    return config
+
+
+def _known_items(extra_config: Mapping[str, Any] | None) -> dict[str, object]:
+    """The given keys kvoffload uses; unknown keys raise, vLLM-only keys warn once."""
+    if extra_config is None:
+        extra_config = {}
+    if not isinstance(extra_config, Mapping):
+        raise ConfigError(
+            f"the offloading configuration must be a mapping of keys to values, "
+            f"got {safe_repr(extra_config)}"
+        )
+    try:
+        items = list(extra_config.items())
+    except Exception as exc:  # a broken Mapping subclass is still a bad input
+        raise ConfigError(f"cannot read the offloading configuration: {exc!r}") from exc
+    for name, _ in items:
+        if not isinstance(name, str) or name not in KEYS_BY_NAME:
+            raise ConfigError(_unknown_key_message(name))
+    ignored = sorted(name for name, _ in items if KEYS_BY_NAME[name].ignored)
+    if ignored:
+        warnings.warn(
+            f"kvoffload ignores these keys of vLLM's OffloadingConnector: {', '.join(ignored)}",
+            IgnoredKeysWarning,
+            stacklevel=3,
+        )
+    return {name: value for name, value in items if not KEYS_BY_NAME[name].ignored}
+
+
+def _unknown_key_message(name: object) -> str:
+    known = [key.name for key in KEYS]
+    hint = ""
+    if isinstance(name, str):
+        close = difflib.get_close_matches(name, known, n=1)
+        if close:
+            hint = f" (did you mean {close[0]!r}?)"
+    return f"unknown key {safe_repr(name)}{hint}. Known keys: {', '.join(known)}"
+
+
+def _coerce(key: Key, raw: object) -> Any:
+    assert key.type.coerce is not None  # ignored keys were dropped by _known_items
+    value = key.type.coerce(key.name, raw)
+    if key.type is KeyType.POLICY:
+        try:
+            return POLICIES.check(value)
+        except ConfigError as exc:
+            raise ConfigError(f"{key.name!r}: {exc}") from None
+    if key.minimum is not None and isinstance(value, int) and value < key.minimum:
+        bound = "greater than 0" if key.minimum == 1 else f"at least {key.minimum}"
+        raise ConfigError(f"{key.name!r} must be {bound}, got {safe_repr(raw)}")
+    return value
+
+
+def _check_rules(parsed: dict[str, Any]) -> None:
+    for group in EXCLUSIVE:
+        present = [name for name in group if name in parsed]
+        if len(present) > 1:
+            names = " or ".join(repr(name) for name in group)
+            raise ConfigError(f"Specify only one of {names}, not both (got {present})")
+    for name, needed in REQUIRES.items():
+        for other in needed:
+            if name in parsed and other not in parsed:
+                raise ConfigError(f"{name!r} needs {other!r} too; set both or neither")
+    for key in KEYS:
+        if key.required and key.name not in parsed:
+            raise ConfigError(f"{key.name!r} is required: {key.meaning}")
+
+
+def _blocks_per_chunk(parsed: dict[str, Any], layout: KVLayout) -> int:
+    if "blocks_per_chunk" in parsed:
+        return int(parsed["blocks_per_chunk"])
+    if "block_size" not in parsed:
+        return 1
+    block_size = int(parsed["block_size"])
+    sizes = layout.tokens_per_block
+    if not layout.is_uniform:
+        raise ConfigError(
+            f"'block_size' (tokens per chunk) needs every KV cache group to have the same "
+            f"tokens_per_block, but the groups have {list(sizes)}; "
+            f"use 'blocks_per_chunk' instead"
+        )
+    if block_size % sizes[0]:
+        raise ConfigError(
+            f"'block_size'={block_size} is not a multiple of the groups' tokens_per_block "
+            f"{sizes[0]}; use a multiple of {sizes[0]}, or 'blocks_per_chunk' instead"
+        )
+    return block_size // sizes[0]
+
+
+def _check_budgets(config: OffloadConfig) -> None:
+    largest = config.max_chunk_bytes
+    group = config.chunk_bytes.index(largest)
+    chunk = (
+        f"one chunk of the largest group (group {group}) is {largest} bytes "
+        f"({format_bytes(largest)})"
+    )
+    if config.num_cpu_chunks < 1:
+        minimum = largest * config.world_size
+        raise ConfigError(
+            f"'cpu_bytes_to_use'={config.cpu_bytes_to_use} holds no chunk: {chunk}, so "
+            f"{config.world_size} worker(s) need at least {minimum} bytes "
+            f"({format_bytes(minimum)}); "
+            f"raise 'cpu_bytes_to_use' or lower 'blocks_per_chunk'"
+        )
+    if config.disk_path is not None and config.num_disk_chunks < 1:
+        raise ConfigError(
+            f"'disk_bytes_to_use'={config.disk_bytes_to_use} holds no chunk: {chunk}; "
+            f"set 'disk_bytes_to_use' to at least {largest}"
+        )

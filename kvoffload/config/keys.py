@@ -1,0 +1,140 @@
+"""The declarative table of configuration keys.
+
+One row per key: the parser, the error messages, the README's key table and
+``kvoffload plan --help`` all read this table, so a new setting is one row.
+Rules between keys (``block_size`` excludes ``blocks_per_chunk``; disk keys
+need each other) are declared here too, not written as ad-hoc ``if``s.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from enum import Enum
+
+from kvoffload.config import values
+from kvoffload.registry import POLICIES
+
+__all__ = [
+    "EXCLUSIVE",
+    "IGNORED_KEYS",
+    "KEYS",
+    "KEYS_BY_NAME",
+    "REQUIRES",
+    "Key",
+    "KeyType",
+    "render_key_table",
+]
+
+
+class KeyType(Enum):
+    """How a raw value is read; ``label`` is what documentation shows."""
+
+    INT = ("int", values.to_int)
+    SIZE = ("bytes", values.to_size)
+    BOOL = ("bool", values.to_bool)
+    POLICY = ("policy name", values.to_str)
+    PATH = ("path", values.to_path)
+    IGNORED = ("any", None)
+
+    def __init__(self, label: str, coerce: Callable[[str, object], object] | None) -> None:
+        self.label = label
+        self.coerce = coerce
+
+
+@dataclass(frozen=True, slots=True)
+class Key:
+    """One configuration key.
+
+    ``minimum`` applies to INT and SIZE keys (inclusive). ``default`` is
+    ``None`` where the key is optional with no value, and ``required`` marks
+    keys that must be given. ``ignored`` keys are accepted for compatibility
+    with vLLM's own ``OffloadingConnector`` and do nothing here.
+    """
+
+    name: str
+    type: KeyType
+    default: object
+    meaning: str
+    minimum: int | None = None
+    required: bool = False
+
+    @property
+    def ignored(self) -> bool:
+        return self.type is KeyType.IGNORED
+
+    def default_text(self) -> str:
+        if self.required:
+            return "required"
+        if self.name == "eviction_policy":
+            return f"`{POLICIES.default}`"
+        return "unset" if self.default is None else f"`{self.default}`"
+
+
+_VLLM_ONLY = "accepted for vLLM compatibility; unused by kvoffload (one warning names it)"
+
+KEYS: tuple[Key, ...] = (
+    Key("cpu_bytes_to_use", KeyType.SIZE, None,
+        "Host-memory budget for offloaded KV, the total across all workers (as in vLLM). "
+        "An integer or a size: '512MiB', '8GiB', '500MB'. "
+        "Must hold one chunk of the largest group.",
+        minimum=1, required=True),
+    Key("blocks_per_chunk", KeyType.INT, None,
+        "Engine blocks per offloaded chunk, in every group. Works for any layout, hybrid "
+        "ones included. Excludes `block_size`; neither given means 1.", minimum=1),
+    Key("block_size", KeyType.INT, None,
+        "Tokens per chunk (the older vLLM key). Only for layouts whose groups all share one "
+        "`tokens_per_block`, and must be a multiple of it. Excludes `blocks_per_chunk`.",
+        minimum=1),
+    Key("eviction_policy", KeyType.POLICY, None,
+        f"Eviction policy of the offload index: one of {', '.join(POLICIES.names())}."),
+    Key("store_threshold", KeyType.INT, 1,
+        "Offload a chunk once it has been seen this many times (1: on first sight; "
+        "2 and more filter out one-off prefixes).", minimum=1),
+    Key("offload_prompt_only", KeyType.BOOL, False,
+        "Offload only chunks that lie wholly inside the prompt, not generated tokens."),
+    Key("disk_path", KeyType.PATH, None,
+        "Directory of the disk tier (created 0700). Unset: no disk tier. "
+        "Needs `disk_bytes_to_use`."),
+    Key("disk_bytes_to_use", KeyType.SIZE, None,
+        "Byte budget of the disk tier, enforced by its own eviction. Needs `disk_path`.",
+        minimum=1),
+    *(
+        Key(name, KeyType.IGNORED, None, _VLLM_ONLY)
+        for name in (
+            "spec_name",
+            "spec_module_path",
+            "cache_policy_module_path",
+            "max_tracker_size",
+            "self_describing_kv_events",
+            "canonical_layout",
+            "secondary_tiers",
+            "backpressure",
+        )
+    ),
+)  # fmt: skip
+
+KEYS_BY_NAME: dict[str, Key] = {key.name: key for key in KEYS}
+IGNORED_KEYS: frozenset[str] = frozenset(key.name for key in KEYS if key.ignored)
+
+#: Groups of keys of which at most one may be given.
+EXCLUSIVE: tuple[tuple[str, ...], ...] = (("block_size", "blocks_per_chunk"),)
+
+#: key -> keys that must be given with it.
+REQUIRES: dict[str, tuple[str, ...]] = {
+    "disk_path": ("disk_bytes_to_use",),
+    "disk_bytes_to_use": ("disk_path",),
+}
+
+
+def render_key_table() -> str:
+    """The Markdown table of all keys, as README.md shows it."""
+    lines = ["| key | type | default | meaning |", "|---|---|---|---|"]
+    for key in KEYS:
+        if not key.ignored:
+            lines.append(
+                f"| `{key.name}` | {key.type.label} | {key.default_text()} | {key.meaning} |"
+            )
+    ignored = ", ".join(f"`{name}`" for name in sorted(IGNORED_KEYS))
+    lines.append(f"| {ignored} | any | unset | {_VLLM_ONLY[0].upper()}{_VLLM_ONLY[1:]}. |")
+    return "\n".join(lines)

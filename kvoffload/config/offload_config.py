@@ -1,0 +1,106 @@
+"""``OffloadConfig``: the validated, frozen result of parsing a configuration.
+
+Everything after ``build_offloading_config`` trusts this object: geometry is
+derived from the layout and ``blocks_per_chunk`` as properties, never stored
+twice, so it cannot disagree with itself.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kvoffload.config.values import format_bytes
+from kvoffload.layout import KVLayout
+
+__all__ = ["OffloadConfig"]
+
+
+@dataclass(frozen=True)
+class OffloadConfig:
+    """Validated offloading settings for one layout."""
+
+    #: The KV cache groups this configuration was validated against.
+    layout: KVLayout
+    #: Engine blocks per chunk, the same count in every group.
+    blocks_per_chunk: int
+    #: Host-memory budget across all workers, in bytes.
+    cpu_bytes_to_use: int
+    #: Registry name of the index's eviction policy.
+    eviction_policy: str
+    #: Sightings of a chunk before it is offloaded (1: first sight).
+    store_threshold: int = 1
+    #: Offload only chunks wholly inside the prompt.
+    offload_prompt_only: bool = False
+    #: Directory of the disk tier, or None for no disk tier.
+    disk_path: str | None = None
+    #: Byte budget of the disk tier (0 when there is none).
+    disk_bytes_to_use: int = 0
+    #: Workers sharing ``cpu_bytes_to_use`` (tensor-parallel ranks).
+    world_size: int = 1
+
+    @property
+    def tokens_per_block(self) -> tuple[int, ...]:
+        return self.layout.tokens_per_block
+
+    @property
+    def tokens_per_chunk(self) -> tuple[int, ...]:
+        """Token span of one chunk, per group: it differs between groups."""
+        return tuple(t * self.blocks_per_chunk for t in self.tokens_per_block)
+
+    @property
+    def chunk_bytes(self) -> tuple[int, ...]:
+        """Bytes of one chunk per group: page_bytes * layers * blocks_per_chunk."""
+        return tuple(g.chunk_bytes(self.blocks_per_chunk) for g in self.layout.groups)
+
+    @property
+    def max_chunk_bytes(self) -> int:
+        """Slot size of the CPU tier: every slot can hold a chunk of any group."""
+        return max(self.chunk_bytes)
+
+    @property
+    def cpu_bytes_per_worker(self) -> int:
+        return self.cpu_bytes_to_use // self.world_size
+
+    @property
+    def num_cpu_chunks(self) -> int:
+        """Slots of one worker's CPU tier."""
+        return self.cpu_bytes_per_worker // self.max_chunk_bytes
+
+    @property
+    def num_disk_chunks(self) -> int:
+        """Chunks of the largest group the disk budget holds (a lower bound on what fits)."""
+        return self.disk_bytes_to_use // self.max_chunk_bytes
+
+    def __str__(self) -> str:
+        rows = [("group", "kind", "layers", "tokens/block", "tokens/chunk", "bytes/chunk")]
+        for i, (group, span, size) in enumerate(
+            zip(self.layout.groups, self.tokens_per_chunk, self.chunk_bytes, strict=True)
+        ):
+            rows.append(
+                (str(i), group.kind, str(group.num_layers), str(group.tokens_per_block),
+                 str(span), format_bytes(size))
+            )  # fmt: skip
+        widths = [max(len(row[c]) for row in rows) for c in range(len(rows[0]))]
+        table = [
+            "  ".join(cell.rjust(w) if c else cell.ljust(w) for c, (cell, w) in
+                      enumerate(zip(row, widths, strict=True)))
+            for row in rows
+        ]  # fmt: skip
+        table.insert(1, "  ".join("-" * w for w in widths))
+        disk = (
+            f"{self.disk_path} ({format_bytes(self.disk_bytes_to_use)}, "
+            f"{self.num_disk_chunks} chunks)"
+            if self.disk_path
+            else "off"
+        )
+        settings = [
+            ("blocks_per_chunk", str(self.blocks_per_chunk)),
+            ("cpu_bytes_to_use", f"{format_bytes(self.cpu_bytes_to_use)} across "
+             f"{self.world_size} worker(s): {self.num_cpu_chunks} chunks per worker"),
+            ("eviction_policy", self.eviction_policy),
+            ("store_threshold", str(self.store_threshold)),
+            ("offload_prompt_only", str(self.offload_prompt_only).lower()),
+            ("disk tier", disk),
+        ]  # fmt: skip
+        summary = [f"{name:<20} {value}" for name, value in settings]
+        return "\n".join([*table, "", *summary])

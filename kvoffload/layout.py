@@ -1,0 +1,145 @@
+"""The KV cache layout of a model: its groups, each with its own block size.
+
+A *group* is a set of layers that share one block table in the engine: one
+attention kind and one page shape. Hybrid models (Gemma-4's sliding-window and
+full-attention layers, DeepSeek's compressed groups, Mamba+attention) have
+several groups whose ``tokens_per_block`` differ, which is why kvoffload sizes
+chunks in blocks per group rather than in tokens.
+
+Everything here validates itself on construction, so code further down can
+trust a ``KVLayout`` without re-checking it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from kvoffload.errors import ConfigError
+
+__all__ = ["GROUP_KINDS", "CacheGroup", "KVLayout"]
+
+#: Attention kinds a group can have. "sliding" is the only one with a window.
+GROUP_KINDS = ("full", "sliding", "mla", "mamba")
+
+
+def _positive_int(owner: str, name: str, value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ConfigError(f"{owner}: {name} must be a positive int, got {value!r}")
+    return value
+
+
+@dataclass(frozen=True, slots=True)
+class CacheGroup:
+    """One KV cache group: layers sharing a block table and a page shape.
+
+    ``page_bytes`` is the size of one block of one layer, K and V together,
+    exactly as the engine allocates it.
+    """
+
+    kind: str
+    tokens_per_block: int
+    layer_names: tuple[str, ...]
+    page_bytes: int
+    sliding_window: int | None = None
+
+    def __post_init__(self) -> None:
+        owner = f"CacheGroup(kind={self.kind!r})"
+        if self.kind not in GROUP_KINDS:
+            raise ConfigError(
+                f"CacheGroup: kind must be one of {', '.join(GROUP_KINDS)}, got {self.kind!r}"
+            )
+        _positive_int(owner, "tokens_per_block", self.tokens_per_block)
+        _positive_int(owner, "page_bytes", self.page_bytes)
+        names: object = self.layer_names
+        if isinstance(names, str) or not isinstance(names, tuple | list):
+            raise ConfigError(f"{owner}: layer_names must be a tuple of str, got {names!r}")
+        if not names:
+            raise ConfigError(f"{owner}: a group needs at least one layer")
+        if not all(isinstance(n, str) and n for n in names):
+            raise ConfigError(f"{owner}: layer names must be non-empty str, got {names!r}")
+        if len(set(names)) != len(names):
+            raise ConfigError(f"{owner}: duplicate layer names in {names!r}")
+        object.__setattr__(self, "layer_names", tuple(names))
+        if self.kind == "sliding":
+            _positive_int(owner, "sliding_window", self.sliding_window)
+        elif self.sliding_window is not None:
+            raise ConfigError(
+                f"{owner}: sliding_window is only for kind 'sliding', got {self.sliding_window!r}"
+            )
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layer_names)
+
+    @property
+    def block_bytes(self) -> int:
+        """Bytes of one block across all layers of the group."""
+        return self.page_bytes * self.num_layers
+
+    def chunk_bytes(self, blocks_per_chunk: int) -> int:
+        """Bytes of one chunk of this group: every layer's pages of ``blocks_per_chunk`` blocks."""
+        return self.block_bytes * blocks_per_chunk
+
+
+@dataclass(frozen=True, slots=True)
+class KVLayout:
+    """An ordered tuple of groups; the group index is part of every chunk key."""
+
+    groups: tuple[CacheGroup, ...]
+
+    def __post_init__(self) -> None:
+        groups = self.groups
+        if not isinstance(groups, tuple | list) or not groups:
+            raise ConfigError(f"KVLayout needs at least one CacheGroup, got {groups!r}")
+        for i, group in enumerate(groups):
+            if not isinstance(group, CacheGroup):
+                raise ConfigError(f"KVLayout group {i} must be a CacheGroup, got {group!r}")
+        seen: dict[str, int] = {}
+        for i, group in enumerate(groups):
+            for name in group.layer_names:
+                if name in seen:
+                    raise ConfigError(
+                        f"KVLayout: layer {name!r} is in group {seen[name]} and group {i}; "
+                        "a layer belongs to exactly one group"
+                    )
+                seen[name] = i
+        object.__setattr__(self, "groups", tuple(groups))
+
+    @property
+    def tokens_per_block(self) -> tuple[int, ...]:
+        return tuple(g.tokens_per_block for g in self.groups)
+
+    @property
+    def is_uniform(self) -> bool:
+        """Whether every group has the same ``tokens_per_block``."""
+        return len(set(self.tokens_per_block)) == 1
+
+    @property
+    def layer_names(self) -> tuple[str, ...]:
+        return tuple(name for g in self.groups for name in g.layer_names)
+
+    def group_of(self, layer_name: str) -> int:
+        """Index of the group holding ``layer_name``."""
+        for i, group in enumerate(self.groups):
+            if layer_name in group.layer_names:
+                return i
+        raise ConfigError(f"layer {layer_name!r} is in no group of this layout")
+
+    @classmethod
+    def from_hf_config(
+        cls,
+        path_or_dict: str | Path | Mapping[str, Any],
+        dtype: str = "bfloat16",
+        block_size: int = 16,
+    ) -> KVLayout:
+        """The groups vLLM's hybrid allocator forms for a Hugging Face ``config.json``.
+
+        ``path_or_dict`` is a model directory, a ``config.json`` path or the
+        parsed mapping. See :mod:`kvoffload.hf_layout` for the rules.
+        """
+        from kvoffload.hf_layout import layout_from_hf_config
+
+        return layout_from_hf_config(path_or_dict, dtype=dtype, block_size=block_size)
