@@ -72,7 +72,7 @@ def test_block_size_on_heterogeneous_groups_names_the_sizes_and_the_fix(
 
 
 def test_block_size_must_be_a_multiple_of_the_block(uniform_layout: KVLayout) -> None:
-    with pytest.raises(ConfigError, match="not a multiple of .* 16"):
+    with pytest.raises(ConfigError, match=r"not a multiple of .* 16"):
         build(uniform_layout, block_size=24)
 
 
@@ -189,7 +189,7 @@ def test_an_unknown_key_lists_the_known_ones_and_suggests_the_closest(
         build(hetero_layout, blocks_per_chuck=2)
     for key in KEYS:
         assert key.name in str(info.value)
-    with pytest.raises(ConfigError, match="unknown key 'zzz'. Known keys"):
+    with pytest.raises(ConfigError, match=r"unknown key 'zzz'\. Known keys"):
         build(hetero_layout, zzz=1)
 
 
