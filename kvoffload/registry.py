@@ -64,8 +64,9 @@ POLICIES = Registry(
         "lru": "kvoffload.manager.policies.lru:LRUPolicy",
         "arc": "kvoffload.manager.policies.arc:ARCPolicy",
         "s3fifo": "kvoffload.manager.policies.s3fifo:S3FIFOPolicy",
+        "adaptive": "kvoffload.manager.policies.adaptive:AdaptivePolicy",
     },
-    default="lru",
+    default="adaptive",
 )
 
 #: Storage tiers of the data plane, in cascade order.

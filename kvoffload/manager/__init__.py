@@ -1,0 +1,24 @@
+"""Scheduler-side offload index: lookup, pins, all-or-nothing stores, eviction policies.
+
+The manager never touches bytes; it hands out slot ids and reports events.
+"""
+
+from __future__ import annotations
+
+from kvoffload.manager.index import OffloadManager
+from kvoffload.manager.policies import AdmissionFilter, ARCPolicy, LRUPolicy, S3FIFOPolicy
+from kvoffload.manager.policy import EvictionPolicy
+from kvoffload.manager.results import EventKind, IndexEvent, LoadResult, StoreResult
+
+__all__ = [
+    "ARCPolicy",
+    "AdmissionFilter",
+    "EventKind",
+    "EvictionPolicy",
+    "IndexEvent",
+    "LRUPolicy",
+    "LoadResult",
+    "OffloadManager",
+    "S3FIFOPolicy",
+    "StoreResult",
+]

@@ -1,0 +1,150 @@
+"""The tier cascade: the CPU slab first, then lower tiers (disk, a shared store).
+
+**Write-through.** A store lands in its CPU slot and is then written, from
+that same slot, to every lower tier before the store job finishes. Why not
+write-back (write a chunk down only when the index evicts it from CPU)?
+
+* The index evicts inside ``prepare_store``, on the scheduler's critical
+  path, and the evicted slot is overwritten right away by the new store; a
+  write-back would have to finish a disk write of the victim first, making
+  every store under memory pressure wait on the disk.
+* The write reads the slot while the index still pins it (the store is in
+  flight), so invariant 2 holds with no extra copy and no extra pin protocol;
+  a slot is never overwritten under a pending write.
+* Lower tiers survive the process: with write-through a restart finds every
+  chunk the CPU tier ever held (warm restart by namespace), and a crash loses
+  nothing that was reported stored.
+
+The price is store latency (the job holds the engine's blocks until the
+lower tiers have the chunk) and lower-tier bandwidth for chunks that might
+never be evicted; both are off the forward pass. A failed lower-tier write
+does not fail the store (the chunk is in CPU, invariant 1 holds); it is
+counted and returned so the job result names it.
+
+**Promotion.** A load whose chunk is not in its CPU slot reads it from the
+first lower tier that has it *into that slot* (verified by the tier), binds
+it there and scatters from it: the slot given by the index's
+``prepare_store`` for the promoted key is both the staging buffer and the
+chunk's new CPU home, so a disk hit costs one disk read and one scatter.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from kvoffload.errors import KVOffloadError, TierError
+from kvoffload.tiers.base import Tier
+from kvoffload.tiers.cpu import CPUTier
+
+__all__ = ["TierCascade", "TierTraffic"]
+
+
+@dataclass(slots=True)
+class TierTraffic:
+    """Bytes and seconds a tier moved, for hit reports and GB/s."""
+
+    stores: int = 0
+    store_bytes: int = 0
+    store_seconds: float = 0.0
+    store_failures: int = 0
+    loads: int = 0
+    load_bytes: int = 0
+    load_seconds: float = 0.0
+    load_failures: int = 0
+
+    @property
+    def store_gbps(self) -> float:
+        return self.store_bytes / self.store_seconds / 1e9 if self.store_seconds else 0.0
+
+    @property
+    def load_gbps(self) -> float:
+        return self.load_bytes / self.load_seconds / 1e9 if self.load_seconds else 0.0
+
+    def add(self, store: bool, nbytes: int, seconds: float, ok: bool = True) -> None:
+        if store:
+            self.stores += ok
+            self.store_bytes += nbytes if ok else 0
+            self.store_seconds += seconds
+            self.store_failures += not ok
+        else:
+            self.loads += ok
+            self.load_bytes += nbytes if ok else 0
+            self.load_seconds += seconds
+            self.load_failures += not ok
+
+
+class TierCascade:
+    """The CPU tier plus lower tiers, in order; see the module docstring.
+
+    Traffic counters are updated by the engine's worker threads; each update
+    is a handful of integer adds under the GIL, and reports read them only
+    after the jobs they describe finished.
+    """
+
+    def __init__(self, cpu: CPUTier, lower: Sequence[Tier] = ()) -> None:
+        self.cpu = cpu
+        self.lower = tuple(lower)
+        self.traffic = {tier.name or type(tier).__name__: TierTraffic() for tier in self.tiers}
+
+    @property
+    def tiers(self) -> tuple[Tier, ...]:
+        return (self.cpu, *self.lower)
+
+    def write_through(self, key: bytes, slot: int, nbytes: int) -> list[str]:
+        """Copy the chunk in ``slot`` to every lower tier; return one message per failure."""
+        errors = []
+        data = self.cpu.slot_array(slot, nbytes)
+        for tier in self.lower:
+            start = time.perf_counter()
+            try:
+                tier.put(key, data)
+            except KVOffloadError as exc:
+                errors.append(f"{tier.name}: {exc}")
+                self.traffic[tier.name].add(True, nbytes, time.perf_counter() - start, ok=False)
+            else:
+                self.traffic[tier.name].add(True, nbytes, time.perf_counter() - start)
+        return errors
+
+    def fill(self, key: bytes, slot: int, nbytes: int) -> Tier | None:
+        """Make ``slot`` hold ``key``: return the tier it came from, ``None`` if none has it.
+
+        Already in the slot: the CPU tier. Otherwise the first lower tier that
+        loads it (verified) into the slot, which is then bound (promotion).
+        A lower tier that fails is counted and the next one is tried.
+        """
+        if self.cpu.holds(key, slot):
+            return self.cpu
+        self.cpu.reserve(slot)
+        out = self.cpu.slot_array(slot, nbytes)
+        for tier in self.lower:
+            if not tier.contains(key):
+                continue
+            start = time.perf_counter()
+            try:
+                tier.get_into(key, out)
+            except TierError:
+                self.traffic[tier.name].add(False, nbytes, time.perf_counter() - start, ok=False)
+                continue
+            self.traffic[tier.name].add(False, nbytes, time.perf_counter() - start)
+            self.cpu.bind(key, slot, nbytes)
+            return tier
+        self.cpu.release(slot)
+        return None
+
+    def lower_tier_of(self, key: bytes) -> Tier | None:
+        """The first lower tier that probably holds ``key`` (a hint, see ``Tier.contains``)."""
+        return next((tier for tier in self.lower if tier.contains(key)), None)
+
+    def stats(self) -> dict[str, dict[str, object]]:
+        """Per tier: the tier's own counters."""
+        return {tier.name: tier.stats() for tier in self.tiers}
+
+    def check_integrity(self) -> None:
+        for tier in self.tiers:
+            tier.check_integrity()
+
+    def close(self) -> None:
+        for tier in self.tiers:
+            tier.close()

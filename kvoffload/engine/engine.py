@@ -1,0 +1,313 @@
+"""The worker side: asynchronous store and load jobs between engine KV and the tiers.
+
+``OffloadEngine`` is what a vLLM worker-side connector drives: it submits
+jobs and returns their ids at once, runs them on a small thread pool (tiers
+are synchronous; copies and file I/O release the GIL), and reports each one
+once through :meth:`OffloadEngine.get_finished`.
+
+What a job is given comes from the scheduler-side index: chunk keys and the
+CPU slots ``prepare_store`` / ``prepare_load`` assigned, per group, with the
+engine blocks they map to (:class:`ChunkSpan`). The engine never decides what
+to evict; it moves bytes and reports.
+
+Guarantees:
+
+* **No races per chunk.** A job holds striped locks over its keys and slots
+  (taken in one sorted order, so jobs never deadlock); a store and a load of
+  the same chunk run one after the other whatever the submitting threads do.
+* **Loads are verified before they reach the engine** (invariant 3). Each
+  chunk is made to hold its key in its CPU slot first (already there, or
+  read and checksum-verified from a lower tier into it); only chunks that
+  passed are scattered. Every block of a chunk that failed is reported in
+  ``JobResult.failed_blocks``, so the engine recomputes exactly those.
+* **Failed stores are reported**, counted in :meth:`stats`, never swallowed.
+  Stores cover whole chunks; lower-tier write failures are reported in
+  ``JobResult.errors`` without failing the store (see :mod:`kvoffload.cascade`).
+* **CUDA.** A store records an event on the submitting thread's current
+  stream; its copies wait on that event on the transfer's own stream, so no
+  stream is ever synchronised by the host except the transfer's own.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import time
+from collections.abc import Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import ExitStack
+from typing import Any
+
+import torch
+
+from kvoffload.cascade import TierCascade, TierTraffic
+from kvoffload.config import OffloadConfig
+from kvoffload.engine.results import ChunkSpan, JobKind, JobResult, Outcome
+from kvoffload.errors import TransferError
+from kvoffload.registry import TIERS
+from kvoffload.tiers.base import Tier
+from kvoffload.tiers.cpu import CPUTier
+from kvoffload.transfer import KVTransfer
+
+__all__ = ["OffloadEngine"]
+
+_LOCK_STRIPES = 64
+
+
+class OffloadEngine:
+    """Submits store/load jobs between ``transfer``'s engine tensors and ``cascade``.
+
+    ``max_workers`` bounds concurrent jobs; two keep a disk write and a copy
+    in flight at once without oversubscribing the host.
+    """
+
+    def __init__(self, transfer: KVTransfer, cascade: TierCascade, *, max_workers: int = 2) -> None:
+        self.transfer = transfer
+        self.cascade = cascade
+        self._pool = ThreadPoolExecutor(max_workers, thread_name_prefix="kvoffload")
+        self._locks = [threading.Lock() for _ in range(_LOCK_STRIPES)]
+        self._ids = itertools.count(1)
+        self._cond = threading.Condition()
+        self._finished: list[JobResult] = []
+        self._pending = 0
+        self._counters = dict.fromkeys(
+            ("stores", "loads", "stored_chunks", "store_failures", "loaded_chunks",
+             "load_failures", "promotions"), 0)  # fmt: skip
+        self._closed = False
+
+    @classmethod
+    def create(
+        cls,
+        transfer: KVTransfer,
+        cpu: CPUTier,
+        lower: Sequence[Tier] = (),
+        *,
+        max_workers: int = 2,
+    ) -> OffloadEngine:
+        """An engine over a CPU tier and lower tiers (disk, ...), in cascade order."""
+        return cls(transfer, TierCascade(cpu, lower), max_workers=max_workers)
+
+    @classmethod
+    def from_config(
+        cls,
+        config: OffloadConfig,
+        kv_caches: Mapping[str, torch.Tensor],
+        namespace: bytes,
+        *,
+        max_workers: int = 2,
+    ) -> OffloadEngine:
+        """The engine a validated configuration describes: CPU slab, then disk if configured.
+
+        ``namespace`` fingerprints model, dtype and layout
+        (:func:`kvoffload.keys.namespace_of`); the disk tier keeps its files under it.
+        """
+        transfer = KVTransfer(config.layout, kv_caches, config.blocks_per_chunk)
+        cpu = CPUTier(config.num_cpu_chunks, config.max_chunk_bytes)
+        lower: list[Tier] = []
+        if config.disk_path is not None:
+            lower.append(
+                TIERS.create("disk", config.disk_path, config.disk_bytes_to_use, namespace)
+            )
+        return cls.create(transfer, cpu, lower, max_workers=max_workers)
+
+    # -- the worker-side interface -------------------------------------------------
+    def submit_store(self, spans: Sequence[ChunkSpan]) -> int:
+        """Queue a store of whole chunks; returns its job id at once."""
+        for span in spans:
+            self._check_span(span)
+            if not span.blocks.covers_whole_chunks(self.transfer.blocks_per_chunk):
+                raise TransferError(
+                    f"group {span.group}: a store must cover whole chunks of "
+                    f"{self.transfer.blocks_per_chunk} blocks from offset 0, got "
+                    f"{len(span.blocks.block_ids)} blocks at offset {span.blocks.first_offset}"
+                )
+        return self._submit(JobKind.STORE, spans, self._engine_event())
+
+    def submit_load(self, spans: Sequence[ChunkSpan]) -> int:
+        """Queue a load into the spans' engine blocks; returns its job id at once."""
+        for span in spans:
+            self._check_span(span)
+        return self._submit(JobKind.LOAD, spans, None)
+
+    def get_finished(self) -> list[JobResult]:
+        """Jobs finished since the last call, each reported exactly once."""
+        with self._cond:
+            done, self._finished = self._finished, []
+        return done
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Block until no job is pending; ``False`` on timeout. Results wait in ``get_finished``."""
+        with self._cond:
+            return self._cond.wait_for(lambda: self._pending == 0, timeout)
+
+    def stats(self) -> dict[str, Any]:
+        """Job counters plus per-tier traffic and each tier's own counters."""
+        with self._cond:
+            counters: dict[str, Any] = dict(self._counters)
+        counters["pending"] = self._pending
+        counters["tiers"] = self.cascade.stats()
+        return counters
+
+    def traffic(self) -> dict[str, TierTraffic]:
+        """Bytes and seconds per tier: ``cpu`` is engine <-> slab, lower tiers their I/O."""
+        return self.cascade.traffic
+
+    def close(self) -> None:
+        """Finish queued jobs, then close the tiers; safe to call twice."""
+        if self._closed:
+            return
+        self._closed = True
+        self._pool.shutdown(wait=True)
+        self.cascade.close()
+
+    # -- job plumbing ---------------------------------------------------------------
+    def _check_span(self, span: ChunkSpan) -> None:
+        if self._closed:
+            raise TransferError("the offload engine is closed")
+        need = span.blocks.num_chunks(self.transfer.blocks_per_chunk)
+        if not len(span.keys) == len(span.slots) == need:
+            raise TransferError(
+                f"group {span.group}: {len(span.blocks.block_ids)} blocks at offset "
+                f"{span.blocks.first_offset} touch {need} chunks, but the span has "
+                f"{len(span.keys)} keys and {len(span.slots)} slots"
+            )
+
+    def _engine_event(self) -> torch.cuda.Event | None:
+        if not self.transfer.is_cuda:
+            return None
+        event = torch.cuda.Event()  # type: ignore[no-untyped-call]
+        event.record(torch.cuda.current_stream(self.transfer.device))
+        return event
+
+    def _submit(
+        self, kind: JobKind, spans: Sequence[ChunkSpan], after: torch.cuda.Event | None
+    ) -> int:
+        job_id = next(self._ids)
+        with self._cond:
+            self._pending += 1
+        self._pool.submit(self._run, job_id, kind, tuple(spans), after)
+        return job_id
+
+    def _run(
+        self,
+        job_id: int,
+        kind: JobKind,
+        spans: tuple[ChunkSpan, ...],
+        after: torch.cuda.Event | None,
+    ) -> None:
+        outcome = Outcome()
+        try:
+            with self._locked(spans):
+                for span in spans:
+                    if kind is JobKind.STORE:
+                        self._store_span(span, after, outcome)
+                    else:
+                        self._load_span(span, outcome)
+        except Exception as exc:  # a bug must still report the job, never hang the engine
+            self._crashed(kind, spans, outcome, exc)
+        self._finish(outcome.result(job_id, kind))
+
+    @staticmethod
+    def _crashed(
+        kind: JobKind, spans: Sequence[ChunkSpan], outcome: Outcome, exc: Exception
+    ) -> None:
+        """Report an unexpected error: a load loses all its blocks, a store its unbound chunks."""
+        outcome.errors.append(f"{type(exc).__name__}: {exc}")
+        if kind is JobKind.LOAD:
+            outcome.done.clear()
+            outcome.failed = [k for s in spans for k in s.keys]
+            outcome.failed_blocks = {}
+            for span in spans:
+                outcome.failed_blocks.setdefault(span.group, []).extend(span.blocks.block_ids)
+            return
+        done = set(outcome.done) | set(outcome.failed)
+        outcome.failed += [k for s in spans for k in s.keys if k not in done]
+
+    def _locked(self, spans: Sequence[ChunkSpan]) -> ExitStack:
+        stripes = {hash(("k", k)) % _LOCK_STRIPES for s in spans for k in s.keys}
+        stripes |= {hash(("s", slot)) % _LOCK_STRIPES for s in spans for slot in s.slots}
+        stack = ExitStack()
+        for stripe in sorted(stripes):
+            stack.enter_context(self._locks[stripe])
+        return stack
+
+    def _finish(self, result: JobResult) -> None:
+        store = result.kind is JobKind.STORE
+        with self._cond:
+            c = self._counters
+            c["stores" if store else "loads"] += 1
+            c["stored_chunks" if store else "loaded_chunks"] += len(result.done_keys)
+            c["store_failures" if store else "load_failures"] += len(result.failed_keys)
+            c["promotions"] += len(result.promoted_keys)
+            self._finished.append(result)
+            self._pending -= 1
+            self._cond.notify_all()
+
+    # -- the two job kinds ------------------------------------------------------------
+    def _store_span(
+        self, span: ChunkSpan, after: torch.cuda.Event | None, outcome: Outcome
+    ) -> None:
+        cpu, nbytes = self.cascade.cpu, self.transfer.chunk_bytes(span.group)
+        for slot in span.slots:
+            cpu.reserve(slot)
+        start = time.perf_counter()
+        try:
+            buffers = [cpu.slot(slot, nbytes) for slot in span.slots]
+            self.transfer.gather(span.group, span.blocks, buffers, after=after)
+        except Exception as exc:  # reported per chunk below; the slots hold nothing
+            for slot in span.slots:
+                cpu.release(slot)
+            self.cascade.traffic[cpu.name].add(True, 0, time.perf_counter() - start, ok=False)
+            outcome.failed.extend(span.keys)
+            outcome.errors.append(f"transfer: group {span.group}: {exc}")
+            return
+        moved = nbytes * len(span.keys)
+        self.cascade.traffic[cpu.name].add(True, moved, time.perf_counter() - start)
+        outcome.nbytes += moved
+        for key, slot in zip(span.keys, span.slots, strict=True):
+            cpu.bind(key, slot, nbytes)
+            outcome.errors.extend(self.cascade.write_through(key, slot, nbytes))
+            outcome.done.append(key)
+
+    def _load_span(self, span: ChunkSpan, outcome: Outcome) -> None:
+        nbytes = self.transfer.chunk_bytes(span.group)
+        ranges = span.blocks.chunk_ranges(self.transfer.blocks_per_chunk)
+        ok = []
+        for key, slot in zip(span.keys, span.slots, strict=True):
+            source = self.cascade.fill(key, slot, nbytes)
+            ok.append(source is not None)
+            if source is not None and source is not self.cascade.cpu:
+                outcome.promoted.append(key)
+            if source is None:
+                outcome.errors.append(f"no tier could load chunk {key.hex()[:16]}")
+        start = 0
+        while start < len(ok):  # scatter each run of verified chunks with one call
+            stop = start + 1
+            while stop < len(ok) and ok[stop] == ok[start]:
+                stop += 1
+            keys = span.keys[start:stop]
+            if ok[start] and self._scatter(span, start, stop, nbytes, outcome):
+                outcome.done.extend(keys)
+            else:
+                outcome.failed.extend(keys)
+                blocks = span.blocks.block_ids[ranges[start][0] : ranges[stop - 1][1]]
+                outcome.failed_blocks.setdefault(span.group, []).extend(blocks)
+            start = stop
+
+    def _scatter(
+        self, span: ChunkSpan, start: int, stop: int, nbytes: int, outcome: Outcome
+    ) -> bool:
+        cpu, bpc = self.cascade.cpu, self.transfer.blocks_per_chunk
+        sub = span.blocks.sub(start, stop, bpc)
+        begin = time.perf_counter()
+        try:
+            buffers = [cpu.slot(slot, nbytes) for slot in span.slots[start:stop]]
+            self.transfer.scatter(span.group, sub, buffers)
+        except Exception as exc:  # the engine recomputes these blocks
+            self.cascade.traffic[cpu.name].add(False, 0, time.perf_counter() - begin, ok=False)
+            outcome.errors.append(f"transfer: group {span.group}: {exc}")
+            return False
+        moved = len(sub.block_ids) * self.transfer.layout.groups[span.group].block_bytes
+        self.cascade.traffic[cpu.name].add(False, moved, time.perf_counter() - begin)
+        outcome.nbytes += moved
+        return True

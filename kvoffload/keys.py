@@ -1,0 +1,210 @@
+"""Chunk keys: chained prefix hashes of token ids, inside a layout namespace.
+
+A chunk's key must name *all* tokens up to the chunk's end, because KV of a
+token depends on every token before it. Hashing each chunk's tokens onto the
+previous key (a hash chain) gives that in O(chunk) work per key, and lets a
+growing request extend its keys without rehashing its prefix
+(:func:`extend_prefix_keys`).
+
+Keys are 16-byte BLAKE2b digests of a fixed byte encoding (token ids as
+little-endian int64), so they are equal across processes, machines and
+Python versions; Python's ``hash()`` is salted per process and never used.
+The chain seed mixes a version tag, the group index, the chunk size and the
+namespace, so two groups, two chunk sizes or two namespaces never share a key.
+
+Token ids may be any int64 value, negative included: engines do not produce
+them, but hashing them is well defined and refusing them would cost a pass
+over every request. Floats, bools and out-of-range values are refused.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import struct
+from collections.abc import Sequence
+from typing import Protocol
+
+import numpy as np
+import numpy.typing as npt
+
+from kvoffload.errors import ConfigError
+
+__all__ = [
+    "KEY_BYTES",
+    "extend_prefix_keys",
+    "namespace_of",
+    "prefix_keys",
+    "prefix_keys_for_layout",
+    "short_key",
+]
+
+#: Length of every chunk key and namespace, in bytes (128 bits).
+KEY_BYTES = 16
+
+_SEED_TAG = b"kvoffload/prefix-key/v1\x00"
+_NAMESPACE_TAG = b"kvoffload/namespace/v1\x00"
+_INT64 = np.dtype("<i8")
+
+
+class _Group(Protocol):
+    """What :func:`namespace_of` reads of a ``kvoffload.layout.CacheGroup``."""
+
+    @property
+    def kind(self) -> str: ...
+    @property
+    def tokens_per_block(self) -> int: ...
+    @property
+    def layer_names(self) -> Sequence[str]: ...
+    @property
+    def page_bytes(self) -> int: ...
+    @property
+    def sliding_window(self) -> int | None: ...
+
+
+class _Layout(Protocol):
+    """What :func:`namespace_of` reads of a ``kvoffload.layout.KVLayout``."""
+
+    @property
+    def groups(self) -> Sequence[_Group]: ...
+
+
+def short_key(key: bytes) -> str:
+    """The first 8 bytes of ``key`` in hex, for error messages and logs."""
+    text = key.hex()
+    return text if len(text) <= 16 else text[:16] + "..."
+
+
+def _positive_int(name: str, value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ConfigError(f"{name} must be a positive int, got {value!r}")
+    return value
+
+
+def _token_array(token_ids: object) -> npt.NDArray[np.int64]:
+    """``token_ids`` as little-endian int64, refusing anything that would be truncated."""
+    try:
+        array = np.asarray(token_ids)
+    except (OverflowError, ValueError, TypeError) as exc:
+        raise ConfigError(f"token_ids must be a 1-D sequence of int64: {exc}") from exc
+    if array.ndim != 1:
+        raise ConfigError(f"token_ids must be 1-D, got shape {array.shape}")
+    if array.size == 0:
+        return np.empty(0, dtype=_INT64)
+    if array.dtype.kind not in "iu":
+        raise ConfigError(f"token_ids must be integers that fit in int64, got dtype {array.dtype}")
+    if array.dtype.kind == "u" and array.dtype.itemsize >= 8 and int(array.max()) >= 2**63:
+        raise ConfigError(f"token id {int(array.max())} does not fit in int64")
+    return array.astype(_INT64, copy=False)
+
+
+def _chain_seed(group_idx: int, tokens_per_chunk: int, namespace: bytes) -> bytes:
+    if isinstance(group_idx, bool) or not isinstance(group_idx, int) or not 0 <= group_idx < 2**32:
+        raise ConfigError(f"group_idx must be an int in [0, 2**32), got {group_idx!r}")
+    if not isinstance(namespace, bytes):
+        raise ConfigError(f"namespace must be bytes, got {type(namespace).__name__}")
+    header = _SEED_TAG + struct.pack("<IQ", group_idx, tokens_per_chunk)
+    return hashlib.blake2b(header + namespace, digest_size=KEY_BYTES).digest()
+
+
+def _chain(previous: bytes, tokens: npt.NDArray[np.int64], tokens_per_chunk: int) -> list[bytes]:
+    """Keys of the full chunks of ``tokens``, chained onto ``previous``."""
+    count = len(tokens) // tokens_per_chunk
+    data = memoryview(tokens[: count * tokens_per_chunk].tobytes())
+    step = tokens_per_chunk * _INT64.itemsize
+    blake2b = hashlib.blake2b
+    keys: list[bytes] = []
+    for start in range(0, count * step, step):
+        hasher = blake2b(previous, digest_size=KEY_BYTES)
+        hasher.update(data[start : start + step])
+        previous = hasher.digest()
+        keys.append(previous)
+    return keys
+
+
+def prefix_keys(
+    token_ids: Sequence[int] | npt.NDArray[np.integer],
+    tokens_per_chunk: int,
+    group_idx: int = 0,
+    namespace: bytes = b"",
+) -> list[bytes]:
+    """One key per *full* chunk of ``token_ids``; a trailing partial chunk gets none.
+
+    ``key[i]`` names tokens ``[0, (i + 1) * tokens_per_chunk)`` of group
+    ``group_idx`` in ``namespace`` (see :func:`namespace_of`).
+    """
+    tokens_per_chunk = _positive_int("tokens_per_chunk", tokens_per_chunk)
+    seed = _chain_seed(group_idx, tokens_per_chunk, namespace)
+    return _chain(seed, _token_array(token_ids), tokens_per_chunk)
+
+
+def extend_prefix_keys(
+    keys: Sequence[bytes],
+    token_ids: Sequence[int] | npt.NDArray[np.integer],
+    tokens_per_chunk: int,
+    group_idx: int = 0,
+    namespace: bytes = b"",
+) -> list[bytes]:
+    """The keys of ``token_ids`` after the ``len(keys)`` already computed by :func:`prefix_keys`.
+
+    ``token_ids`` is the whole sequence (prefix included), so a request that
+    grew by some tokens hashes only its new full chunks:
+    ``keys + extend_prefix_keys(keys, ...) == prefix_keys(...)``.
+    """
+    tokens_per_chunk = _positive_int("tokens_per_chunk", tokens_per_chunk)
+    seed = _chain_seed(group_idx, tokens_per_chunk, namespace)
+    tokens = _token_array(token_ids)
+    done = len(keys)
+    if done * tokens_per_chunk > len(tokens):
+        raise ConfigError(
+            f"{done} keys of {tokens_per_chunk} tokens need at least "
+            f"{done * tokens_per_chunk} token ids, got {len(tokens)}"
+        )
+    previous = keys[-1] if done else seed
+    return _chain(previous, tokens[done * tokens_per_chunk :], tokens_per_chunk)
+
+
+def prefix_keys_for_layout(
+    token_ids: Sequence[int] | npt.NDArray[np.integer],
+    tokens_per_chunk: Sequence[int],
+    namespace: bytes = b"",
+) -> list[list[bytes]]:
+    """Keys of every group: ``tokens_per_chunk[g]`` is group ``g``'s chunk span in tokens.
+
+    Token ids are converted once and shared by all groups, which is the cost
+    that matters for hybrid layouts with several groups.
+    """
+    if isinstance(tokens_per_chunk, str | bytes) or not isinstance(tokens_per_chunk, Sequence):
+        raise ConfigError(
+            f"tokens_per_chunk must be a sequence of ints (one per group), got {tokens_per_chunk!r}"
+        )
+    spans = [_positive_int(f"tokens_per_chunk[{g}]", t) for g, t in enumerate(tokens_per_chunk)]
+    tokens = _token_array(token_ids)
+    return [_chain(_chain_seed(g, span, namespace), tokens, span) for g, span in enumerate(spans)]
+
+
+def namespace_of(model_id: str, dtype: object, layout: _Layout) -> bytes:
+    """A 16-byte fingerprint of everything that makes stored KV bytes reusable.
+
+    Model id, dtype and, per group in order: kind, tokens per block, layer
+    names, page bytes and sliding window. ``dtype`` may be a string or a
+    ``torch.dtype``; ``"torch.bfloat16"`` and ``"bfloat16"`` agree.
+    """
+    if not isinstance(model_id, str) or not model_id:
+        raise ConfigError(f"model_id must be a non-empty str, got {model_id!r}")
+    dtype_name = str(dtype).removeprefix("torch.")
+    if not dtype_name:
+        raise ConfigError("dtype must name a dtype, got an empty string")
+    groups = [
+        {
+            "kind": str(g.kind),
+            "tokens_per_block": int(g.tokens_per_block),
+            "layer_names": [str(n) for n in g.layer_names],
+            "page_bytes": int(g.page_bytes),
+            "sliding_window": None if g.sliding_window is None else int(g.sliding_window),
+        }
+        for g in layout.groups
+    ]
+    document = {"model": model_id, "dtype": dtype_name, "groups": groups}
+    encoded = json.dumps(document, sort_keys=True, separators=(",", ":")).encode()
+    return hashlib.blake2b(_NAMESPACE_TAG + encoded, digest_size=KEY_BYTES).digest()

@@ -1,0 +1,316 @@
+"""The scheduler-side offload index: which chunks are stored, where, and pinned.
+
+The index owns slots (``0 .. num_chunks-1`` of the first tier), pins (loads
+in flight) and in-flight stores; an :class:`EvictionPolicy` only orders the
+ready chunks and picks victims. A chunk is in exactly one of three states:
+
+* *storing*: ``prepare_store`` reserved a slot; not loadable, not evictable;
+* *ready*: ``complete_store(success=True)`` ran; loadable, evictable unless
+  pinned by ``prepare_load``;
+* absent (its slot is on the free list).
+
+The index is not thread-safe: the scheduler drives it from one thread.
+Hot paths (``lookup``, ``touch``) are a dict probe per key and create no
+per-key objects, because the scheduler calls them for every request every
+step. Every protocol error is detected on the whole batch *before* anything
+changes, so a ``ProtocolError`` leaves the index exactly as it was.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Iterable, Sequence
+
+from kvoffload.errors import ConfigError, KVOffloadError, ProtocolError
+from kvoffload.keys import short_key
+from kvoffload.manager.policy import EvictionPolicy
+from kvoffload.manager.results import EventKind, IndexEvent, LoadResult, StoreResult
+from kvoffload.registry import POLICIES
+
+__all__ = ["OffloadManager"]
+
+_STORED = EventKind.STORED
+_REMOVED = EventKind.REMOVED
+
+
+def _make_policy(policy: str | EvictionPolicy | None, capacity: int) -> EvictionPolicy:
+    """Build a registered policy by name, or adopt a ready instance."""
+    if isinstance(policy, EvictionPolicy):
+        if policy.capacity != capacity:
+            raise KVOffloadError(
+                f"policy {policy.name!r} was built for capacity {policy.capacity}, "
+                f"but the index has num_chunks={capacity}; build it with the same capacity"
+            )
+        return policy
+    name = POLICIES.check(POLICIES.default if policy is None else policy)
+    built = POLICIES.create(name, capacity)
+    if not isinstance(built, EvictionPolicy):
+        raise KVOffloadError(f"policy {name!r} did not build an EvictionPolicy: {built!r}")
+    return built
+
+
+class OffloadManager:
+    """Index of offloaded chunks with pins, all-or-nothing stores and events.
+
+    ``policy`` is a registry name (see ``kvoffload.registry.POLICIES``) or an
+    :class:`EvictionPolicy` built for ``num_chunks``. With ``record_events``
+    false, ``take_events`` always returns ``[]`` (replays need no events and
+    should not accumulate them).
+    """
+
+    def __init__(
+        self,
+        num_chunks: int,
+        policy: str | EvictionPolicy | None = None,
+        *,
+        record_events: bool = True,
+    ) -> None:
+        if isinstance(num_chunks, bool) or not isinstance(num_chunks, int) or num_chunks <= 0:
+            raise ConfigError(f"num_chunks must be a positive int, got {num_chunks!r}")
+        self.capacity = num_chunks
+        self.policy = _make_policy(policy, num_chunks)
+        self.record_events = record_events
+        self._ready: dict[bytes, int] = {}
+        self._storing: dict[bytes, int] = {}
+        self._pins: dict[bytes, int] = {}
+        # Popped from the end: slot 0 is handed out first.
+        self._free: list[int] = list(range(num_chunks - 1, -1, -1))
+        self._events: list[IndexEvent] = []
+        self._counters = dict.fromkeys(
+            (
+                "lookups",
+                "hits",
+                "misses",
+                "stores",
+                "store_failures",
+                "evictions",
+                "rejected",
+                "removed",
+                "resets",
+            ),
+            0,
+        )
+
+    # -- queries -------------------------------------------------------------
+    def lookup(self, keys: Sequence[bytes]) -> int:
+        """How many leading ``keys`` are ready; the first one that is not stops the count.
+
+        Counts ``hits`` (the ready prefix) and ``misses`` (the rest) and tells
+        the policy of the first miss only: chunks after it cannot be used
+        without it, so they carry no information of their own.
+        """
+        ready = self._ready
+        n = 0
+        for key in keys:
+            if key not in ready:
+                self.policy.on_miss(key)
+                break
+            n += 1
+        counters = self._counters
+        counters["lookups"] += 1
+        counters["hits"] += n
+        counters["misses"] += len(keys) - n
+        return n
+
+    def touch(self, keys: Iterable[bytes]) -> None:
+        """Tell the policy ``keys`` were used, in the caller's order; unknown keys are ignored.
+
+        Call it for every use, GPU prefix-cache hits included, so that chunks
+        the engine still holds do not look cold here. Order matters to
+        recency policies: the last key touched is the most recent. A request's
+        keys passed tail first (``keys[::-1]``) make the chain head the most
+        recent, so the tail is evicted first and the head, which the tail
+        needs, survives; on the Claude Code trace at 8,000 chunks that was
+        +6.7 points of hit ratio for LRU (see also ``complete_store``).
+        """
+        ready = self._ready
+        touch = self.policy.touch
+        for key in keys:
+            if key in ready:
+                touch(key)
+
+    # -- loads ---------------------------------------------------------------
+    def prepare_load(self, keys: Sequence[bytes]) -> LoadResult:
+        """Pin ready ``keys`` for a load and return their slots.
+
+        Pins stack: a key passed twice (here or in two calls) needs two
+        ``complete_load``. Raises ``ProtocolError`` if any key is not ready
+        (unknown, or its store is still in flight); nothing is pinned then.
+        Does not touch the keys: the caller decides what counts as a use.
+        """
+        ready = self._ready
+        for key in keys:
+            if key not in ready:
+                state = "still being stored" if key in self._storing else "not stored"
+                raise ProtocolError(f"prepare_load: chunk {short_key(key)} is {state}")
+        pins = self._pins
+        for key in keys:
+            pins[key] = pins.get(key, 0) + 1
+        return LoadResult(tuple(keys), tuple([ready[key] for key in keys]))
+
+    def complete_load(self, keys: Sequence[bytes]) -> None:
+        """Drop one pin per occurrence of each key; raise ``ProtocolError`` below zero pins."""
+        pins = self._pins
+        for key, count in Counter(keys).items():
+            held = pins.get(key, 0)
+            if count > held:
+                raise ProtocolError(
+                    f"complete_load: chunk {short_key(key)} has {held} pin(s), "
+                    f"asked to drop {count}"
+                )
+        for key in keys:
+            left = pins[key] - 1
+            if left:
+                pins[key] = left
+            else:
+                del pins[key]
+
+    # -- stores --------------------------------------------------------------
+    def prepare_store(self, keys: Sequence[bytes]) -> StoreResult | None:
+        """Reserve slots for the missing ``keys``, evicting unprotected ready chunks if needed.
+
+        Already-ready keys are skipped and protected from this call's
+        evictions; in-flight keys and duplicates are skipped. Room is checked
+        assuming every missing key is admitted, *before* the policy's
+        ``admit`` is asked, so that ``None`` (room cannot be made without
+        evicting pinned or protected chunks) changes nothing at all, policy
+        and admission state included.
+        """
+        ready, storing = self._ready, self._storing
+        missing: list[bytes] = []
+        found: set[bytes] = set()
+        seen: set[bytes] = set()
+        for key in keys:
+            if key in seen:
+                continue
+            seen.add(key)
+            if key in ready:
+                found.add(key)
+            elif key not in storing:
+                missing.append(key)
+        if len(missing) > len(self._free) + self._evictable(found):
+            return None
+        admit = self.policy.admit
+        admitted = [key for key in missing if admit(key)]
+        self._counters["rejected"] += len(missing) - len(admitted)
+        evicted = self._evict(len(admitted) - len(self._free), found)
+        free = self._free
+        slots = []
+        for key in admitted:
+            slot = free.pop()
+            storing[key] = slot
+            slots.append(slot)
+        return StoreResult(tuple(admitted), tuple(slots), tuple(evicted))
+
+    def complete_store(self, keys: Sequence[bytes], success: bool = True) -> None:
+        """Finish in-flight stores: ready and ``STORED`` on success, slots freed otherwise.
+
+        Raises ``ProtocolError`` (changing nothing) if a key is not being
+        stored, e.g. completed twice or never prepared. Keys reach the policy's
+        ``insert`` in the order given, like ``touch``.
+        """
+        storing = self._storing
+        batch: set[bytes] = set()
+        for key in keys:
+            if key not in storing or key in batch:
+                raise ProtocolError(
+                    f"complete_store: chunk {short_key(key)} has no store in flight "
+                    "(never prepared, or completed twice)"
+                )
+            batch.add(key)
+        if success:
+            ready, insert = self._ready, self.policy.insert
+            record = self._events.append if self.record_events else None
+            for key in keys:
+                slot = storing.pop(key)
+                ready[key] = slot
+                insert(key)
+                if record is not None:
+                    record(IndexEvent(_STORED, key, slot))
+            self._counters["stores"] += len(keys)
+        else:
+            free = self._free
+            for key in keys:
+                free.append(storing.pop(key))
+            self._counters["store_failures"] += len(keys)
+
+    # -- housekeeping --------------------------------------------------------
+    def take_events(self) -> list[IndexEvent]:
+        """Events since the last call, oldest first; the index forgets them."""
+        events, self._events = self._events, []
+        return events
+
+    def stats(self) -> dict[str, int]:
+        """Counters and occupancy; the policy's name is ``self.policy.name``.
+
+        ``hits``/``misses`` count keys over all lookups (a key looked up by
+        two lookups counts twice), ``pinned`` counts distinct pinned chunks,
+        ``used`` is ready plus storing.
+        """
+        stats = dict(self._counters)
+        stats.update(
+            capacity=self.capacity,
+            used=len(self._ready) + len(self._storing),
+            ready=len(self._ready),
+            storing=len(self._storing),
+            pinned=len(self._pins),
+            free=len(self._free),
+        )
+        return stats
+
+    def reset(self) -> None:
+        """Drop every ready chunk that is not pinned, with a ``REMOVED`` event each.
+
+        Pinned chunks and in-flight stores survive, so jobs already handed to
+        the worker side still complete against valid slots (invariant 2).
+        Policy state (ghosts, adaptation) starts over; counters keep counting.
+        """
+        pins, ready = self._pins, self._ready
+        dropped = [key for key in ready if key not in pins]
+        record = self._events.append if self.record_events else None
+        for key in dropped:
+            slot = ready.pop(key)
+            self._free.append(slot)
+            if record is not None:
+                record(IndexEvent(_REMOVED, key, slot))
+        self.policy.reset()
+        for key in ready:
+            self.policy.insert(key)
+        self._counters["removed"] += len(dropped)
+        self._counters["resets"] += 1
+
+    def check_integrity(self) -> None:
+        """Raise ``KVOffloadError`` with the numbers if the index's state is inconsistent."""
+        from kvoffload.manager._integrity import check_index
+
+        check_index(self._ready, self._storing, self._pins, self._free, self.capacity)
+        self.policy.check_integrity(self._ready.keys())
+
+    # -- internals -------------------------------------------------------------
+    def _evictable(self, found: set[bytes]) -> int:
+        """Ready chunks an eviction may take: neither pinned nor found by this call."""
+        pins = self._pins
+        return len(self._ready) - len(pins) - sum(1 for key in found if key not in pins)
+
+    def _evict(self, need: int, found: set[bytes]) -> list[bytes]:
+        """Have the policy pick ``need`` victims, check them, then free their slots."""
+        if need <= 0:
+            return []
+        pins, ready = self._pins, self._ready
+        victims = self.policy.evict(need, lambda key: key in pins or key in found)
+        bad = [k for k in victims if k not in ready or k in pins or k in found]
+        if len(victims) != need or bad or len(set(victims)) != need:
+            shown = ", ".join(short_key(k) for k in bad[:3])
+            raise KVOffloadError(
+                f"policy {self.policy.name!r} returned {len(victims)} victim(s) for {need} "
+                f"({len(bad)} not evictable: {shown or 'none'}); it is out of sync with the index"
+            )
+        free = self._free
+        record = self._events.append if self.record_events else None
+        for key in victims:
+            slot = ready.pop(key)
+            free.append(slot)
+            if record is not None:
+                record(IndexEvent(_REMOVED, key, slot))
+        self._counters["evictions"] += need
+        return victims

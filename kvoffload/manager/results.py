@@ -1,0 +1,50 @@
+"""Plain result records of the offload index.
+
+They are what the scheduler side hands to the worker side and to event
+publishers, so they are small immutable tuples: no behaviour, cheap to build,
+easy to log.
+"""
+
+from __future__ import annotations
+
+from enum import Enum
+from typing import NamedTuple
+
+__all__ = ["EventKind", "IndexEvent", "LoadResult", "StoreResult"]
+
+
+class LoadResult(NamedTuple):
+    """Chunks pinned for a load: ``slots[i]`` holds ``keys[i]`` until ``complete_load``."""
+
+    keys: tuple[bytes, ...]
+    slots: tuple[int, ...]
+
+
+class StoreResult(NamedTuple):
+    """Slots reserved by ``prepare_store``.
+
+    ``keys`` are the chunks to write now (already stored, in-flight and
+    admission-rejected keys are left out), ``slots[i]`` is where ``keys[i]``
+    goes, and ``evicted`` are the chunks removed to make room, oldest first.
+    """
+
+    keys: tuple[bytes, ...]
+    slots: tuple[int, ...]
+    evicted: tuple[bytes, ...]
+
+
+class EventKind(Enum):
+    """What happened to a chunk, for KV-cache event publishers."""
+
+    #: ``complete_store(success=True)``: the chunk is loadable from now on.
+    STORED = "stored"
+    #: Evicted by ``prepare_store`` or dropped by ``reset``: no longer loadable.
+    REMOVED = "removed"
+
+
+class IndexEvent(NamedTuple):
+    """One change of the set of loadable chunks, in the order it happened."""
+
+    kind: EventKind
+    key: bytes
+    slot: int

@@ -1,0 +1,229 @@
+"""One chunk file on disk: its header, its checksum, and the one syscall that moves it.
+
+File format (little-endian), version 1::
+
+    offset 0      header block, ALIGN (4096) bytes, zero padded
+                    0  magic         8s   b"KVOFFCHK"
+                    8  version       u16  1
+                   10  key_len       u16
+                   12  header_crc    u32  crc32 of bytes 0..12 and 16..56+key_len
+                   16  namespace     16s  the tier's namespace fingerprint
+                   32  payload_len   u64  chunk bytes
+                   40  payload_sum   u64  checksum of the payload
+                   48  algorithm     u16  1 = zlib.crc32, 2 = xxh3_64
+                   50  reserved      6 B  0
+                   56  key           key_len bytes
+    offset 4096   payload, zero padded to a multiple of ALIGN
+
+The payload starts on an aligned offset and the file length is aligned, so
+one ``pwritev`` / ``preadv`` of [header, payload, padded tail] moves a chunk
+with O_DIRECT or buffered I/O alike, straight from and into the caller's
+array when it is page aligned (a pinned slab slot is), through one aligned
+staging buffer otherwise.
+
+Checksum, measured on this project's machine: ``zlib.crc32`` 2.2-2.7 GB/s,
+BLAKE2b 0.7 GB/s, xxHash's XXH3-64 40 GB/s. Against a ~1.9 GB/s device a
+serial crc32 alone costs ~40% of disk throughput; XXH3 costs ~5%. So chunks
+are checksummed with XXH3-64 when the ``xxhash`` package is importable, with
+crc32 otherwise; the header names the algorithm, so either reader verifies
+what either writer wrote (a reader without ``xxhash`` treats an XXH3 chunk as
+unverifiable, i.e. a miss). Both catch torn, truncated and bit-flipped files;
+neither resists an adversary, which the 0700 directory keeps out.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import struct
+import zlib
+from collections.abc import Callable
+from pathlib import Path
+from typing import NamedTuple
+
+import numpy as np
+
+from kvoffload.errors import CorruptChunkError, TierError
+from kvoffload.tiers._direct_io import ALIGN, O_DIRECT, BufferPool, is_aligned, round_up
+from kvoffload.tiers.base import ChunkBuffer
+
+__all__ = ["CRC32", "FORMAT_VERSION", "MAX_KEY_BYTES", "XXH3_64", "ChunkFileIO", "file_bytes"]
+
+MAGIC = b"KVOFFCHK"
+FORMAT_VERSION = 1
+_FIXED = struct.Struct("<8sHHI16sQQH6x")
+#: Longest key a file can name: its hex plus ".kv" must fit a 255-byte file name.
+MAX_KEY_BYTES = 120
+#: Checksum algorithm ids stored in the header.
+CRC32, XXH3_64 = 1, 2
+
+Checksum = Callable[[memoryview], int]
+
+
+def _xxh3() -> Checksum | None:
+    try:
+        import xxhash
+    except ImportError:  # pragma: no cover - xxhash is installed where tests run
+        return None
+    fn: Checksum = xxhash.xxh3_64_intdigest
+    return fn
+
+
+_CHECKSUMS: dict[int, Checksum] = {CRC32: zlib.crc32}
+if (_fast := _xxh3()) is not None:
+    _CHECKSUMS[XXH3_64] = _fast
+#: The algorithm new files are written with: the fastest one available.
+DEFAULT_ALGORITHM = max(_CHECKSUMS)
+
+
+def file_bytes(payload_len: int) -> int:
+    """Length of the file that holds a payload of ``payload_len`` bytes."""
+    return ALIGN + round_up(payload_len)
+
+
+class Header(NamedTuple):
+    """The decoded, self-consistent header of a chunk file."""
+
+    namespace: bytes
+    key: bytes
+    payload_len: int
+    payload_sum: int
+    algorithm: int
+
+
+def _header_crc(block: ChunkBuffer, key_len: int) -> int:
+    return zlib.crc32(block[16 : _FIXED.size + key_len].data, zlib.crc32(block[:12].data))
+
+
+def pack_header(block: ChunkBuffer, namespace: bytes, key: bytes, length: int, algo: int) -> None:
+    """Write a complete header into ``block`` (ALIGN bytes) for ``length`` payload bytes.
+
+    The payload checksum is set by :func:`seal_header` once it is known.
+    """
+    block[:] = 0
+    fields = _FIXED.pack(MAGIC, FORMAT_VERSION, len(key), 0, namespace, length, 0, algo)
+    block[: _FIXED.size] = np.frombuffer(fields, dtype=np.uint8)
+    block[_FIXED.size : _FIXED.size + len(key)] = np.frombuffer(key, dtype=np.uint8)
+
+
+def seal_header(block: ChunkBuffer, key_len: int, payload_sum: int) -> None:
+    """Store ``payload_sum`` and the header's own crc32 in a packed header."""
+    block[40:48] = np.frombuffer(struct.pack("<Q", payload_sum), dtype=np.uint8)
+    block[12:16] = np.frombuffer(struct.pack("<I", _header_crc(block, key_len)), dtype=np.uint8)
+
+
+def parse_header(block: ChunkBuffer) -> Header:
+    """Decode ``block``; raise ``CorruptChunkError`` unless it is a valid version-1 header."""
+    magic, version, key_len, crc, namespace, length, payload_sum, algo = _FIXED.unpack(
+        block[: _FIXED.size].tobytes()
+    )
+    if magic != MAGIC or version != FORMAT_VERSION or key_len > MAX_KEY_BYTES:
+        raise CorruptChunkError(f"bad header: magic {magic!r}, version {version}, key {key_len} B")
+    if crc != _header_crc(block, key_len):
+        raise CorruptChunkError(f"header checksum mismatch: stored {crc:#010x}")
+    if algo not in _CHECKSUMS:
+        raise CorruptChunkError(f"chunk checksummed with algorithm {algo}, not available here")
+    key = block[_FIXED.size : _FIXED.size + key_len].tobytes()
+    return Header(namespace, key, length, payload_sum, algo)
+
+
+def _check_header(block: ChunkBuffer, name: tuple[bytes, bytes], length: int) -> Header:
+    header = parse_header(block)
+    if (header.namespace, header.key) != name:
+        raise CorruptChunkError(f"header names key {header.key.hex()}, not {name[1].hex()}")
+    if header.payload_len != length:
+        raise TierError(f"chunk holds {header.payload_len} bytes, the caller expects {length}")
+    return header
+
+
+class ChunkFileIO:
+    """Writes and reads whole chunk files with one vectored syscall each.
+
+    ``direct`` selects O_DIRECT or buffered I/O. With O_DIRECT, a caller array
+    that is not page aligned goes through an aligned staging buffer (one
+    memcpy); aligned arrays, and every array in buffered mode, are used as is.
+    """
+
+    def __init__(self, direct: bool, algorithm: int = DEFAULT_ALGORITHM) -> None:
+        if algorithm not in _CHECKSUMS:
+            raise TierError(f"checksum algorithm {algorithm} is not available")
+        self.direct = direct
+        self.algorithm = algorithm
+        self._buffers = BufferPool(max_bytes=64 << 20)
+
+    def _flags(self) -> int:
+        return os.O_CLOEXEC | (O_DIRECT if self.direct else 0)
+
+    def _zero_copy(self, buf: ChunkBuffer) -> bool:
+        return not self.direct or is_aligned(buf)
+
+    def write(self, path: Path, name: tuple[bytes, bytes], payload: ChunkBuffer) -> None:
+        """Create ``path`` (must not exist) holding ``payload`` as chunk ``name``
+        (namespace, key); raise ``OSError`` on failure (the caller removes ``path``)."""
+        namespace, key = name
+        n, body = payload.nbytes, payload.nbytes - payload.nbytes % ALIGN
+        staged = not self._zero_copy(payload)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | self._flags(), 0o600)
+        try:
+            with self._buffers.lease(file_bytes(n) if staged else 2 * ALIGN) as scratch:
+                header = scratch[:ALIGN]
+                pack_header(header, namespace, key, n, self.algorithm)
+                if staged:
+                    scratch[ALIGN : ALIGN + n] = payload
+                    scratch[ALIGN + n :] = 0
+                    iov = [scratch]
+                else:
+                    tail = scratch[ALIGN:]
+                    tail[: n - body] = payload[body:]
+                    tail[n - body :] = 0
+                    iov = [header, payload[:body]] + ([tail] if body < n else [])
+                seal_header(header, len(key), _CHECKSUMS[self.algorithm](payload.data))
+                written = os.pwritev(fd, [buf.data for buf in iov if buf.nbytes], 0)
+                if written != file_bytes(n):
+                    raise OSError(errno.ENOSPC, f"short write: {written} of {file_bytes(n)} B")
+        finally:
+            os.close(fd)
+
+    def read_into(self, path: Path, name: tuple[bytes, bytes], out: ChunkBuffer) -> None:
+        """Fill ``out`` from ``path``, verified against chunk ``name`` (namespace, key).
+
+        Raises ``OSError`` (``FileNotFoundError`` if gone), ``CorruptChunkError``
+        (bad header, truncated, checksum mismatch) or ``TierError`` (the chunk
+        is intact but not ``out.nbytes`` long).
+        """
+        n, body = out.nbytes, out.nbytes - out.nbytes % ALIGN
+        staged = not self._zero_copy(out)
+        fd = os.open(path, os.O_RDONLY | self._flags())
+        try:
+            with self._buffers.lease(file_bytes(n) if staged else 2 * ALIGN) as scratch:
+                header = scratch[:ALIGN]
+                size = os.fstat(fd).st_size
+                if size != file_bytes(n):
+                    _explain_size(fd, header, name, n, size)
+                tail = scratch[ALIGN:]
+                iov = [scratch] if staged else [header, out[:body]] + ([tail] if body < n else [])
+                got = os.preadv(fd, [buf.data for buf in iov if buf.nbytes], 0)
+                if got != file_bytes(n):
+                    raise CorruptChunkError(f"truncated chunk file: read {got} B")
+                checked = _check_header(header, name, n)
+                if staged:
+                    out[:] = scratch[ALIGN : ALIGN + n]
+                elif body < n:
+                    out[body:] = tail[: n - body]
+        finally:
+            os.close(fd)
+        actual = _CHECKSUMS[checked.algorithm](out.data)
+        if actual != checked.payload_sum:
+            raise CorruptChunkError(
+                f"payload checksum mismatch: {actual:#x} != stored {checked.payload_sum:#x}"
+            )
+
+
+def _explain_size(
+    fd: int, header: ChunkBuffer, name: tuple[bytes, bytes], n: int, size: int
+) -> None:
+    """Raise the right error for a file whose length does not fit ``n`` payload bytes."""
+    if size < ALIGN or os.preadv(fd, [header.data], 0) != ALIGN:
+        raise CorruptChunkError(f"truncated chunk file: {size} bytes, no complete header")
+    _check_header(header, name, n)
+    raise CorruptChunkError(f"truncated chunk file: {size} bytes, needs {file_bytes(n)}")

@@ -1,0 +1,283 @@
+"""Gather engine KV blocks into chunk buffers and scatter them back, per group.
+
+Chunk byte layout (the one definition; every tier stores these bytes as is)::
+
+    chunk of group g = layer 0 | layer 1 | ... | layer L-1      (layer order of the group)
+    layer l          = block 0 | block 1 | ... | block bpc-1    (position inside the chunk)
+    block            = page_bytes of that layer's block, as the engine holds it;
+                       for a [2, num_blocks, ...] tensor: K half then V half
+
+so one block's page is contiguous in the chunk whatever the backend, and a
+chunk written from a block-first tensor reads back bit-exact into a K/V-first
+one with the same inner page layout. Layer-major order makes the bytes of one
+layer inside one chunk a single dense run, so the hot path is **one copy per
+layer per chunk** when the chunk's engine blocks are consecutive (a narrow
+``copy_``) and one ``index_select(out=)`` / ``index_copy_`` per layer per chunk
+otherwise: never a Python loop per block, never a staging copy on the CPU.
+
+A :class:`BlockSpan` names the engine blocks of one group and where the first
+of them sits inside its chunk (``first_offset``), so a load may begin inside a
+chunk; positions ``first_offset + i`` map block ``i`` to chunk
+``pos // bpc``, slot ``pos % bpc``.
+
+CUDA engine tensors copy to and from (pinned) host chunk buffers on the
+transfer's own stream; completion is an event the calling worker thread
+waits on, so the default stream is never synchronised. A store passes the
+event recorded on the engine's stream when it was submitted (``after``), so
+the copy starts only once the forward pass has written the KV.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import numpy.typing as npt
+import torch
+
+from kvoffload.errors import TransferError
+from kvoffload.layout import KVLayout
+from kvoffload.transfer._moves import copy_blocks, copy_strided_run
+from kvoffload.transfer.views import KVSplit, LayerPages, register_layers
+
+__all__ = ["BlockSpan", "KVTransfer"]
+
+
+def _nonnegative_int(name: str, value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, int | np.integer) or value < 0:
+        raise TransferError(f"{name} must be a non-negative int, got {value!r}")
+    return int(value)
+
+
+@dataclass(frozen=True, slots=True)
+class BlockSpan:
+    """Engine block ids of one group, moved to or from consecutive chunks.
+
+    ``first_offset`` is the index of ``block_ids[0]`` inside its chunk: 0 for
+    stores (which cover whole chunks), possibly more for a load that starts
+    inside a chunk because the engine already holds the chunk's first blocks.
+    """
+
+    block_ids: tuple[int, ...]
+    first_offset: int = 0
+
+    def __post_init__(self) -> None:
+        ids = tuple(_nonnegative_int("block id", b) for b in self.block_ids)
+        if not ids:
+            raise TransferError("a BlockSpan needs at least one block id")
+        object.__setattr__(self, "block_ids", ids)
+        _nonnegative_int("first_offset", self.first_offset)
+
+    def num_chunks(self, blocks_per_chunk: int) -> int:
+        """Chunks the span touches."""
+        return -(-(self.first_offset + len(self.block_ids)) // blocks_per_chunk)
+
+    def chunk_ranges(self, blocks_per_chunk: int) -> list[tuple[int, int, int]]:
+        """Per chunk ``(start, stop, position)``: ``block_ids[start:stop]`` go to ``position..``."""
+        if self.first_offset >= blocks_per_chunk:
+            raise TransferError(
+                f"first_offset {self.first_offset} must be < blocks_per_chunk {blocks_per_chunk}"
+            )
+        ranges = []
+        start, position, n = 0, self.first_offset, len(self.block_ids)
+        while start < n:
+            stop = min(n, start + blocks_per_chunk - position)
+            ranges.append((start, stop, position))
+            start, position = stop, 0
+        return ranges
+
+    def covers_whole_chunks(self, blocks_per_chunk: int) -> bool:
+        """Whether the span starts and ends on chunk boundaries (required to store)."""
+        return self.first_offset == 0 and len(self.block_ids) % blocks_per_chunk == 0
+
+    def sub(self, first_chunk: int, stop_chunk: int, blocks_per_chunk: int) -> BlockSpan:
+        """The part of the span inside chunks ``[first_chunk, stop_chunk)``."""
+        ranges = self.chunk_ranges(blocks_per_chunk)[first_chunk:stop_chunk]
+        if not ranges:
+            raise TransferError(f"chunks [{first_chunk}, {stop_chunk}) are outside the span")
+        return BlockSpan(self.block_ids[ranges[0][0] : ranges[-1][1]], ranges[0][2])
+
+
+class KVTransfer:
+    """Moves whole pages between registered engine tensors and chunk buffers.
+
+    ``kv_caches`` is what vLLM's ``register_kv_caches`` receives (layer name
+    -> tensor); see :mod:`kvoffload.transfer.views` for the layouts detected.
+    Chunk buffers are 1-D ``uint8`` CPU tensors of at least
+    ``chunk_bytes(group)`` bytes (a CPU tier slot, a staging buffer); only the
+    first ``chunk_bytes(group)`` are used. Methods are thread-safe for
+    disjoint chunk buffers and block ids: they only read shared state.
+    """
+
+    def __init__(
+        self,
+        layout: KVLayout,
+        kv_caches: Mapping[str, torch.Tensor],
+        blocks_per_chunk: int,
+        split: KVSplit | None = None,
+    ) -> None:
+        if isinstance(blocks_per_chunk, bool) or not isinstance(blocks_per_chunk, int):
+            raise TransferError(
+                f"blocks_per_chunk must be a positive int, got {blocks_per_chunk!r}"
+            )
+        if blocks_per_chunk <= 0:
+            raise TransferError(
+                f"blocks_per_chunk must be a positive int, got {blocks_per_chunk!r}"
+            )
+        self.layout = layout
+        self.blocks_per_chunk = blocks_per_chunk
+        self.groups: tuple[tuple[LayerPages, ...], ...] = register_layers(layout, kv_caches, split)
+        devices = {str(views[0].device) for views in self.groups}
+        if len(devices) != 1:
+            raise TransferError(f"KV caches span several devices {sorted(devices)}; use one")
+        self.device = self.groups[0][0].device
+        self._cuda = self.device.type == "cuda"
+        self._stream = torch.cuda.Stream(self.device) if self._cuda else None  # type: ignore[no-untyped-call]
+
+    @property
+    def is_cuda(self) -> bool:
+        return self._cuda
+
+    def chunk_bytes(self, group: int) -> int:
+        return self.layout.groups[group].chunk_bytes(self.blocks_per_chunk)
+
+    def num_blocks(self, group: int) -> int:
+        return self.groups[group][0].num_blocks
+
+    def gather(
+        self,
+        group: int,
+        span: BlockSpan,
+        chunks: Sequence[torch.Tensor],
+        after: torch.cuda.Event | None = None,
+    ) -> None:
+        """Copy the span's engine blocks into ``chunks`` (one buffer per chunk touched)."""
+        self._run(group, span, chunks, to_chunks=True, after=after)
+
+    def scatter(self, group: int, span: BlockSpan, chunks: Sequence[torch.Tensor]) -> None:
+        """Copy ``chunks`` back into the span's engine blocks."""
+        self._run(group, span, chunks, to_chunks=False, after=None)
+
+    # -- implementation ----------------------------------------------------------
+    def _check(
+        self, group: int, span: BlockSpan, chunks: Sequence[torch.Tensor]
+    ) -> npt.NDArray[np.int64]:
+        if not 0 <= group < len(self.groups):
+            raise TransferError(f"group {group} is not in the layout (0..{len(self.groups) - 1})")
+        if span.first_offset >= self.blocks_per_chunk:
+            raise TransferError(
+                f"first_offset {span.first_offset} must be < blocks_per_chunk "
+                f"{self.blocks_per_chunk}"
+            )
+        ids = np.asarray(span.block_ids, dtype=np.int64)
+        nb = self.num_blocks(group)
+        if int(ids.max()) >= nb:
+            raise TransferError(f"group {group}: block id {int(ids.max())} >= num_blocks {nb}")
+        need, size = span.num_chunks(self.blocks_per_chunk), self.chunk_bytes(group)
+        if len(chunks) != need:
+            raise TransferError(f"group {group}: span touches {need} chunks, got {len(chunks)}")
+        for buf in chunks:
+            if buf.dtype != torch.uint8 or buf.dim() != 1 or buf.device.type != "cpu":
+                raise TransferError(
+                    f"chunk buffers must be 1-D uint8 CPU tensors, got {buf.dtype} "
+                    f"{tuple(buf.shape)} on {buf.device}"
+                )
+            if buf.numel() < size or buf.stride(0) != 1:
+                raise TransferError(
+                    f"group {group}: chunk buffer of {buf.numel()} bytes (stride "
+                    f"{buf.stride(0)}) cannot hold a {size}-byte chunk"
+                )
+        return ids
+
+    def _run(
+        self,
+        group: int,
+        span: BlockSpan,
+        chunks: Sequence[torch.Tensor],
+        *,
+        to_chunks: bool,
+        after: torch.cuda.Event | None,
+    ) -> None:
+        ids = self._check(group, span, chunks)
+        if self._stream is None:
+            self._copy_chunks(group, span, ids, chunks, to_chunks=to_chunks, keep=[])
+            return
+        keep: list[torch.Tensor] = []  # device temporaries alive until the event fires
+        with torch.cuda.stream(self._stream):
+            if after is not None:
+                self._stream.wait_event(after)
+            self._copy_chunks(group, span, ids, chunks, to_chunks=to_chunks, keep=keep)
+            done = torch.cuda.Event()  # type: ignore[no-untyped-call]
+            done.record(self._stream)
+        done.synchronize()  # waits for this stream only, never the default stream
+
+    def _copy_chunks(
+        self,
+        group: int,
+        span: BlockSpan,
+        ids: npt.NDArray[np.int64],
+        chunks: Sequence[torch.Tensor],
+        *,
+        to_chunks: bool,
+        keep: list[torch.Tensor],
+    ) -> None:
+        layers = self.groups[group]
+        bpc, size = self.blocks_per_chunk, self.chunk_bytes(group)
+        layer_bytes = size // len(layers)
+        consecutive = np.diff(ids) == 1
+        ranges = span.chunk_ranges(bpc)
+        c = 0
+        while c < len(ranges):
+            start, stop, pos = ranges[c]
+            m, step = _mergeable(chunks, ranges, consecutive, c, bpc, size)
+            if m > 1:  # whole chunks, consecutive blocks, evenly spaced buffers: one copy
+                for layer, pages in enumerate(layers):
+                    copy_strided_run(pages, chunks[c], step, layer * layer_bytes,
+                                     int(ids[start]), (m, bpc), to_chunks=to_chunks)  # fmt: skip
+                c += m
+                continue
+            n = stop - start
+            run = bool(consecutive[start : stop - 1].all())
+            index = None if run else torch.from_numpy(ids[start:stop]).to(self.device)
+            region = chunks[c][:size].view(len(layers), bpc, -1)
+            for layer, pages in enumerate(layers):
+                copy_blocks(pages, region[layer, pos : pos + n], int(ids[start]), index,
+                            to_chunks=to_chunks, keep=keep)  # fmt: skip
+            c += 1
+
+
+def _mergeable(
+    chunks: Sequence[torch.Tensor],
+    ranges: Sequence[tuple[int, int, int]],
+    consecutive: npt.NDArray[np.bool_],
+    c: int,
+    bpc: int,
+    size: int,
+) -> tuple[int, int]:
+    """How many chunks from ``c`` one strided copy can move, and their buffer step in bytes.
+
+    They must be whole chunks whose blocks continue one another and whose
+    buffers lie evenly spaced, without overlap, in one storage (slots of one
+    slab, typically).
+    """
+
+    def whole(i: int) -> bool:
+        start, stop, pos = ranges[i]
+        return pos == 0 and stop - start == bpc and bool(consecutive[start : stop - 1].all())
+
+    if c + 1 >= len(ranges) or not whole(c):
+        return 1, 0
+    base = chunks[c]
+    step = chunks[c + 1].data_ptr() - base.data_ptr()
+    storage = base.untyped_storage().data_ptr()
+    m = 1
+    while (
+        c + m < len(ranges)
+        and whole(c + m)
+        and bool(consecutive[ranges[c + m][0] - 1])
+        and chunks[c + m].data_ptr() - chunks[c + m - 1].data_ptr() == step
+        and chunks[c + m].untyped_storage().data_ptr() == storage
+    ):
+        m += 1
+    return (m, step) if step >= size else (1, 0)

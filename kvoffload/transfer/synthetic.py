@@ -1,0 +1,79 @@
+"""Synthetic engine KV tensors for tests, the demo and ``kvoffload bench``.
+
+They have the shapes vLLM's attention backends hand to a connector, so code
+exercised on them meets the same views as in the engine; no engine needed.
+"""
+
+from __future__ import annotations
+
+from enum import Enum
+
+import torch
+
+from kvoffload.errors import TransferError
+from kvoffload.layout import CacheGroup, KVLayout
+
+__all__ = ["EngineLayout", "allocate_kv_caches", "fill_blocks"]
+
+
+class EngineLayout(Enum):
+    """Tensor layouts of vLLM attention backends (per layer)."""
+
+    #: CPU backend, FlashInfer: ``[num_blocks, 2, tokens_per_block, heads * head_size]``.
+    BLOCK_FIRST = "block_first"
+    #: FlashAttention: ``[2, num_blocks, tokens_per_block, heads * head_size]``.
+    KV_FIRST = "kv_first"
+    #: ``[2, num_blocks, ...]`` as a strided view of a ``[num_blocks, 2, ...]`` buffer.
+    KV_FIRST_STRIDED = "kv_first_strided"
+    #: MLA and other unsplit caches: ``[num_blocks, tokens_per_block, dim]``.
+    FLAT = "flat"
+
+
+def _row_elems(group: CacheGroup, parts: int, element_size: int) -> int:
+    per_token = group.page_bytes // element_size // group.tokens_per_block
+    if group.page_bytes % (element_size * group.tokens_per_block * parts) or per_token % parts:
+        raise TransferError(
+            f"page_bytes {group.page_bytes} does not split into {parts} x "
+            f"{group.tokens_per_block} tokens of {element_size}-byte elements"
+        )
+    return per_token // parts
+
+
+def _layer_tensor(
+    group: CacheGroup, num_blocks: int, dtype: torch.dtype, layout: EngineLayout, device: str
+) -> torch.Tensor:
+    es = torch.empty(0, dtype=dtype).element_size()
+    tpb = group.tokens_per_block
+    if layout is EngineLayout.FLAT:
+        return torch.zeros(num_blocks, tpb, _row_elems(group, 1, es), dtype=dtype, device=device)
+    row = _row_elems(group, 2, es)
+    if layout is EngineLayout.BLOCK_FIRST:
+        return torch.zeros(num_blocks, 2, tpb, row, dtype=dtype, device=device)
+    if layout is EngineLayout.KV_FIRST:
+        return torch.zeros(2, num_blocks, tpb, row, dtype=dtype, device=device)
+    return torch.zeros(num_blocks, 2, tpb, row, dtype=dtype, device=device).transpose(0, 1)
+
+
+def allocate_kv_caches(
+    layout: KVLayout,
+    num_blocks: int,
+    dtype: torch.dtype = torch.bfloat16,
+    engine_layout: EngineLayout = EngineLayout.BLOCK_FIRST,
+    device: str = "cpu",
+) -> dict[str, torch.Tensor]:
+    """Zeroed per-layer KV tensors for ``layout``, as ``register_kv_caches`` receives them."""
+    return {
+        name: _layer_tensor(group, num_blocks, dtype, engine_layout, device)
+        for group in layout.groups
+        for name in group.layer_names
+    }
+
+
+def fill_blocks(kv_caches: dict[str, torch.Tensor], seed: int = 0) -> None:
+    """Fill every tensor with reproducible random bytes (NaN patterns included)."""
+    generator = torch.Generator().manual_seed(seed)
+    for tensor in kv_caches.values():
+        raw = torch.randint(0, 256, (tensor.numel() * tensor.element_size(),),
+                            dtype=torch.uint8, generator=generator)  # fmt: skip
+        flat = raw.view(tensor.dtype).view(tensor.shape) if tensor.dim() else raw
+        tensor.copy_(flat)

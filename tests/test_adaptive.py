@@ -1,0 +1,175 @@
+"""The default policy: protocol, bounds, and that its admission filter adapts.
+
+Behaviour is checked on synthetic traces built so the right answer is known
+(a scan that LRU cannot survive, a recency-friendly stream that a filter
+hurts) and on the real Mooncake trace against LRU.
+"""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import pytest
+
+from kvoffload.errors import ConfigError
+from kvoffload.manager import OffloadManager
+from kvoffload.manager.policies.adaptive import GHOST, AdaptivePolicy
+from kvoffload.manager.policies.admission import AdmissionFilter
+from kvoffload.manager.policies.lru import LRUPolicy
+from kvoffload.registry import POLICIES
+from kvoffload.replay import Trace, block_key, drive, load_trace, replay
+
+CONVERSATION = (
+    Path(__file__).resolve().parents[1].parent / "shared/traces/mooncake_conversation_trace.jsonl"
+)
+
+
+def scan_heavy(rounds: int = 30) -> Trace:
+    """40 hot 4-block prefixes per round, interleaved with 400 never-reused blocks.
+
+    A round touches 560 distinct blocks, so a 400-chunk LRU loses every hot
+    prefix before its reuse; a filter keeps the 160 hot blocks.
+    """
+    requests: list[tuple[bytes, ...]] = []
+    fresh = 10_000
+    for _ in range(rounds):
+        for conv in range(40):
+            requests.append(tuple(block_key(conv * 10 + j) for j in range(4)))
+            requests.append(tuple(block_key(fresh + j) for j in range(10)))
+            fresh += 10
+    return Trace("scan", tuple(requests))
+
+
+def recency_friendly(conversations: int = 600) -> Trace:
+    """Conversations of 6 turns, 3 open at a time, each turn adding 2 blocks.
+
+    Every block is reused on the next turn, well inside a 400-chunk cache:
+    LRU hits all but the new blocks, a second-sighting filter misses each once more.
+    """
+    rng = random.Random(7)
+    requests: list[tuple[bytes, ...]] = []
+    open_: list[list[int]] = []
+    next_id, started = 0, 0
+    while started < conversations or open_:
+        if len(open_) < 3 and started < conversations:
+            open_.append([])
+            started += 1
+        chain = rng.choice(open_)
+        chain.extend((next_id, next_id + 1))
+        next_id += 2
+        requests.append(tuple(block_key(i) for i in chain))
+        if len(chain) >= 12:
+            open_.remove(chain)
+    return Trace("recency", tuple(requests))
+
+
+# -- protocol --------------------------------------------------------------------
+def test_it_is_the_registered_default() -> None:
+    assert POLICIES.default == "adaptive"
+    assert isinstance(OffloadManager(8).policy, AdaptivePolicy)
+
+
+@pytest.mark.parametrize("capacity", [0, -1, True, 2.0])
+def test_a_bad_capacity_is_refused(capacity: object) -> None:
+    with pytest.raises(ConfigError, match="capacity"):
+        AdaptivePolicy(capacity)  # type: ignore[arg-type]
+
+
+def test_evict_never_returns_protected_keys_and_stops_when_none_are_left() -> None:
+    policy = AdaptivePolicy(8)
+    keys = [block_key(i) for i in range(6)]
+    for key in keys:
+        policy.insert(key)
+    protected = set(keys[::2])
+    victims = policy.evict(10, protected.__contains__)
+    assert victims == keys[1::2]  # oldest first, protected skipped, no more than exist
+    assert len(policy) == 3
+    assert policy.evict(1, protected.__contains__) == []
+    assert policy.evict(0, lambda key: False) == []
+
+
+def test_unknown_keys_are_ignored_and_reset_forgets_everything() -> None:
+    policy = AdaptivePolicy(4)
+    policy.touch(b"nope")
+    policy.remove(b"nope")
+    policy.insert(b"a")
+    policy.touch(b"a")
+    policy.remove(b"a")
+    assert len(policy) == 0
+    policy.insert(b"b")
+    policy.reset()
+    assert len(policy) == 0 and not policy.filtering
+    policy.check_integrity(())
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_random_use_through_the_index_keeps_it_consistent(seed: int) -> None:
+    """Pins, failed stores and evictions at every step; integrity checked after each."""
+    rng = random.Random(seed)
+    manager = OffloadManager(12, "adaptive")
+    for _ in range(400):
+        keys = [block_key(rng.randrange(60)) for _ in range(rng.randrange(1, 6))]
+        n = manager.lookup(keys)
+        held = manager.prepare_load(keys[:n])
+        store = manager.prepare_store(keys[n:])
+        if store is not None:
+            assert not set(store.evicted) & set(held.keys)  # pinned chunks survive
+            manager.complete_store(store.keys, success=rng.random() > 0.1)
+        manager.complete_load(keys[:n])
+        manager.touch(keys[::-1])
+        if rng.random() < 0.01:
+            manager.reset()
+        assert len(manager.policy) <= 12
+        manager.check_integrity()
+
+
+def test_ghosts_and_shadows_stay_bounded() -> None:
+    policy = AdaptivePolicy(400)
+    drive(OffloadManager(400, policy, record_events=False), scan_heavy(10).requests)
+    assert len(policy) <= 400
+    assert len(policy._seen) <= GHOST * 400
+    policy.check_integrity(list(policy._order))
+
+
+def test_check_integrity_reports_a_mismatch() -> None:
+    policy = AdaptivePolicy(4)
+    policy.insert(b"a")
+    with pytest.raises(Exception, match="tracks 1 keys"):
+        policy.check_integrity(())
+
+
+# -- behaviour ------------------------------------------------------------------------
+def test_on_a_scan_it_turns_the_filter_on_and_beats_lru() -> None:
+    trace = scan_heavy()
+    policy = AdaptivePolicy(400)
+    adaptive = drive(OffloadManager(400, policy, record_events=False), trace.requests)
+    lru = replay(trace, 400, "lru").hit_blocks
+    hot = 30 * 40 * 4
+    assert policy.filtering
+    assert lru == 0 and adaptive > 0.9 * hot
+
+
+def test_on_a_recency_friendly_stream_it_stays_lru() -> None:
+    trace = recency_friendly()
+    policy = AdaptivePolicy(400)
+    adaptive = drive(OffloadManager(400, policy, record_events=False), trace.requests)
+    lru = replay(trace, 400, "lru").hit_blocks
+    always_filter = drive(
+        OffloadManager(400, AdmissionFilter(LRUPolicy(400), window=GHOST * 400)), trace.requests
+    )
+    assert not policy.filtering
+    assert adaptive >= 0.98 * lru
+    assert always_filter < 0.8 * lru  # the trace does punish a fixed filter
+
+
+@pytest.mark.skipif(not CONVERSATION.is_file(), reason=f"real trace not found at {CONVERSATION}")
+def test_on_the_real_trace_it_beats_lru_small_and_matches_it_large() -> None:
+    trace = load_trace(CONVERSATION)
+    small = {p: replay(trace, 4000, p).hit_ratio for p in ("lru", "adaptive")}
+    assert small["adaptive"] >= 1.5 * small["lru"]
+    for capacity in (16000, 64000):
+        assert (
+            replay(trace, capacity, "adaptive").hit_ratio
+            >= replay(trace, capacity, "lru").hit_ratio
+        )

@@ -1,0 +1,212 @@
+"""The offload engine: async jobs, verified loads, reported failures, no races per chunk."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+from kvoffload import build_offloading_config
+from kvoffload.engine import ChunkSpan, JobKind, JobResult, JobStatus, OffloadEngine
+from kvoffload.errors import TransferError
+from kvoffload.layout import CacheGroup, KVLayout
+from kvoffload.tiers.cpu import CPUTier
+from kvoffload.transfer import BlockSpan, KVTransfer, allocate_kv_caches, fill_blocks
+
+NUM_BLOCKS = 32
+BPC = 2
+
+
+def layout() -> KVLayout:
+    return KVLayout(
+        (
+            CacheGroup("sliding", 8, ("s0", "s1"), 2 * 8 * 4 * 2, sliding_window=16),
+            CacheGroup("full", 2, ("f0",), 2 * 2 * 16 * 2),
+        )
+    )
+
+
+def as_bytes(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().view(torch.uint8)
+
+
+@pytest.fixture
+def kv() -> dict[str, torch.Tensor]:
+    caches = allocate_kv_caches(layout(), NUM_BLOCKS, torch.bfloat16)
+    fill_blocks(caches, seed=11)
+    return caches
+
+
+@pytest.fixture
+def engine(kv: dict[str, torch.Tensor]) -> Iterator[OffloadEngine]:
+    lay = layout()
+    transfer = KVTransfer(lay, kv, BPC)
+    cpu = CPUTier(16, max(g.chunk_bytes(BPC) for g in lay.groups), pin_memory=False)
+    eng = OffloadEngine.create(transfer, cpu)
+    yield eng
+    eng.close()
+
+
+def finish(engine: OffloadEngine) -> list[JobResult]:
+    assert engine.wait(timeout=60)
+    return engine.get_finished()
+
+
+def test_store_then_load_round_trips_every_group(
+    engine: OffloadEngine, kv: dict[str, torch.Tensor]
+) -> None:
+    original = {n: t.clone() for n, t in kv.items()}
+    spans = [
+        ChunkSpan(0, (b"s-a", b"s-b"), (0, 1), BlockSpan((4, 5, 9, 2))),
+        ChunkSpan(1, (b"f-a",), (2,), BlockSpan((7, 3))),
+    ]
+    store = engine.submit_store(spans)
+    [stored] = finish(engine)
+    assert (stored.job_id, stored.kind, stored.status) == (store, JobKind.STORE, JobStatus.SUCCESS)
+    assert stored.done_keys == (b"s-a", b"s-b", b"f-a")
+    assert engine.get_finished() == []  # reported once
+    for t in kv.values():
+        t.zero_()
+    # Load into other blocks, the sliding group starting inside its first chunk.
+    load = engine.submit_load(
+        [
+            ChunkSpan(0, (b"s-a", b"s-b"), (0, 1), BlockSpan((20, 21, 22), first_offset=1)),
+            ChunkSpan(1, (b"f-a",), (2,), BlockSpan((10, 11))),
+        ]
+    )
+    [loaded] = finish(engine)
+    assert (loaded.job_id, loaded.status, dict(loaded.failed_blocks)) == (
+        load,
+        JobStatus.SUCCESS,
+        {},
+    )
+    for name in ("s0", "s1"):
+        assert torch.equal(as_bytes(kv[name][[20, 21, 22]]), as_bytes(original[name][[5, 9, 2]]))
+    assert torch.equal(as_bytes(kv["f0"][[10, 11]]), as_bytes(original["f0"][[7, 3]]))
+    assert loaded.bytes_moved == 3 * layout().groups[0].block_bytes + 2 * 128
+    stats = engine.stats()
+    assert (stats["stored_chunks"], stats["loaded_chunks"], stats["pending"]) == (3, 3, 0)
+    traffic = engine.traffic()["cpu"]
+    assert traffic.stores == 2 and traffic.loads == 2 and traffic.store_bytes > 0
+    engine.cascade.check_integrity()
+
+
+def test_failed_load_reports_block_ids_and_leaves_engine_blocks_alone(
+    engine: OffloadEngine, kv: dict[str, torch.Tensor]
+) -> None:
+    engine.submit_store([ChunkSpan(0, (b"a", b"c"), (0, 2), BlockSpan((0, 1, 4, 5)))])
+    finish(engine)
+    before = as_bytes(kv["s0"]).clone()
+    # Chunk b was never stored; a and c were.
+    keys, slots = (b"a", b"b", b"c"), (0, 1, 2)
+    engine.submit_load([ChunkSpan(0, keys, slots, BlockSpan((10, 11, 12, 13, 14), 1))])
+    [result] = finish(engine)
+    assert result.status is JobStatus.PARTIAL
+    assert result.failed_keys == (b"b",) and result.done_keys == (b"a", b"c")
+    assert dict(result.failed_blocks) == {0: (11, 12)}
+    after = as_bytes(kv["s0"])
+    assert torch.equal(after[[11, 12]], before[[11, 12]])  # never wrong KV
+    assert torch.equal(after[[10, 13, 14]], as_bytes(kv["s0"][[1, 4, 5]]))
+    assert engine.stats()["load_failures"] == 1
+
+
+def test_a_load_of_nothing_stored_fails_every_block(engine: OffloadEngine) -> None:
+    engine.submit_load([ChunkSpan(1, (b"x", b"y"), (3, 4), BlockSpan((1, 2, 3, 4)))])
+    [result] = finish(engine)
+    assert result.status is JobStatus.FAILED
+    assert dict(result.failed_blocks) == {1: (1, 2, 3, 4)}
+    assert result.errors  # says why
+
+
+def test_failed_store_is_reported_and_counted(engine: OffloadEngine) -> None:
+    job = engine.submit_store([ChunkSpan(0, (b"bad",), (0,), BlockSpan((1, NUM_BLOCKS)))])
+    [result] = finish(engine)
+    assert (result.job_id, result.status, result.failed_keys) == (job, JobStatus.FAILED, (b"bad",))
+    assert "num_blocks" in result.errors[0]
+    assert engine.stats()["store_failures"] == 1
+    assert not engine.cascade.cpu.contains(b"bad")
+    assert engine.traffic()["cpu"].store_failures == 1
+    engine.cascade.check_integrity()
+
+
+def test_submit_checks_the_span_shape(engine: OffloadEngine) -> None:
+    with pytest.raises(TransferError, match="whole chunks"):
+        engine.submit_store([ChunkSpan(0, (b"a",), (0,), BlockSpan((1,)))])
+    with pytest.raises(TransferError, match="whole chunks"):
+        engine.submit_store([ChunkSpan(0, (b"a",), (0,), BlockSpan((1,), first_offset=1))])
+    with pytest.raises(TransferError, match="2 keys and 1 slots"):
+        engine.submit_load([ChunkSpan(0, (b"a", b"b"), (0,), BlockSpan((1, 2, 3)))])
+    assert engine.stats()["pending"] == 0
+
+
+def test_concurrent_stores_and_loads_of_one_chunk_never_mix() -> None:
+    # Big pages over several layers, so an unserialised store and load would interleave.
+    lay = KVLayout((CacheGroup("full", 2, ("a", "b", "c", "d"), 2 * 2 * 4096 * 2),))
+    kv = allocate_kv_caches(lay, NUM_BLOCKS, torch.bfloat16)
+    fill_blocks(kv, seed=12)
+    cpu = CPUTier(8, lay.groups[0].chunk_bytes(BPC), pin_memory=False)
+    engine = OffloadEngine.create(KVTransfer(lay, kv, BPC), cpu, max_workers=4)
+
+    def state(blocks: list[int]) -> list[torch.Tensor]:
+        return [as_bytes(kv[n][blocks]).clone() for n in "abcd"]
+
+    # Blocks 0-1 and 2-3 hold two versions of chunk K; load i lands in 8+2i, 9+2i.
+    versions = [state([0, 1]), state([2, 3])]
+    engine.submit_store([ChunkSpan(0, (b"K",), (5,), BlockSpan((0, 1)))])
+    finish(engine)
+    start = threading.Barrier(4)
+
+    def storer(version: int) -> None:
+        start.wait()
+        for _ in range(30):
+            blocks = (2 * version, 2 * version + 1)
+            engine.submit_store([ChunkSpan(0, (b"K",), (5,), BlockSpan(blocks))])
+
+    def loader(first: int) -> None:
+        start.wait()
+        for i in range(first, 12, 2):
+            engine.submit_load([ChunkSpan(0, (b"K",), (5,), BlockSpan((8 + 2 * i, 9 + 2 * i)))])
+
+    threads = [threading.Thread(target=storer, args=(v,)) for v in (0, 1)]
+    threads += [threading.Thread(target=loader, args=(f,)) for f in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    results = finish(engine)
+    engine.close()
+    assert len(results) == 72 and all(r.status is JobStatus.SUCCESS for r in results)
+    for i in range(12):
+        loaded = state([8 + 2 * i, 9 + 2 * i])
+        assert any(
+            all(torch.equal(x, y) for x, y in zip(loaded, v, strict=True)) for v in versions
+        ), f"load {i} mixed two stores"
+    cpu.check_integrity()
+
+
+def test_close_finishes_jobs_and_refuses_new_ones(engine: OffloadEngine) -> None:
+    engine.submit_store([ChunkSpan(0, (b"a",), (0,), BlockSpan((1, 2)))])
+    engine.close()
+    engine.close()
+    [result] = engine.get_finished()
+    assert result.status is JobStatus.SUCCESS
+    with pytest.raises(TransferError, match="closed"):
+        engine.submit_load([ChunkSpan(0, (b"a",), (0,), BlockSpan((1, 2)))])
+
+
+def test_from_config_builds_cpu_slab_of_the_configured_size(kv: dict[str, torch.Tensor]) -> None:
+    config = build_offloading_config(
+        {"cpu_bytes_to_use": 64 * 1024, "blocks_per_chunk": BPC}, layout()
+    )
+    engine = OffloadEngine.from_config(config, kv, namespace=b"ns")
+    try:
+        assert engine.cascade.cpu.num_slots == config.num_cpu_chunks
+        assert engine.cascade.cpu.slot_bytes == config.max_chunk_bytes
+        assert engine.cascade.lower == ()
+        engine.submit_store([ChunkSpan(1, (b"z",), (0,), BlockSpan((5, 6)))])
+        [result] = finish(engine)
+        assert result.status is JobStatus.SUCCESS
+    finally:
+        engine.close()

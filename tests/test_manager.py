@@ -1,0 +1,337 @@
+"""Scenario tests of OffloadManager, each run against every registered policy."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+
+from kvoffload.errors import ConfigError, KVOffloadError, ProtocolError
+from kvoffload.manager import (
+    AdmissionFilter,
+    EventKind,
+    IndexEvent,
+    LoadResult,
+    LRUPolicy,
+    OffloadManager,
+    StoreResult,
+)
+from kvoffload.registry import POLICIES
+
+POLICY_NAMES = POLICIES.names()
+
+
+def key(i: int) -> bytes:
+    return i.to_bytes(2, "big") * 8
+
+
+K = [key(i) for i in range(32)]
+
+
+def filled(policy: str, capacity: int, count: int) -> OffloadManager:
+    """A manager holding ``K[:count]`` ready, stored in order."""
+    manager = OffloadManager(capacity, policy)
+    result = manager.prepare_store(K[:count])
+    assert result is not None
+    manager.complete_store(result.keys)
+    manager.take_events()
+    return manager
+
+
+def snapshot(manager: OffloadManager) -> tuple[object, ...]:
+    """Everything observable without side effects beyond hit counters."""
+    return (manager.stats(), list(manager._ready.items()), list(manager._storing.items()))
+
+
+@pytest.fixture(params=POLICY_NAMES)
+def policy(request: pytest.FixtureRequest) -> str:
+    name: str = request.param
+    return name
+
+
+def test_empty_index_misses(policy: str) -> None:
+    manager = OffloadManager(4, policy)
+    assert manager.lookup(K[:3]) == 0
+    assert manager.lookup([]) == 0
+    stats = manager.stats()
+    assert (stats["hits"], stats["misses"], stats["lookups"]) == (0, 3, 2)
+    assert manager.take_events() == []
+
+
+def test_store_is_not_ready_until_completed(policy: str) -> None:
+    manager = OffloadManager(8, policy)
+    store = manager.prepare_store(K[:3])
+    assert store is not None
+    assert store.keys == tuple(K[:3]) and store.evicted == ()
+    assert manager.lookup(K[:3]) == 0
+    before = snapshot(manager)
+    with pytest.raises(ProtocolError, match="still being stored"):
+        manager.prepare_load(K[:1])
+    assert snapshot(manager) == before
+    manager.complete_store(store.keys[:2])
+    assert manager.lookup(K[:3]) == 2, "lookup stops at the key still in flight"
+    assert manager.prepare_load(K[:2]).slots == store.slots[:2]
+    assert manager.take_events() == [
+        IndexEvent(EventKind.STORED, K[0], store.slots[0]),
+        IndexEvent(EventKind.STORED, K[1], store.slots[1]),
+    ]
+    assert manager.take_events() == []
+
+
+def test_failed_store_frees_slots_and_emits_nothing(policy: str) -> None:
+    manager = OffloadManager(2, policy)
+    store = manager.prepare_store(K[:2])
+    assert store is not None
+    manager.complete_store(store.keys, success=False)
+    assert manager.take_events() == []
+    assert manager.lookup(K[:2]) == 0
+    stats = manager.stats()
+    assert (stats["used"], stats["store_failures"], stats["stores"]) == (0, 2, 0)
+    again = manager.prepare_store(K[:2])
+    assert again is not None and sorted(again.slots) == [0, 1]
+    manager.check_integrity()
+
+
+def test_prepare_store_skips_stored_in_flight_and_duplicates(policy: str) -> None:
+    manager = filled(policy, 8, 2)
+    first = manager.prepare_store([K[2], K[2], K[3]])
+    assert first is not None and first.keys == (K[2], K[3])
+    second = manager.prepare_store([K[0], K[2], K[4], K[4], K[1]])
+    assert second is not None
+    assert second.keys == (K[4],) and len(second.slots) == 1
+    assert len(set(first.slots + second.slots)) == 3
+    assert manager.stats()["storing"] == 3
+    manager.check_integrity()
+
+
+def test_batch_never_evicts_its_own_stored_keys(policy: str) -> None:
+    manager = filled(policy, 4, 4)
+    # K0 and K1 are the oldest: every policy would evict them first, but this
+    # call found them stored, so the room must come from K2 and K3.
+    store = manager.prepare_store([K[0], K[1], K[10], K[11]])
+    assert store is not None
+    assert store.keys == (K[10], K[11])
+    assert sorted(store.evicted) == sorted([K[2], K[3]])
+    assert manager.lookup(K[:2]) == 2
+    events = manager.take_events()
+    assert [e.kind for e in events] == [EventKind.REMOVED] * 2
+    assert sorted(e.slot for e in events) == sorted(store.slots)
+    manager.check_integrity()
+
+
+def test_batch_larger_than_capacity_is_refused(policy: str) -> None:
+    manager = OffloadManager(3, policy)
+    assert manager.prepare_store(K[:4]) is None
+    assert manager.stats()["used"] == 0
+
+
+def test_pins_stack_and_protect_from_eviction(policy: str) -> None:
+    manager = filled(policy, 2, 2)
+    slot0 = manager.prepare_load([K[0]]).slots[0]
+    manager.prepare_load([K[0], K[1]])
+    manager.complete_load([K[1]])
+    manager.complete_load([K[0]])
+    assert manager.stats()["pinned"] == 1, "K0 still holds its second pin"
+    store = manager.prepare_store([K[5]])
+    assert store is not None and store.evicted == (K[1],)
+    assert manager.prepare_store([K[6]]) is None, "only K0 (pinned) and K5 (in flight) are left"
+    manager.complete_load([K[0]])
+    store = manager.prepare_store([K[6]])
+    assert store is not None and store.evicted == (K[0],) and store.slots == (slot0,)
+
+
+def test_refused_store_changes_nothing_not_even_policy_order(policy: str) -> None:
+    def scenario(with_refusal: bool) -> list[bytes]:
+        manager = filled(policy, 4, 4)
+        manager.touch([K[2], K[0], K[2]])
+        manager.prepare_load(K[:4])
+        if with_refusal:
+            before = snapshot(manager)
+            assert manager.prepare_store([K[1], K[20], K[21]]) is None
+            assert snapshot(manager) == before
+            assert manager.take_events() == []
+        manager.complete_load(K[:4])
+        evicted: list[bytes] = []
+        for i in range(24, 28):
+            store = manager.prepare_store([K[i]])
+            assert store is not None
+            evicted += store.evicted
+            manager.complete_store(store.keys)
+        return evicted
+
+    assert scenario(with_refusal=True) == scenario(with_refusal=False)
+
+
+def test_evicted_slot_is_reused_and_reported_before_the_store(policy: str) -> None:
+    manager = filled(policy, 1, 1)
+    store = manager.prepare_store([K[1]])
+    assert store == StoreResult((K[1],), (0,), (K[0],))
+    manager.complete_store(store.keys)
+    assert manager.take_events() == [
+        IndexEvent(EventKind.REMOVED, K[0], 0),
+        IndexEvent(EventKind.STORED, K[1], 0),
+    ]
+    assert manager.stats()["evictions"] == 1
+
+
+def test_prepare_load_returns_slots_and_pins_each_occurrence(policy: str) -> None:
+    manager = filled(policy, 4, 3)
+    load = manager.prepare_load([K[2], K[0], K[2]])
+    assert isinstance(load, LoadResult)
+    assert load.keys == (K[2], K[0], K[2])
+    assert load.slots[0] == load.slots[2] != load.slots[1]
+    manager.complete_load([K[2], K[2], K[0]])
+    assert manager.stats()["pinned"] == 0
+
+
+@pytest.mark.parametrize(
+    ("prepare", "call", "message"),
+    [
+        (None, lambda m: m.prepare_load([K[0], K[9]]), "not stored"),
+        (None, lambda m: m.complete_load([K[0]]), "0 pin"),
+        (lambda m: m.prepare_load([K[0]]), lambda m: m.complete_load([K[0], K[0]]), "1 pin"),
+        (None, lambda m: m.complete_store([K[9]]), "no store in flight"),
+        (None, lambda m: m.complete_store([K[0]]), "no store in flight"),
+        (lambda m: m.prepare_store([K[9]]), lambda m: m.complete_store([K[9], K[9]]), "twice"),
+        (
+            lambda m: m.prepare_store([K[8], K[9]]),
+            lambda m: m.complete_store([K[8], K[10]], success=False),
+            "no store in flight",
+        ),
+    ],
+)
+def test_protocol_errors_name_the_key_and_change_nothing(
+    policy: str,
+    prepare: Callable[[OffloadManager], object] | None,
+    call: Callable[[OffloadManager], object],
+    message: str,
+) -> None:
+    manager = filled(policy, 6, 3)
+    if prepare is not None:
+        prepare(manager)
+    before = snapshot(manager)
+    with pytest.raises(ProtocolError, match=rf"chunk [0-9a-f]{{16}}\.\.\. .*{message}"):
+        call(manager)
+    assert snapshot(manager) == before
+    assert manager.take_events() == []
+    manager.check_integrity()
+
+
+def test_complete_store_twice_across_calls(policy: str) -> None:
+    manager = OffloadManager(2, policy)
+    store = manager.prepare_store([K[0]])
+    assert store is not None
+    manager.complete_store(store.keys)
+    with pytest.raises(ProtocolError, match=K[0].hex()[:16]):
+        manager.complete_store(store.keys)
+
+
+def test_touch_ignores_unknown_and_in_flight_keys(policy: str) -> None:
+    manager = filled(policy, 4, 2)
+    manager.prepare_store([K[3]])
+    manager.touch([K[9], K[3], K[0]])
+    assert len(manager.policy) == 2
+    manager.check_integrity()
+
+
+def test_reset_keeps_pinned_and_in_flight_chunks(policy: str) -> None:
+    manager = filled(policy, 4, 3)
+    manager.prepare_load([K[1]])
+    store = manager.prepare_store([K[5]])
+    assert store is not None
+    manager.reset()
+    events = manager.take_events()
+    assert sorted(e.key for e in events) == [K[0], K[2]]
+    assert {e.kind for e in events} == {EventKind.REMOVED}
+    assert manager.lookup([K[1]]) == 1 and manager.lookup([K[0]]) == 0
+    manager.complete_store(store.keys)
+    manager.complete_load([K[1]])
+    assert manager.lookup([K[1], K[5]]) == 2
+    stats = manager.stats()
+    assert (stats["ready"], stats["removed"], stats["resets"]) == (2, 2, 1)
+    manager.check_integrity()
+
+
+def test_record_events_off(policy: str) -> None:
+    manager = OffloadManager(1, policy, record_events=False)
+    for i in range(3):
+        store = manager.prepare_store([K[i]])
+        assert store is not None
+        manager.complete_store(store.keys)
+    manager.reset()
+    assert manager.take_events() == []
+    assert manager.stats()["evictions"] == 2
+
+
+def test_stats_shape(policy: str) -> None:
+    manager = filled(policy, 5, 2)
+    stats = manager.stats()
+    assert stats["capacity"] == 5 and stats["used"] == 2 and stats["free"] == 3
+    assert stats["stores"] == 2 and stats["pinned"] == 0
+    assert manager.policy.name == policy
+
+
+def test_constructor_validation() -> None:
+    for bad in (0, -1, 2.0, True, "4"):
+        with pytest.raises(ConfigError, match="num_chunks"):
+            OffloadManager(bad)  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match="unknown eviction policy 'nope'"):
+        OffloadManager(4, "nope")
+    with pytest.raises(KVOffloadError, match="capacity 3"):
+        OffloadManager(4, LRUPolicy(3))
+    assert OffloadManager(4).policy.name == POLICIES.default
+    instance = LRUPolicy(4)
+    assert OffloadManager(4, instance).policy is instance
+
+
+def test_admission_filter_stores_on_second_offer() -> None:
+    manager = OffloadManager(4, AdmissionFilter(LRUPolicy(4)))
+    first = manager.prepare_store(K[:2])
+    assert first == StoreResult((), (), ())
+    assert manager.stats()["rejected"] == 2
+    second = manager.prepare_store(K[:3])
+    assert second is not None and second.keys == (K[0], K[1])
+    assert manager.policy.name == "admit+lru"
+
+
+def test_refused_store_records_no_sighting() -> None:
+    manager = OffloadManager(2, AdmissionFilter(LRUPolicy(2)))
+    for _ in range(2):
+        store = manager.prepare_store(K[:2])
+        assert store is not None
+    manager.complete_store(K[:2])
+    manager.prepare_load(K[:2])
+    assert manager.prepare_store([K[7]]) is None
+    manager.complete_load(K[:2])
+    store = manager.prepare_store([K[7]])
+    assert store is not None and store.keys == (), "the refused offer must not count"
+
+
+def test_check_integrity_reports_numbers() -> None:
+    manager = filled("lru", 4, 2)
+    manager.check_integrity()
+    manager._free.append(0)
+    with pytest.raises(KVOffloadError, match=r"2 ready \+ 0 storing \+ 3 free = 5, capacity is 4"):
+        manager.check_integrity()
+    manager = filled("lru", 4, 2)
+    manager.policy.remove(K[0])
+    with pytest.raises(KVOffloadError, match="tracks 1 keys, the index has 2"):
+        manager.check_integrity()
+
+
+class _WrongVictims(LRUPolicy):
+    """A broken policy that evicts the newest key even when it is protected."""
+
+    def evict(self, n: int, protected: Callable[[bytes], bool]) -> list[bytes]:
+        return list(self._order)[-n:]
+
+
+def test_out_of_sync_policy_is_caught() -> None:
+    manager = OffloadManager(2, _WrongVictims(2))
+    store = manager.prepare_store(K[:2])
+    assert store is not None
+    manager.complete_store(store.keys)
+    manager.prepare_load([K[1]])
+    with pytest.raises(KVOffloadError, match="out of sync"):
+        manager.prepare_store([K[5]])
+    assert manager.lookup(K[:2]) == 2
