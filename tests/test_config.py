@@ -225,7 +225,7 @@ def test_disk_keys_need_each_other_and_a_chunk_of_room(
         build(hetero_layout, disk_path=str(tmp_path), disk_bytes_to_use=100)
     cfg = build(hetero_layout, disk_path=tmp_path, disk_bytes_to_use="1MiB")
     assert cfg.disk_path == str(tmp_path)
-    assert cfg.num_disk_chunks == MIB // cfg.max_chunk_bytes
+    assert cfg.num_disk_chunks == MIB // (4096 + cfg.max_chunk_bytes)  # header block per chunk
     with pytest.raises(ConfigError, match="'disk_path' must be a non-empty directory path"):
         build(hetero_layout, disk_path="", disk_bytes_to_use="1MiB")
 

@@ -56,7 +56,7 @@ def test_put_never_evicts() -> None:
 
 def test_put_refuses_oversized_or_wrong_dtype() -> None:
     tier = CPUTier(2, 64)
-    with pytest.raises(TierError, match="1..64 bytes"):
+    with pytest.raises(TierError, match=r"1\.\.64 bytes"):
         tier.put(b"a", chunk(1, 65))
     with pytest.raises(TierError, match="uint8"):
         tier.put(b"a", np.zeros(4, dtype=np.int32))

@@ -35,7 +35,7 @@ def blocks_of(t: torch.Tensor, ids: list[int], layout: EngineLayout) -> torch.Te
     return as_bytes(t[ids])
 
 
-def round_trip(
+def round_trip(  # noqa: PLR0917 - test helper, called positionally
     layout: KVLayout,
     engine_layout: EngineLayout,
     dtype: torch.dtype,

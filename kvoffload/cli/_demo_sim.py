@@ -283,5 +283,3 @@ class DemoReplay:
             self.rng.shuffle(self.free[g])  # fragmented: index_select paths
         else:
             self.free[g].sort(reverse=True)  # consecutive: single-copy paths
-
-

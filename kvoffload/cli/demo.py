@@ -61,7 +61,7 @@ def register(subparsers: Any) -> None:
 
 def read_trace(path: Path, limit: int | None) -> list[tuple[list[int], int]]:
     """``(hash_ids, input_length)`` per request; ``ConfigError`` naming the line if malformed."""
-    requests = []
+    requests: list[tuple[list[int], int]] = []
     try:
         lines = path.read_text(encoding="utf-8").splitlines()
     except (OSError, UnicodeDecodeError) as exc:

@@ -14,7 +14,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from kvoffload.config.keys import EXCLUSIVE, KEYS, KEYS_BY_NAME, REQUIRES, Key, KeyType
-from kvoffload.config.offload_config import OffloadConfig
+from kvoffload.config.offload_config import OffloadConfig, disk_footprint
 from kvoffload.config.values import format_bytes, safe_repr, to_int
 from kvoffload.errors import ConfigError
 from kvoffload.layout import KVLayout
@@ -164,7 +164,9 @@ def _check_budgets(config: OffloadConfig) -> None:
             f"raise 'cpu_bytes_to_use' or lower 'blocks_per_chunk'"
         )
     if config.disk_path is not None and config.num_disk_chunks < 1:
+        footprint = disk_footprint(largest)
         raise ConfigError(
-            f"'disk_bytes_to_use'={config.disk_bytes_to_use} holds no chunk: {chunk}; "
-            f"set 'disk_bytes_to_use' to at least {largest}"
+            f"'disk_bytes_to_use'={config.disk_bytes_to_use} holds no chunk: {chunk}, "
+            f"{footprint} bytes on disk with its header; "
+            f"set 'disk_bytes_to_use' to at least {footprint}"
         )

@@ -12,7 +12,16 @@ from dataclasses import dataclass
 from kvoffload.config.values import format_bytes
 from kvoffload.layout import KVLayout
 
-__all__ = ["OffloadConfig"]
+__all__ = ["DISK_ALIGN", "OffloadConfig", "disk_footprint"]
+
+#: The disk tier writes a chunk as one header block plus its payload, both padded
+#: to this alignment (what O_DIRECT needs); budgets are checked against that footprint.
+DISK_ALIGN = 4096
+
+
+def disk_footprint(payload_bytes: int) -> int:
+    """Bytes one chunk of ``payload_bytes`` occupies in the disk tier, header included."""
+    return DISK_ALIGN + -(-payload_bytes // DISK_ALIGN) * DISK_ALIGN
 
 
 @dataclass(frozen=True)
@@ -69,7 +78,7 @@ class OffloadConfig:
     @property
     def num_disk_chunks(self) -> int:
         """Chunks of the largest group the disk budget holds (a lower bound on what fits)."""
-        return self.disk_bytes_to_use // self.max_chunk_bytes
+        return self.disk_bytes_to_use // disk_footprint(self.max_chunk_bytes)
 
     def __str__(self) -> str:
         rows = [("group", "kind", "layers", "tokens/block", "tokens/chunk", "bytes/chunk")]

@@ -69,6 +69,8 @@ class OffloadManager:
             raise ConfigError(f"num_chunks must be a positive int, got {num_chunks!r}")
         self.capacity = num_chunks
         self.policy = _make_policy(policy, num_chunks)
+        # Asking a policy without an admission hook per key would only cost time.
+        self._filters_admission = type(self.policy).admit is not EvictionPolicy.admit
         self.record_events = record_events
         self._ready: dict[bytes, int] = {}
         self._storing: dict[bytes, int] = {}
@@ -190,9 +192,12 @@ class OffloadManager:
                 missing.append(key)
         if len(missing) > len(self._free) + self._evictable(found):
             return None
-        admit = self.policy.admit
-        admitted = [key for key in missing if admit(key)]
-        self._counters["rejected"] += len(missing) - len(admitted)
+        if self._filters_admission:
+            admit = self.policy.admit
+            admitted = [key for key in missing if admit(key)]
+            self._counters["rejected"] += len(missing) - len(admitted)
+        else:
+            admitted = missing
         evicted = self._evict(len(admitted) - len(self._free), found)
         free = self._free
         slots = []

@@ -44,6 +44,7 @@ from typing import NamedTuple
 import numpy as np
 
 from kvoffload.errors import CorruptChunkError, TierError
+from kvoffload.config.offload_config import DISK_ALIGN, disk_footprint
 from kvoffload.tiers._direct_io import ALIGN, O_DIRECT, BufferPool, is_aligned, round_up
 from kvoffload.tiers.base import ChunkBuffer
 
@@ -77,8 +78,15 @@ DEFAULT_ALGORITHM = max(_CHECKSUMS)
 
 
 def file_bytes(payload_len: int) -> int:
-    """Length of the file that holds a payload of ``payload_len`` bytes."""
-    return ALIGN + round_up(payload_len)
+    """Length of the file that holds a payload of ``payload_len`` bytes.
+
+    The configuration checks disk budgets with the same formula
+    (:func:`kvoffload.config.offload_config.disk_footprint`).
+    """
+    return disk_footprint(payload_len)
+
+
+assert ALIGN == DISK_ALIGN, "the disk format and the budget check must agree"
 
 
 class Header(NamedTuple):

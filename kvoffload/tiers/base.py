@@ -59,6 +59,13 @@ class Tier(ABC):
     def discard(self, key: bytes) -> None:
         """Forget ``key``; unknown keys are ignored."""
 
+    def take_evicted(self) -> list[bytes]:
+        """Keys the tier dropped on its own since the last call (budget, corruption).
+
+        Tiers that never drop chunks by themselves return nothing, the default.
+        """
+        return []
+
     def stats(self) -> dict[str, Any]:
         """Counters for reports (stores, loads, failures, bytes). Default: none."""
         return {}

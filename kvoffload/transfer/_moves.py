@@ -1,92 +1,107 @@
-"""The copy primitives behind :class:`kvoffload.transfer.KVTransfer`: one call per layer per run.
+"""The copy primitive behind :class:`kvoffload.transfer.KVTransfer`: one call per layer per run.
 
-Measured on the project's CPU host (out of cache, one thread): a narrow
-``copy_`` and ``torch.index_select(out=)`` run at memcpy speed, numpy's
-fancy row assignment too, but ``Tensor.index_copy_`` / ``index_put_`` on
-``uint8`` rows fall to a few percent of it. So CPU scatters of scattered
-blocks go through numpy views of the same memory, and nothing here calls
-``index_copy_`` except on CUDA, where it is a device kernel.
+A *run* is ``m`` chunks of ``k`` blocks each whose bytes for one layer sit at
+a fixed step in memory (``dst``: ``[m, k, page]``; one chunk, or evenly spaced
+slots of one slab). Measured on the project's CPU host (out of cache, one
+thread), against ``np.copyto`` of the same bytes:
+
+* a consecutive run is one ``np.copyto`` between numpy views of the same
+  memory (torch's ``copy_`` measured ~10% slower);
+* a gather of scattered blocks is ``torch.index_select(out=)`` (75-90%);
+  ``np.take(out=)`` runs at ~20%, so it is not used;
+* a scatter of scattered blocks is one numpy fancy assignment (~95%);
+  ``Tensor.index_copy_`` / ``index_put_`` on ``uint8`` rows run at 2-3%, so
+  they are used only on CUDA, where they are device kernels.
 """
 
 from __future__ import annotations
 
+import numpy as np
+import numpy.typing as npt
 import torch
 
 from kvoffload.transfer.views import KVSplit, LayerPages
 
-__all__ = ["copy_blocks", "copy_strided_run"]
+__all__ = ["move_run"]
 
 
-def copy_strided_run(
-    pages: LayerPages,
-    first_buffer: torch.Tensor,
-    step: int,
-    layer_offset: int,
-    first_block: int,
-    shape: tuple[int, int],
-    *,
-    to_chunks: bool,
-) -> None:
-    """Copy ``m`` whole chunks of consecutive blocks with one strided copy.
-
-    ``shape`` is ``(m, blocks_per_chunk)``; chunk ``i`` of the run starts
-    ``i * step`` bytes after ``first_buffer`` (slots of one slab), and this
-    layer's bytes start ``layer_offset`` bytes into each chunk.
-    """
-    m, bpc = shape
-    page = pages.page_bytes
-    offset = first_buffer.storage_offset() + layer_offset
-    cuda = pages.pages.device.type == "cuda"
+def _engine_side(pages: LayerPages, dst: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """``dst`` reshaped like the engine tensor, and the engine's block dimension."""
     if pages.split is KVSplit.KV_FIRST:
-        half = page // 2
-        dst = first_buffer.as_strided((m, bpc, 2, half), (step, page, half, 1), offset)
-        src = pages.pages.narrow(1, first_block, m * bpc).unflatten(1, (m, bpc))
-        src = src.permute(1, 2, 0, 3)
-    else:
-        dst = first_buffer.as_strided((m, bpc, page), (step, page, 1), offset)
-        src = pages.pages.narrow(0, first_block, m * bpc).unflatten(0, (m, bpc))
-    if to_chunks:
-        dst.copy_(src, non_blocking=cuda)
-    else:
-        src.copy_(dst, non_blocking=cuda)
+        m, k, page = dst.shape
+        return dst.view(m, k, 2, page // 2).permute(2, 0, 1, 3), 1  # [2, m, k, half]
+    return dst, 0
 
 
-def copy_blocks(
+def move_run(
     pages: LayerPages,
-    part: torch.Tensor,
+    dst: torch.Tensor,
     first_block: int,
-    index: torch.Tensor | None,
+    index: npt.NDArray[np.int64] | None,
     *,
     to_chunks: bool,
     keep: list[torch.Tensor],
 ) -> None:
-    """Copy between the engine blocks and ``part`` (``[n, page]`` bytes of one chunk).
+    """Copy one layer's blocks between the engine and ``dst`` (``[m, k, page]`` chunk bytes).
 
-    ``index`` is ``None`` when the blocks are consecutive from ``first_block``.
-    ``keep`` collects CUDA temporaries that must outlive the stream's work.
+    ``index`` (``[m, k]``) names the engine blocks, or is ``None`` when they
+    are consecutive from ``first_block``. ``keep`` collects CUDA temporaries
+    that must outlive the stream's work.
     """
-    engine, dim = pages.pages, 0
-    if pages.split is KVSplit.KV_FIRST:
-        part, dim = part.unflatten(1, (2, -1)).transpose(0, 1), 1  # [2, n, half] like the engine
-    cuda = engine.device.type == "cuda"
+    m, k, _ = dst.shape
+    part, dim = _engine_side(pages, dst)
+    engine = pages.pages
+    if engine.device.type == "cuda":
+        _move_cuda(engine, dim, part, first_block, index, to_chunks=to_chunks, keep=keep)
+    elif index is None:
+        shape = (2, m, k, -1) if dim else (m, k, -1)
+        blocks = engine.narrow(dim, first_block, m * k).view(shape).numpy()
+        if to_chunks:
+            np.copyto(part.numpy(), blocks)
+        else:
+            np.copyto(blocks, part.numpy())
+    elif not to_chunks:
+        target = engine.numpy()
+        if dim:
+            target[:, index] = part.numpy()
+        else:
+            target[index] = part.numpy()
+    elif m <= k:  # one index_select per chunk, into its contiguous bytes
+        for c in range(m):
+            out = part[:, c] if dim else part[c]
+            torch.index_select(engine, dim, torch.from_numpy(index[c]), out=out)
+    else:  # one per position inside the chunks, into a strided view
+        for j in range(k):
+            out = part[:, :, j] if dim else part[:, j]
+            torch.index_select(engine, dim, torch.from_numpy(index[:, j].copy()), out=out)
+
+
+def _move_cuda(
+    engine: torch.Tensor,
+    dim: int,
+    part: torch.Tensor,
+    first_block: int,
+    index: npt.NDArray[np.int64] | None,
+    *,
+    to_chunks: bool,
+    keep: list[torch.Tensor],
+) -> None:
+    """The same on the transfer's CUDA stream; ``part`` is pinned host memory."""
+    shape = part.shape
     if index is None:
-        blocks = engine.narrow(dim, first_block, part.shape[dim])
+        blocks = engine.narrow(dim, first_block, shape[dim] * shape[dim + 1]).view(shape)
         if to_chunks:
-            part.copy_(blocks, non_blocking=cuda)
+            part.copy_(blocks, non_blocking=True)
         else:
-            blocks.copy_(part, non_blocking=cuda)
-    elif not cuda:
-        if to_chunks:
-            torch.index_select(engine, dim, index, out=part)
-        elif dim == 0:
-            engine.numpy()[index.numpy()] = part.numpy()
-        else:
-            engine.numpy()[:, index.numpy()] = part.numpy()
-    elif to_chunks:
-        staged = engine.index_select(dim, index)
+            blocks.copy_(part, non_blocking=True)
+        return
+    flat = torch.from_numpy(index.reshape(-1)).to(engine.device, non_blocking=True)
+    keep.append(flat)
+    if to_chunks:
+        staged = engine.index_select(dim, flat).view(shape)
         keep.append(staged)
         part.copy_(staged, non_blocking=True)
     else:
-        staged = part.to(engine.device, non_blocking=True)
+        staged = part.to(engine.device, non_blocking=True).flatten(dim, dim + 1)
         keep.append(staged)
-        engine.index_copy_(dim, index, staged)
+        engine.index_copy_(dim, flat, staged)

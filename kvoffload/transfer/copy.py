@@ -38,7 +38,7 @@ import torch
 
 from kvoffload.errors import TransferError
 from kvoffload.layout import KVLayout
-from kvoffload.transfer._moves import copy_blocks, copy_strided_run
+from kvoffload.transfer._moves import move_run
 from kvoffload.transfer.views import KVSplit, LayerPages, register_layers
 
 __all__ = ["BlockSpan", "KVTransfer"]
@@ -222,62 +222,61 @@ class KVTransfer:
         to_chunks: bool,
         keep: list[torch.Tensor],
     ) -> None:
+        """Split the span into runs (see :mod:`._moves`); one copy per layer per run."""
         layers = self.groups[group]
         bpc, size = self.blocks_per_chunk, self.chunk_bytes(group)
-        layer_bytes = size // len(layers)
-        consecutive = np.diff(ids) == 1
         ranges = span.chunk_ranges(bpc)
         c = 0
         while c < len(ranges):
+            m, step = _mergeable(chunks, ranges, c, bpc, size)
             start, stop, pos = ranges[c]
-            m, step = _mergeable(chunks, ranges, consecutive, c, bpc, size)
-            if m > 1:  # whole chunks, consecutive blocks, evenly spaced buffers: one copy
-                for layer, pages in enumerate(layers):
-                    copy_strided_run(pages, chunks[c], step, layer * layer_bytes,
-                                     int(ids[start]), (m, bpc), to_chunks=to_chunks)  # fmt: skip
-                c += m
-                continue
-            n = stop - start
-            run = bool(consecutive[start : stop - 1].all())
-            index = None if run else torch.from_numpy(ids[start:stop]).to(self.device)
-            region = chunks[c][:size].view(len(layers), bpc, -1)
+            stop = ranges[c + m - 1][1]
+            run = ids[start:stop]
+            index = None if bool((np.diff(run) == 1).all()) else run.reshape(m, -1)
+            k = (stop - start) // m
             for layer, pages in enumerate(layers):
-                copy_blocks(pages, region[layer, pos : pos + n], int(ids[start]), index,
-                            to_chunks=to_chunks, keep=keep)  # fmt: skip
-            c += 1
+                offset = layer * bpc * pages.page_bytes + pos * pages.page_bytes
+                base = chunks[c]
+                dst = base.as_strided(
+                    (m, k, pages.page_bytes), (step, pages.page_bytes, 1),
+                    base.storage_offset() + offset,
+                )  # fmt: skip
+                move_run(pages, dst, int(run[0]), index, to_chunks=to_chunks, keep=keep)
+            c += m
 
 
 def _mergeable(
     chunks: Sequence[torch.Tensor],
     ranges: Sequence[tuple[int, int, int]],
-    consecutive: npt.NDArray[np.bool_],
     c: int,
     bpc: int,
     size: int,
 ) -> tuple[int, int]:
-    """How many chunks from ``c`` one strided copy can move, and their buffer step in bytes.
+    """How many chunks from ``c`` one copy per layer can move, and their buffer step in bytes.
 
-    They must be whole chunks whose blocks continue one another and whose
-    buffers lie evenly spaced, without overlap, in one storage (slots of one
-    slab, typically).
+    They must be whole chunks whose buffers lie evenly spaced, without
+    overlap, in one storage (slots of one slab, typically). A partial chunk
+    (the first of an unaligned load, the last of a span) is a run by itself.
     """
 
     def whole(i: int) -> bool:
         start, stop, pos = ranges[i]
-        return pos == 0 and stop - start == bpc and bool(consecutive[start : stop - 1].all())
+        return pos == 0 and stop - start == bpc
 
+    single = (1, size)
     if c + 1 >= len(ranges) or not whole(c):
-        return 1, 0
+        return single
     base = chunks[c]
     step = chunks[c + 1].data_ptr() - base.data_ptr()
+    if step < size:
+        return single
     storage = base.untyped_storage().data_ptr()
     m = 1
     while (
         c + m < len(ranges)
         and whole(c + m)
-        and bool(consecutive[ranges[c + m][0] - 1])
         and chunks[c + m].data_ptr() - chunks[c + m - 1].data_ptr() == step
         and chunks[c + m].untyped_storage().data_ptr() == storage
     ):
         m += 1
-    return (m, step) if step >= size else (1, 0)
+    return (m, step) if m > 1 else single

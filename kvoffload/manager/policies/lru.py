@@ -26,8 +26,7 @@ class LRUPolicy(EvictionPolicy):
         self._order: OrderedDict[bytes, None] = OrderedDict()
 
     def insert(self, key: bytes) -> None:
-        self._order[key] = None
-        self._order.move_to_end(key)
+        self._order[key] = None  # a new key lands at the most recent end
 
     def touch(self, key: bytes) -> None:
         # try/except, not suppress() or a membership test: this is the hot path
