@@ -43,9 +43,9 @@ from typing import NamedTuple
 
 import numpy as np
 
-from kvoffload.errors import CorruptChunkError, TierError
 from kvoffload.config.offload_config import DISK_ALIGN, disk_footprint
-from kvoffload.tiers._direct_io import ALIGN, O_DIRECT, BufferPool, is_aligned, round_up
+from kvoffload.errors import CorruptChunkError, TierError
+from kvoffload.tiers._direct_io import ALIGN, O_DIRECT, BufferPool, is_aligned
 from kvoffload.tiers.base import ChunkBuffer
 
 __all__ = ["CRC32", "FORMAT_VERSION", "MAX_KEY_BYTES", "XXH3_64", "ChunkFileIO", "file_bytes"]
