@@ -28,13 +28,12 @@ shadows hold at most ``6 * capacity / 8`` keys and the sighting ghost
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Callable, Collection
+from collections.abc import Collection
 from zlib import crc32
 
 from kvoffload.errors import KVOffloadError
-from kvoffload.manager._integrity import check_resident
 from kvoffload.manager.policies._common import check_capacity
-from kvoffload.manager.policy import EvictionPolicy
+from kvoffload.manager.policies.lru import LRUPolicy
 
 __all__ = ["AdaptivePolicy"]
 
@@ -87,14 +86,17 @@ class _Shadow:
         self.seen.clear()
 
 
-class AdaptivePolicy(EvictionPolicy):
-    """LRU with a second-sighting admission filter driven by two shadow caches."""
+class AdaptivePolicy(LRUPolicy):
+    """LRU with a second-sighting admission filter driven by two shadow caches.
+
+    Residents, eviction and their integrity check are LRU's; this class adds
+    admission and the shadows that decide it.
+    """
 
     name = "adaptive"
 
     def __init__(self, capacity: int) -> None:
         super().__init__(check_capacity("AdaptivePolicy", capacity))
-        self._order: OrderedDict[bytes, None] = OrderedDict()
         self._seen: OrderedDict[bytes, None] = OrderedDict()
         small = max(1, capacity // SAMPLE)
         self._admit_all = _Shadow(small, filtering=False)
@@ -131,10 +133,6 @@ class AdaptivePolicy(EvictionPolicy):
         _remember(seen, key, GHOST * self.capacity)
         return False
 
-    def insert(self, key: bytes) -> None:
-        self._order[key] = None
-        self._order.move_to_end(key)
-
     def touch(self, key: bytes) -> None:
         try:
             self._order.move_to_end(key)
@@ -142,27 +140,8 @@ class AdaptivePolicy(EvictionPolicy):
             return
         self._observe(key)
 
-    def remove(self, key: bytes) -> None:
-        self._order.pop(key, None)
-
-    def evict(self, n: int, protected: Callable[[bytes], bool]) -> list[bytes]:
-        victims: list[bytes] = []
-        if n <= 0:
-            return victims
-        for key in self._order:
-            if not protected(key):
-                victims.append(key)
-                if len(victims) == n:
-                    break
-        for key in victims:
-            del self._order[key]
-        return victims
-
-    def __len__(self) -> int:
-        return len(self._order)
-
     def reset(self) -> None:
-        self._order.clear()
+        super().reset()
         self._seen.clear()
         self._admit_all.clear()
         self._filtered.clear()
@@ -170,7 +149,7 @@ class AdaptivePolicy(EvictionPolicy):
         self.filtering = False
 
     def check_integrity(self, resident: Collection[bytes]) -> None:
-        check_resident(self.name, self._order, resident)
+        super().check_integrity(resident)
         small = self._admit_all.capacity
         sizes = (len(self._admit_all.resident), len(self._filtered.resident))
         ghosts = (len(self._seen), len(self._filtered.seen))
