@@ -6,6 +6,7 @@ from collections.abc import Callable
 
 import pytest
 
+from kvoffload import CacheGroup, KVLayout, build_offloading_config
 from kvoffload.errors import ConfigError, KVOffloadError, ProtocolError
 from kvoffload.manager import (
     AdmissionFilter,
@@ -335,3 +336,21 @@ def test_out_of_sync_policy_is_caught() -> None:
     with pytest.raises(KVOffloadError, match="out of sync"):
         manager.prepare_store([K[5]])
     assert manager.lookup(K[:2]) == 2
+
+
+def test_from_config_uses_the_policy_and_store_threshold() -> None:
+    layout = KVLayout(groups=(CacheGroup("full", 16, ("l0",), 1024),))
+    plain = OffloadManager.from_config(
+        build_offloading_config({"cpu_bytes_to_use": 8 * 1024, "eviction_policy": "arc"}, layout)
+    )
+    assert (plain.capacity, plain.policy.name) == (8, "arc")
+    strict = OffloadManager.from_config(
+        build_offloading_config({"cpu_bytes_to_use": 8 * 1024, "store_threshold": 3}, layout)
+    )
+    key = [bytes([1]) * 16]
+    offers = []
+    for _ in range(3):
+        store = strict.prepare_store(key)
+        assert store is not None
+        offers.append(store.keys)
+    assert offers == [(), (), tuple(key)]  # stored on the third sighting

@@ -299,3 +299,9 @@ def test_scan_resistance() -> None:
     assert hot_hit_ratio(S3FIFOPolicy(8)) > 0.8
     assert hot_hit_ratio(AdmissionFilter(LRUPolicy(8), window=4)) > 0.8
     assert hot_hit_ratio(AdmissionFilter(ARCPolicy(8))) > 0.8
+
+
+@pytest.mark.parametrize("sightings", [1, 0, True, 2.0])
+def test_admission_filter_needs_at_least_two_sightings(sightings: object) -> None:
+    with pytest.raises(ConfigError, match="sightings must be an int >= 2"):
+        AdmissionFilter(LRUPolicy(4), sightings=sightings)  # type: ignore[arg-type]

@@ -104,8 +104,7 @@ class DemoReplay:
         self.namespace = namespace_of("kvoffload-demo", "bfloat16", self.layout)
         caches = allocate_kv_caches(self.layout, num_blocks, torch.bfloat16)
         self.engine = OffloadEngine.from_config(config, caches, self.namespace)
-        self.index = OffloadManager(config.num_cpu_chunks, config.eviction_policy,
-                                    record_events=False)  # fmt: skip
+        self.index = OffloadManager.from_config(config, record_events=False)
         self.rng = random.Random(seed)
         self.free = [list(range(num_blocks)) for _ in self.layout.groups]
         self.stats = DemoStats(groups=[GroupStats() for _ in self.layout.groups])

@@ -20,12 +20,17 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Iterable, Sequence
+from typing import TYPE_CHECKING
 
 from kvoffload.errors import ConfigError, KVOffloadError, ProtocolError
 from kvoffload.keys import short_key
+from kvoffload.manager.policies.admission import AdmissionFilter
 from kvoffload.manager.policy import EvictionPolicy
 from kvoffload.manager.results import EventKind, IndexEvent, LoadResult, StoreResult
 from kvoffload.registry import POLICIES
+
+if TYPE_CHECKING:
+    from kvoffload.config import OffloadConfig
 
 __all__ = ["OffloadManager"]
 
@@ -92,6 +97,19 @@ class OffloadManager:
             ),
             0,
         )
+
+    @classmethod
+    def from_config(cls, config: OffloadConfig, *, record_events: bool = True) -> OffloadManager:
+        """The index of one worker's CPU tier, as the configuration describes it.
+
+        ``eviction_policy`` picks the policy; a ``store_threshold`` above 1
+        wraps it in an :class:`AdmissionFilter` that stores a chunk on that
+        many sightings.
+        """
+        policy: EvictionPolicy = POLICIES.create(config.eviction_policy, config.num_cpu_chunks)
+        if config.store_threshold > 1:
+            policy = AdmissionFilter(policy, sightings=config.store_threshold)
+        return cls(config.num_cpu_chunks, policy, record_events=record_events)
 
     # -- queries -------------------------------------------------------------
     def lookup(self, keys: Sequence[bytes]) -> int:

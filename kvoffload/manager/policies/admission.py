@@ -1,4 +1,4 @@
-"""An admission filter: store a chunk only the second time it is offered.
+"""An admission filter: store a chunk only the second (or N-th) time it is offered.
 
 Most prefixes in serving traces are never shared; storing them evicts chunks
 that would have been reused. ``AdmissionFilter`` wraps any policy and rejects
@@ -24,24 +24,36 @@ __all__ = ["AdmissionFilter"]
 
 
 class AdmissionFilter(EvictionPolicy):
-    """Admit a key only if it was offered before within the last ``window`` sightings."""
+    """Admit a key on its ``sightings``-th offer within the last ``window`` keys offered.
 
-    def __init__(self, inner: EvictionPolicy, *, window: int | None = None) -> None:
+    ``sightings=2`` (the default) is the classic second-hit filter; the
+    configuration's ``store_threshold`` sets it.
+    """
+
+    def __init__(
+        self, inner: EvictionPolicy, *, window: int | None = None, sightings: int = 2
+    ) -> None:
         if not isinstance(inner, EvictionPolicy):
             raise ConfigError(f"AdmissionFilter wraps an EvictionPolicy, got {inner!r}")
         super().__init__(inner.capacity)
         window = inner.capacity if window is None else window
         if isinstance(window, bool) or not isinstance(window, int) or window <= 0:
             raise ConfigError(f"AdmissionFilter: window must be a positive int, got {window!r}")
+        if isinstance(sightings, bool) or not isinstance(sightings, int) or sightings < 2:
+            raise ConfigError(f"AdmissionFilter: sightings must be an int >= 2, got {sightings!r}")
+        self.sightings = sightings
         self.inner = inner
         self.window = window
         self.name = f"admit+{inner.name}"
-        self._sightings: OrderedDict[bytes, None] = OrderedDict()
+        #: key -> offers seen so far (fewer than ``sightings``), oldest first.
+        self._sightings: OrderedDict[bytes, int] = OrderedDict()
 
     def admit(self, key: bytes) -> bool:
         sightings = self._sightings
-        if key not in sightings:
-            sightings[key] = None
+        seen = sightings.get(key, 0) + 1
+        if seen < self.sightings:
+            sightings[key] = seen
+            sightings.move_to_end(key)
             if len(sightings) > self.window:
                 sightings.popitem(last=False)
             return False
