@@ -6,30 +6,22 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 
 from kvoffload.replay.belady import belady_hits
-from kvoffload.replay.loop import replay
+from kvoffload.replay.loop import ReplayResult, replay
 from kvoffload.replay.trace import Trace
 
 __all__ = ["Row", "format_table", "sweep"]
 
 
 @dataclass(frozen=True, slots=True)
-class Row:
-    """One policy at one capacity, with the clairvoyant bound at that capacity."""
+class Row(ReplayResult):
+    """One replay result, with the clairvoyant bound at its capacity."""
 
-    trace: str
-    policy: str
-    capacity: int
-    requests: int
-    blocks: int
-    hit_blocks: int
-    hit_ratio: float
-    keys_per_s: float
     #: Belady's prefix-hit ratio at ``capacity``; ``None`` when not computed.
-    bound: float | None
+    bound: float | None = None
 
     def as_dict(self) -> dict[str, object]:
-        """The row as plain JSON-ready values."""
-        return asdict(self)
+        """The row as plain JSON-ready values, the derived ratios included."""
+        return {**asdict(self), "hit_ratio": self.hit_ratio, "keys_per_s": self.keys_per_s}
 
 
 def sweep(
@@ -47,19 +39,7 @@ def sweep(
         best = belady_hits(trace.requests, capacity) / blocks if bound and blocks else None
         for policy in policies:
             result = replay(trace, capacity, policy, progress=progress)
-            rows.append(
-                Row(
-                    trace=trace.name,
-                    policy=result.policy,
-                    capacity=capacity,
-                    requests=result.requests,
-                    blocks=result.blocks,
-                    hit_blocks=result.hit_blocks,
-                    hit_ratio=result.hit_ratio,
-                    keys_per_s=result.keys_per_s,
-                    bound=best,
-                )
-            )
+            rows.append(Row(**asdict(result), bound=best))
     return rows
 
 
