@@ -34,7 +34,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from kvoffload.errors import KVOffloadError, TierError
+from kvoffload.errors import ConfigError, KVOffloadError, TierError
 from kvoffload.tiers.base import Tier
 from kvoffload.tiers.cpu import CPUTier
 
@@ -86,7 +86,11 @@ class TierCascade:
     def __init__(self, cpu: CPUTier, lower: Sequence[Tier] = ()) -> None:
         self.cpu = cpu
         self.lower = tuple(lower)
-        self.traffic = {tier.name or type(tier).__name__: TierTraffic() for tier in self.tiers}
+        names = [tier.name for tier in self.tiers]
+        if not all(names) or len(set(names)) != len(names):
+            # Traffic and stats are keyed by name: an empty or repeated one would merge counters.
+            raise ConfigError(f"every tier of a cascade needs its own non-empty name, got {names}")
+        self.traffic = {name: TierTraffic() for name in names}
 
     @property
     def tiers(self) -> tuple[Tier, ...]:

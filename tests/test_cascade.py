@@ -11,7 +11,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from kvoffload.cascade import TierCascade
 from kvoffload.engine import ChunkSpan, JobResult, JobStatus, OffloadEngine
+from kvoffload.errors import ConfigError
 from kvoffload.layout import CacheGroup, KVLayout
 from kvoffload.manager.index import OffloadManager
 from kvoffload.tiers.cpu import CPUTier
@@ -180,3 +182,13 @@ def test_index_engine_and_cascade_together(
     assert torch.equal(as_bytes(kv["f0"][[28, 29]]), snapshot[keys[5]])
     index.check_integrity()
     engine.cascade.check_integrity()
+
+
+def test_a_cascade_rejects_tiers_whose_counters_would_merge(tmp_path: Path) -> None:
+    cpu = CPUTier(2, SLOT_BYTES, pin_memory=False)
+    first = DiskTier(tmp_path / "a", 1 << 20, b"ns")
+    second = DiskTier(tmp_path / "b", 1 << 20, b"ns")
+    expected = r"needs its own non-empty name, got \['cpu', 'disk', 'disk'\]"
+    with pytest.raises(ConfigError, match=expected):
+        TierCascade(cpu, [first, second])
+    assert TierCascade(cpu, [first]).traffic.keys() == {"cpu", "disk"}
