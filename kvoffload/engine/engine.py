@@ -23,6 +23,10 @@ Guarantees:
 * **Failed stores are reported**, counted in :meth:`stats`, never swallowed.
   Stores cover whole chunks; lower-tier write failures are reported in
   ``JobResult.errors`` without failing the store (see :mod:`kvoffload.cascade`).
+* **Engine blocks are free again early.** A store job copies all its blocks
+  into CPU slots first, then writes lower tiers; :meth:`wait_for_sources`
+  returns once every submitted store is past the copy, so a connector can let
+  the engine reuse those blocks without waiting for disk or network.
 * **CUDA.** A store records an event on the submitting thread's current
   stream; its copies wait on that event on the transfer's own stream, so no
   stream is ever synchronised by the host except the transfer's own.
@@ -70,6 +74,7 @@ class OffloadEngine:
         self._cond = threading.Condition()
         self._finished: list[JobResult] = []
         self._pending = 0
+        self._reading = 0  # store jobs still reading engine blocks
         self._counters = dict.fromkeys(
             ("stores", "loads", "stored_chunks", "store_failures", "loaded_chunks",
              "load_failures", "promotions"), 0)  # fmt: skip
@@ -135,6 +140,18 @@ class OffloadEngine:
             done, self._finished = self._finished, []
         return done
 
+    def wait_for_sources(self, timeout: float | None = None) -> bool:
+        """Block until every store submitted so far has finished reading engine blocks.
+
+        A store job first copies its engine blocks into CPU slots, then writes
+        the chunks to lower tiers. Once the copies are done the engine may
+        reuse those blocks, so a connector calls this before the next forward
+        pass instead of waiting for whole jobs (disk and network included).
+        ``False`` on timeout.
+        """
+        with self._cond:
+            return self._cond.wait_for(lambda: self._reading == 0, timeout)
+
     def wait(self, timeout: float | None = None) -> bool:
         """Block until no job is pending; ``False`` on timeout. Results wait in ``get_finished``."""
         with self._cond:
@@ -185,6 +202,7 @@ class OffloadEngine:
         job_id = next(self._ids)
         with self._cond:
             self._pending += 1
+            self._reading += kind is JobKind.STORE
         self._pool.submit(self._run, job_id, kind, tuple(spans), after)
         return job_id
 
@@ -196,16 +214,29 @@ class OffloadEngine:
         after: torch.cuda.Event | None,
     ) -> None:
         outcome = Outcome()
+        reading = kind is JobKind.STORE
         try:
             with self._locked(spans):
-                for span in spans:
-                    if kind is JobKind.STORE:
-                        self._store_span(span, after, outcome)
-                    else:
+                if kind is JobKind.STORE:
+                    gathered = [self._gather_span(span, after, outcome) for span in spans]
+                    self._sources_released()
+                    reading = False
+                    for span, ok in zip(spans, gathered, strict=True):
+                        if ok:
+                            self._commit_span(span, outcome)
+                else:
+                    for span in spans:
                         self._load_span(span, outcome)
         except Exception as exc:  # a bug must still report the job, never hang the engine
             self._crashed(kind, spans, outcome, exc)
+        if reading:
+            self._sources_released()
         self._finish(outcome.result(job_id, kind))
+
+    def _sources_released(self) -> None:
+        with self._cond:
+            self._reading -= 1
+            self._cond.notify_all()
 
     @staticmethod
     def _crashed(
@@ -244,9 +275,10 @@ class OffloadEngine:
             self._cond.notify_all()
 
     # -- the two job kinds ------------------------------------------------------------
-    def _store_span(
+    def _gather_span(
         self, span: ChunkSpan, after: torch.cuda.Event | None, outcome: Outcome
-    ) -> None:
+    ) -> bool:
+        """Copy the span's engine blocks into its reserved CPU slots; ``False`` if that failed."""
         cpu, nbytes = self.cascade.cpu, self.transfer.chunk_bytes(span.group)
         for slot in span.slots:
             cpu.reserve(slot)
@@ -260,10 +292,15 @@ class OffloadEngine:
             self.cascade.traffic[cpu.name].add(True, 0, time.perf_counter() - start, ok=False)
             outcome.failed.extend(span.keys)
             outcome.errors.append(f"transfer: group {span.group}: {exc}")
-            return
+            return False
         moved = nbytes * len(span.keys)
         self.cascade.traffic[cpu.name].add(True, moved, time.perf_counter() - start)
         outcome.nbytes += moved
+        return True
+
+    def _commit_span(self, span: ChunkSpan, outcome: Outcome) -> None:
+        """Bind the gathered chunks to their keys and write them through to lower tiers."""
+        cpu, nbytes = self.cascade.cpu, self.transfer.chunk_bytes(span.group)
         for key, slot in zip(span.keys, span.slots, strict=True):
             cpu.bind(key, slot, nbytes)
             outcome.errors.extend(self.cascade.write_through(key, slot, nbytes))

@@ -132,6 +132,24 @@ class OffloadManager:
         counters["misses"] += len(keys) - n
         return n
 
+    def ready_mask(self, keys: Iterable[bytes]) -> list[bool]:
+        """Whether each key is ready now: a pure query, no counters, nothing told to the policy.
+
+        For planners that may ask about the same request more than once
+        (vLLM's ``get_num_new_matched_tokens`` must be side-effect free) and
+        that need every key, not just the leading run ``lookup`` counts.
+        """
+        ready = self._ready
+        return [key in ready for key in keys]
+
+    def room(self) -> int:
+        """The most chunks one new load can use at once: slots neither pinned nor being stored.
+
+        A planner that offers more than this would promise chunks it cannot
+        stage; it should offer a shorter hit instead.
+        """
+        return self.capacity - len(self._pins) - len(self._storing)
+
     def touch(self, keys: Iterable[bytes]) -> None:
         """Tell the policy ``keys`` were used, in the caller's order; unknown keys are ignored.
 
@@ -186,8 +204,13 @@ class OffloadManager:
                 del pins[key]
 
     # -- stores --------------------------------------------------------------
-    def prepare_store(self, keys: Sequence[bytes]) -> StoreResult | None:
+    def prepare_store(
+        self, keys: Sequence[bytes], *, admit_all: bool = False
+    ) -> StoreResult | None:
         """Reserve slots for the missing ``keys``, evicting unprotected ready chunks if needed.
+
+        ``admit_all`` skips the policy's admission (a promotion from a lower
+        tier: the chunk already proved worth keeping, and a load depends on it).
 
         Already-ready keys are skipped and protected from this call's
         evictions; in-flight keys and duplicates are skipped. Room is checked
@@ -210,7 +233,7 @@ class OffloadManager:
                 missing.append(key)
         if len(missing) > len(self._free) + self._evictable(found):
             return None
-        if self._filters_admission:
+        if self._filters_admission and not admit_all:
             admit = self.policy.admit
             admitted = [key for key in missing if admit(key)]
             self._counters["rejected"] += len(missing) - len(admitted)

@@ -37,6 +37,7 @@ import re
 import secrets
 import threading
 from collections import OrderedDict
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -53,7 +54,7 @@ from kvoffload.tiers._disk_checks import (
 )
 from kvoffload.tiers.base import ChunkBuffer, Tier
 
-__all__ = ["DiskTier"]
+__all__ = ["DiskProbe", "DiskTier"]
 
 _CHUNK_NAME = re.compile(rf"([0-9a-f]{{2,{2 * MAX_KEY_BYTES}}})\.kv")
 
@@ -367,3 +368,28 @@ class DiskTier(Tier):
             path.unlink(missing_ok=True)
         except OSError:
             self._counters.unlink_failures += 1
+
+
+class DiskProbe:
+    """Asks whether chunk files exist in a disk tier another object (or process) owns.
+
+    The scheduler side of a connector plans loads but never touches bytes;
+    the worker's :class:`DiskTier` owns the directory. A probe answers from
+    the directory itself, so it sees what a previous process left (warm
+    restart) and what the owner evicted, with no message between them. Like
+    ``Tier.contains`` it is a hint: a file may vanish or prove corrupt before
+    the load, which then fails and is recomputed.
+    """
+
+    name = "disk"
+
+    def __init__(self, path: str | os.PathLike[str], namespace: bytes) -> None:
+        self._dir = Path(path) / namespace_fingerprint(namespace).hex()
+
+    def contains_many(self, keys: Sequence[bytes]) -> list[bool]:
+        """One ``stat`` per key; no index, no lock, nothing created."""
+        directory = self._dir
+        return [valid_key(key) and (directory / f"{key.hex()}.kv").is_file() for key in keys]
+
+    def close(self) -> None:
+        """Nothing to release; present so probes close like tiers."""

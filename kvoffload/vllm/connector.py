@@ -1,0 +1,391 @@
+"""``KVOffloadConnector``: vLLM 0.32's ``KVConnectorBase_V1`` and ``SupportsHMA`` over kvoffload.
+
+This module is only glue: it reads vLLM's objects (requests, block tables,
+scheduler outputs, KV tensors) and hands plain values to
+:class:`~kvoffload.vllm.scheduler.OffloadScheduler` (scheduler side) and
+:class:`~kvoffload.vllm.worker.OffloadWorker` (worker side), which hold all
+the logic and are tested without vLLM.
+
+Configuration is vLLM's ``kv_connector_extra_config``, validated by
+:func:`kvoffload.build_offloading_config` against the layout read from vLLM's
+``KVCacheConfig``: every bad value fails at engine start with the same clear
+``ConfigError`` as ``kvoffload plan``, on both sides.
+"""
+
+from __future__ import annotations
+
+import logging
+import weakref
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+from vllm.distributed.kv_events import BlockRemoved, BlockStored, KVCacheEvent
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+    KVConnectorTransferResults,
+    KVConnectorWorkerMetadata,
+    SupportsHMA,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
+from vllm.v1.metrics.cache_hit_source import CacheHitSource
+
+from kvoffload.config import OffloadConfig, build_offloading_config
+from kvoffload.engine import JobKind, OffloadEngine
+from kvoffload.errors import ConfigError
+from kvoffload.keys import namespace_of
+from kvoffload.layout import KVLayout
+from kvoffload.manager.results import EventKind
+from kvoffload.tiers.disk import DiskProbe
+from kvoffload.vllm._layout import layout_from_kv_cache_config
+from kvoffload.vllm._protocol import JobReport, TransferOrder, merge_reports
+from kvoffload.vllm.scheduler import OffloadScheduler, TierProbe
+from kvoffload.vllm.worker import OffloadWorker
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.attention.backend import AttentionMetadata
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import KVConnectorOutput
+    from vllm.v1.request import Request
+
+__all__ = ["KVOffloadConnector", "KVOffloadMetadata", "KVOffloadStats", "active_connectors"]
+
+logger = logging.getLogger("kvoffload")
+
+_LIVE: weakref.WeakSet[KVOffloadConnector] = weakref.WeakSet()
+
+
+def active_connectors() -> list[KVOffloadConnector]:
+    """The connectors alive in this process (scheduler side first): for tests and tools."""
+    return sorted(_LIVE, key=lambda c: c.role.value)
+
+
+@dataclass
+class KVOffloadMetadata(KVConnectorMetadata):
+    """Scheduler -> worker, once per step: the orders to run."""
+
+    orders: tuple[TransferOrder, ...] = ()
+
+
+@dataclass
+class KVOffloadWorkerMetadata(KVConnectorWorkerMetadata):
+    """Worker -> scheduler, once per step: job reports, merged across ranks by job id."""
+
+    reports: dict[int, JobReport] = field(default_factory=dict)
+
+    def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
+        if not isinstance(other, KVOffloadWorkerMetadata):
+            raise TypeError(f"cannot merge {type(other).__name__} into KVOffloadWorkerMetadata")
+        merged = dict(self.reports)
+        for job_id, report in other.reports.items():
+            mine = merged.get(job_id)
+            merged[job_id] = report if mine is None else merge_reports(mine, report)
+        return KVOffloadWorkerMetadata(merged)
+
+
+@dataclass
+class KVOffloadStats(KVConnectorStats):
+    """Counter deltas of one interval; vLLM sums them across workers and logs them."""
+
+    def reset(self) -> None:
+        self.data = dict[str, Any]()
+
+    def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
+        merged = dict(self.data)
+        for name, value in other.data.items():
+            merged[name] = merged.get(name, 0) + value
+        return KVOffloadStats(data=merged)
+
+    def reduce(self) -> dict[str, int | float]:
+        return {name: value for name, value in self.data.items() if value}
+
+    def is_empty(self) -> bool:
+        return not any(self.data.values())
+
+
+class _Deltas:
+    """Turns cumulative counters into per-interval deltas for ``get_kv_connector_stats``."""
+
+    def __init__(self) -> None:
+        self._last: dict[str, int] = {}
+
+    def take(self, figures: dict[str, Any]) -> KVOffloadStats | None:
+        now = {k: v for k, v in figures.items() if isinstance(v, int) and not isinstance(v, bool)}
+        delta = {k: v - self._last.get(k, 0) for k, v in now.items()}
+        self._last = now
+        stats = KVOffloadStats(data={k: v for k, v in delta.items() if v})
+        return None if stats.is_empty() else stats
+
+
+def _skip_request(request: Request) -> bool:
+    """Requests whose KV depends on more than token ids (LoRA, images, salts) are not offloaded."""
+    return bool(
+        request.lora_request is not None
+        or request.mm_features
+        or request.cache_salt
+        or request.prompt_token_ids is None
+    )
+
+
+class KVOffloadConnector(KVConnectorBase_V1, SupportsHMA):
+    """Offloads KV chunks of every cache group to CPU, disk and lower tiers, and loads them back.
+
+    vLLM builds one on the scheduler side and one per worker; see the module
+    docstring. Loads are asynchronous (``get_num_new_matched_tokens`` answers
+    ``(tokens, True)``); stores run after each forward pass.
+    """
+
+    _cache_hit_source = CacheHitSource.HOST
+
+    def __init__(
+        self,
+        vllm_config: VllmConfig,
+        role: KVConnectorRole,
+        kv_cache_config: KVCacheConfig | None = None,
+    ) -> None:
+        if kv_cache_config is None:
+            raise ConfigError(
+                "KVOffloadConnector needs vLLM's KVCacheConfig (vLLM 0.32 or newer passes it)"
+            )
+        super().__init__(vllm_config, role, kv_cache_config)
+        parallel = vllm_config.parallel_config
+        if parallel.pipeline_parallel_size != 1:
+            raise ConfigError(
+                f"KVOffloadConnector: pipeline_parallel_size={parallel.pipeline_parallel_size} "
+                "is not supported yet; run with pipeline_parallel_size=1"
+            )
+        self.layout: KVLayout = layout_from_kv_cache_config(kv_cache_config)
+        extra = dict(vllm_config.kv_transfer_config.kv_connector_extra_config or {})
+        self.world_size = parallel.tensor_parallel_size
+        self.config: OffloadConfig = build_offloading_config(
+            extra, self.layout, world_size=self.world_size
+        )
+        self._model_id = str(vllm_config.model_config.model)
+        self._dtype = str(vllm_config.model_config.dtype)
+        self._scheduler: OffloadScheduler | None = None
+        self._worker: OffloadWorker | None = None
+        self._requests: dict[str, Request] = {}
+        self._deltas = _Deltas()
+        if role is KVConnectorRole.SCHEDULER:
+            namespaces = [self.namespace(rank) for rank in range(self.world_size)]
+            self._scheduler = OffloadScheduler(
+                self.config, namespaces[0], self._probes(namespaces), world_size=self.world_size
+            )
+        _LIVE.add(self)
+
+    def namespace(self, rank: int) -> bytes:
+        """Rank ``rank``'s namespace: ranks hold different shards of the same chunk."""
+        model = self._model_id if self.world_size == 1 else f"{self._model_id}#tp{rank}"
+        return namespace_of(model, self._dtype, self.layout)
+
+    def _probes(self, namespaces: list[bytes]) -> list[TierProbe]:
+        """The lower tiers as the scheduler side sees them; a chunk must be on every rank."""
+        if self.config.disk_path is None:
+            return []
+        return [_AllRanks([DiskProbe(self.config.disk_path, ns) for ns in namespaces])]
+
+    def figures(self) -> dict[str, Any]:
+        """This side's counters: offered and loaded tokens (scheduler), jobs and bytes (worker)."""
+        if self._scheduler is not None:
+            return self._scheduler.figures()
+        return self._worker.figures() if self._worker is not None else {}
+
+    # ==============================================================================
+    # Scheduler side
+    # ==============================================================================
+    def get_num_new_matched_tokens(
+        self, request: Request, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
+        scheduler = self._scheduler_side()
+        if _skip_request(request):
+            return 0, False
+        self._requests[request.request_id] = request
+        hit = scheduler.lookup(request.request_id, request.all_token_ids, num_computed_tokens)
+        return hit, hit > 0
+
+    def update_state_after_alloc(
+        self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
+    ) -> None:
+        if request.request_id not in self._requests:
+            return
+        block_ids = blocks.get_block_ids() if num_external_tokens else ()
+        self._scheduler_side().plan_load(request.request_id, block_ids, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        scheduler = self._scheduler_side()
+        for req_id in scheduler_output.preempted_req_ids or ():
+            scheduler.preempted(req_id)
+        manager = self._kv_cache_manager
+        steps = [
+            (new.req_id, new.num_computed_tokens) for new in scheduler_output.scheduled_new_reqs
+        ]
+        cached = scheduler_output.scheduled_cached_reqs
+        steps += list(zip(cached.req_ids, cached.num_computed_tokens, strict=True))
+        for req_id, computed in steps:
+            request = self._requests.get(req_id)
+            if request is None or manager is None:
+                continue
+            scheduler.plan_store(
+                req_id,
+                request.all_token_ids,
+                computed=computed,
+                scheduled=scheduler_output.num_scheduled_tokens.get(req_id, 0),
+                block_ids=manager.get_block_ids(req_id),
+                num_prompt_tokens=request.num_prompt_tokens,
+            )
+        return KVOffloadMetadata(tuple(scheduler.take_orders()))
+
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        meta = connector_output.kv_connector_worker_meta
+        if isinstance(meta, KVOffloadWorkerMetadata):
+            scheduler = self._scheduler_side()
+            for report in meta.reports.values():
+                scheduler.on_report(report)
+
+    def request_finished(
+        self, request: Request, block_ids: list[int]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        return self.request_finished_all_groups(request, (block_ids,))
+
+    def request_finished_all_groups(
+        self, request: Request, block_ids: tuple[list[int], ...]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        self._requests.pop(request.request_id, None)
+        self._scheduler_side().request_finished(request.request_id)
+        return False, None  # the worker finished reading its blocks before vLLM frees them
+
+    def take_events(self) -> Iterable[KVCacheEvent]:
+        events: list[KVCacheEvent] = []
+        for event in self._scheduler_side().take_events():
+            if event.kind is EventKind.STORED:
+                events.append(
+                    BlockStored(
+                        block_hashes=[event.key],
+                        parent_block_hash=None,
+                        token_ids=[],
+                        block_size=0,
+                        lora_id=None,
+                        medium="CPU",
+                        lora_name=None,
+                    )
+                )
+            else:
+                events.append(BlockRemoved(block_hashes=[event.key], medium="CPU"))
+        return events
+
+    def reset_cache(self) -> bool | None:
+        return self._scheduler_side().reset()
+
+    @property
+    def requires_kv_delivery(self) -> bool:
+        return False  # a best-effort cache: a dropped store is a later miss
+
+    def _scheduler_side(self) -> OffloadScheduler:
+        if self._scheduler is None:
+            raise ConfigError("a scheduler-side method was called on the worker-side connector")
+        return self._scheduler
+
+    # ==============================================================================
+    # Worker side
+    # ==============================================================================
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+        rank = get_tensor_model_parallel_rank() if self.world_size > 1 else 0
+        engine = OffloadEngine.from_config(self.config, kv_caches, self.namespace(rank))
+        self._worker = OffloadWorker(engine, report_blocks=len(self.layout.groups) == 1)
+
+    def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
+        super().bind_connector_metadata(connector_metadata)
+        if self._worker is not None:
+            self._worker.before_forward()
+
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        self._worker_side().submit(self._orders(), JobKind.LOAD)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return None  # loads are asynchronous and whole-request
+
+    def save_kv_layer(
+        self,
+        layer_name: str,
+        kv_layer: torch.Tensor,
+        attn_metadata: AttentionMetadata,
+        **kwargs: Any,
+    ) -> None:
+        return None  # stores are submitted once per step, in wait_for_save
+
+    def wait_for_save(self) -> None:
+        self._worker_side().submit(self._orders(), JobKind.STORE)
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        worker = self._worker_side()
+        worker.drain_lower_evictions()
+        polled = worker.poll()
+        return KVConnectorTransferResults(
+            finished_recving=polled.finished_recving,
+            failed_recving=polled.failed_recving,
+        )
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        results = self.get_transfer_results(finished_req_ids)
+        return results.finished_sending, results.finished_recving
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        return self._worker_side().take_failed_blocks()
+
+    def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
+        if self._worker is None:
+            return None
+        reports = self._worker.take_reports()
+        return KVOffloadWorkerMetadata({r.job_id: r for r in reports}) if reports else None
+
+    def get_kv_connector_stats(self) -> KVConnectorStats | None:
+        return self._deltas.take(self.figures())
+
+    @classmethod
+    def build_kv_connector_stats(
+        cls, data: dict[str, Any] | None = None
+    ) -> KVConnectorStats | None:
+        return KVOffloadStats(data=dict(data or {}))
+
+    def shutdown(self) -> None:
+        if self._worker is not None:
+            self._worker.close()
+        if self._scheduler is not None:
+            self._scheduler.close()
+
+    def _orders(self) -> tuple[TransferOrder, ...]:
+        meta = self._get_connector_metadata()
+        return meta.orders if isinstance(meta, KVOffloadMetadata) else ()
+
+    def _worker_side(self) -> OffloadWorker:
+        if self._worker is None:
+            raise ConfigError(
+                "a worker-side method was called before register_kv_caches "
+                "(or on the scheduler-side connector)"
+            )
+        return self._worker
+
+
+class _AllRanks:
+    """One tier on every tensor-parallel rank: a chunk is loadable only if each holds its shard."""
+
+    def __init__(self, probes: Sequence[TierProbe]) -> None:
+        self._probes = tuple(probes)
+        self.name = probes[0].name
+
+    def contains_many(self, keys: Sequence[bytes]) -> list[bool]:
+        answers = [probe.contains_many(keys) for probe in self._probes]
+        return [all(column) for column in zip(*answers, strict=True)]
+
+    def close(self) -> None:
+        for probe in self._probes:
+            probe.close()

@@ -1,0 +1,475 @@
+"""The connector's scheduler side in plain terms: hits, load plans, store plans.
+
+vLLM calls the connector with its own objects; :mod:`kvoffload.vllm.connector`
+turns them into token ids, block id lists and counts and calls this class,
+which knows nothing of vLLM and is tested without it.
+
+**Hits across groups.** A hit of ``H`` tokens must be servable by every
+group at once, and vLLM only resumes a hybrid request at a multiple of every
+group's block, so ``H`` is a multiple of the least common multiple of the
+groups' chunk spans. What a group must supply for ``H`` depends on its kind:
+
+* full attention (and MLA) attends to everything: every chunk from the
+  engine's own hit up to ``H``;
+* sliding window ``W`` attends to the last ``W - 1`` tokens only (vLLM frees
+  the blocks before them): only the chunks covering ``[H - W + 1, H)``.
+
+So a long prompt whose sliding-window chunks were evicted early still hits,
+as long as the window before the hit point is there. Availability is the
+CPU index (exact) or a lower-tier probe (a hint: disk files, the remote
+server, one batched query per tier and request). A hint that proves wrong is
+a failed load, which vLLM recomputes (invariant 3).
+
+**What may be stored.** A chunk is stored once its tokens are computed and
+every one of its blocks holds real KV: computed by the engine, served by
+vLLM's prefix cache, or loaded by us. Blocks a sliding-window load skipped
+hold nothing and vLLM nulls (block id 0) those it frees, so each request
+keeps the token ranges whose KV is known to be valid, per group, and a chunk
+outside them (or with a null block) is skipped, never stored.
+
+**Blocks are never reused under a store.** The worker side finishes every
+store's copy out of the engine's blocks before the step's output reaches
+vLLM (see :mod:`kvoffload.vllm.worker`), so a finished request's blocks may
+be freed at once (``request_finished`` answers false) and its orders are
+completed here whenever their reports arrive.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from kvoffload.config import OffloadConfig
+from kvoffload.engine.results import ChunkSpan, JobKind
+from kvoffload.keys import extend_prefix_keys
+from kvoffload.manager.index import OffloadManager
+from kvoffload.manager.results import IndexEvent
+from kvoffload.transfer import BlockSpan
+from kvoffload.vllm._protocol import JobReport, TransferOrder, merge_reports
+
+__all__ = ["NULL_BLOCK", "OffloadScheduler", "TierProbe"]
+
+#: vLLM's placeholder block id for blocks a group does not hold (outside a window).
+NULL_BLOCK = 0
+
+
+class TierProbe(Protocol):
+    """What the scheduler side asks a lower tier: which keys it probably holds."""
+
+    name: str
+
+    def contains_many(self, keys: Sequence[bytes]) -> list[bool]: ...
+
+    def close(self) -> None: ...
+
+
+def _add_range(ranges: list[tuple[int, int]], start: int, stop: int) -> None:
+    """Merge ``[start, stop)`` into a sorted list of disjoint ranges."""
+    if start >= stop:
+        return
+    merged: list[tuple[int, int]] = []
+    for lo, hi in ranges:
+        if hi < start or lo > stop:
+            merged.append((lo, hi))
+        else:
+            start, stop = min(start, lo), max(stop, hi)
+    merged.append((start, stop))
+    merged.sort()
+    ranges[:] = merged
+
+
+def _covered(ranges: list[tuple[int, int]], start: int, stop: int) -> bool:
+    return any(lo <= start and stop <= hi for lo, hi in ranges)
+
+
+@dataclass(slots=True)
+class _Request:
+    """What the scheduler side remembers of one request."""
+
+    keys: list[list[bytes]]
+    #: Per group: token ranges whose KV in the engine's blocks is valid.
+    valid: list[list[tuple[int, int]]]
+    #: Per group: chunks below this index were stored or skipped.
+    next_chunk: list[int]
+    #: The engine's own hit at the last lookup, and the hit we offered.
+    local_hit: int = 0
+    offered: int = 0
+    jobs: set[int] = field(default_factory=set)
+    finished: bool = False
+
+
+@dataclass(slots=True)
+class _Job:
+    """An order in flight, until every worker reported it."""
+
+    order: TransferOrder
+    #: Load: CPU-resident chunks pinned for it, and chunks promoted from lower tiers.
+    pinned: tuple[bytes, ...] = ()
+    promoted: tuple[bytes, ...] = ()
+    #: Load: tokens it serves and the ``(group, start, stop)`` token ranges it makes valid.
+    tokens: int = 0
+    ranges: tuple[tuple[int, int, int], ...] = ()
+    report: JobReport | None = None
+
+
+class OffloadScheduler:
+    """Plans loads and stores of one engine's requests over the offload index.
+
+    ``probes`` are the lower tiers as the scheduler side sees them (see
+    :class:`TierProbe`); ``world_size`` ranks report every order.
+    """
+
+    def __init__(
+        self,
+        config: OffloadConfig,
+        namespace: bytes,
+        probes: Sequence[TierProbe] = (),
+        *,
+        world_size: int = 1,
+    ) -> None:
+        self.config = config
+        self.namespace = namespace
+        self.index = OffloadManager.from_config(config)
+        self.probes = tuple(probes)
+        self.world_size = world_size
+        self.layout = config.layout
+        self.bpc = config.blocks_per_chunk
+        self.spans = config.tokens_per_chunk
+        #: Hits land on multiples of this many tokens (every group's chunk boundary).
+        self.alignment = math.lcm(*self.spans)
+        self._requests: dict[str, _Request] = {}
+        self._jobs: dict[int, _Job] = {}
+        self._orders: list[TransferOrder] = []
+        self._next_job = 1
+        self._figures = dict.fromkeys(
+            ("lookups", "hit_requests", "hit_tokens", "loaded_tokens", "failed_load_tokens",
+             "loads", "failed_loads", "unloadable_chunks", "stores", "stored_chunks",
+             "failed_store_chunks", "skipped_store_chunks", "cpu_hit_chunks",
+             "lower_hit_chunks", "resets"), 0)  # fmt: skip
+
+    # -- lookups ------------------------------------------------------------------
+    def lookup(self, req_id: str, token_ids: Sequence[int], local_hit: int) -> int:
+        """Tokens beyond ``local_hit`` the tiers can serve: 0, or ``H - local_hit``.
+
+        Free of side effects on the index and the tiers, as vLLM asks (it may
+        call twice); it remembers the request's keys and what it offered.
+        """
+        self._figures["lookups"] += 1
+        req = self._request(req_id)
+        top = (len(token_ids) - 1) // self.alignment * self.alignment  # one token is computed
+        req.local_hit, req.offered = local_hit, 0
+        if top <= local_hit:
+            return 0
+        self._extend_keys(req, token_ids, top)
+        available = self._availability(req, local_hit, top)
+        hit = top
+        while hit > local_hit and not self._servable(available, local_hit, hit):
+            hit -= self.alignment
+        if hit <= local_hit:
+            return 0
+        req.offered = hit
+        return hit - local_hit
+
+    def _first_needed(self, g: int, local_hit: int, hit: int) -> int:
+        """The first token of group ``g`` a hit at ``hit`` must load."""
+        window = self.layout.groups[g].sliding_window
+        return local_hit if window is None else max(local_hit, hit - window + 1)
+
+    def _availability(self, req: _Request, local_hit: int, top: int) -> list[dict[int, bool]]:
+        """Per group: chunk index -> loadable, for every chunk a hit up to ``top`` may need."""
+        out: list[dict[int, bool]] = []
+        wanted: list[tuple[int, int, bytes]] = []
+        for g, span in enumerate(self.spans):
+            first, stop = local_hit // span, top // span
+            keys = req.keys[g][first:stop]
+            mask = self.index.ready_mask(keys)
+            out.append(dict(zip(range(first, stop), mask, strict=True)))
+            wanted += [(g, c, k) for c, k, ok in zip(range(first, stop), keys, mask, strict=True)
+                       if not ok]  # fmt: skip
+        for probe in self.probes:  # one batched question per tier, for what the ones above lack
+            if not wanted:
+                break
+            answers = probe.contains_many([key for _, _, key in wanted])
+            for (g, c, _), yes in zip(wanted, answers, strict=True):
+                if yes:
+                    out[g][c] = True
+            wanted = [w for w, yes in zip(wanted, answers, strict=True) if not yes]
+        return out
+
+    def _servable(self, available: list[dict[int, bool]], local_hit: int, hit: int) -> bool:
+        """Every chunk a hit at ``hit`` needs is available, and the CPU tier can stage them all."""
+        needed = 0
+        for g, span in enumerate(self.spans):
+            first = self._first_needed(g, local_hit, hit) // span
+            if not all(available[g].get(c, False) for c in range(first, hit // span)):
+                return False
+            needed += max(0, hit // span - first)
+        return needed <= self.index.room()
+
+    # -- loads ----------------------------------------------------------------------
+    def plan_load(
+        self, req_id: str, block_ids: Sequence[Sequence[int]], num_external: int
+    ) -> TransferOrder | None:
+        """Pin and reserve what the offered hit needs and queue its load order.
+
+        ``block_ids`` are the request's engine blocks per group after vLLM's
+        allocation, ``num_external`` the tokens vLLM accepted of the offer.
+        Chunks that turned out unservable (no CPU slot could be reserved for
+        their promotion) go into the order as ``unloadable``: the worker
+        reports them failed and vLLM recomputes them.
+        """
+        req = self._requests.get(req_id)
+        if req is None:
+            return None
+        if num_external <= 0 or not req.offered:
+            for ranges in req.valid:  # vLLM's own prefix-cache blocks (null ones are skipped later)
+                _add_range(ranges, 0, req.local_hit)
+            return None
+        # The hit point is what lookup checked; vLLM may have moved the local/external split.
+        hit = req.offered
+        local = hit - num_external
+        for ranges in req.valid:
+            _add_range(ranges, 0, local)
+        pieces = []  # (group, first chunk, first block, stop block, keys)
+        for g, group in enumerate(self.layout.groups):
+            blocks, tpb = block_ids[g], group.tokens_per_block
+            first = self._first_needed(g, local, hit) // tpb
+            stop = min(-(-hit // tpb), len(blocks))
+            while first < stop and blocks[first] == NULL_BLOCK:
+                first += 1
+            if first < stop:
+                c0 = first // self.bpc
+                pieces.append((g, c0, first, stop, req.keys[g][c0 : -(-stop // self.bpc)]))
+        slots, lost, job = self._reserve([key for *_, keys in pieces for key in keys])
+        spans: list[ChunkSpan] = []
+        unloadable: dict[int, tuple[int, ...]] = {}
+        for g, c0, first, stop, keys in pieces:
+            blocks, start = block_ids[g], 0
+            while start < len(keys):  # one span per run of chunks that have slots, and per run lost
+                run = start + 1
+                while run < len(keys) and (keys[run] in lost) == (keys[start] in lost):
+                    run += 1
+                lo = max(first, (c0 + start) * self.bpc)
+                hi = min(stop, (c0 + run) * self.bpc)
+                if keys[start] in lost:
+                    unloadable[g] = unloadable.get(g, ()) + tuple(blocks[lo:hi])
+                else:
+                    block_span = BlockSpan(tuple(blocks[lo:hi]), lo - (c0 + start) * self.bpc)
+                    chunk_slots = tuple(slots[key] for key in keys[start:run])
+                    spans.append(ChunkSpan(g, tuple(keys[start:run]), chunk_slots, block_span))
+                start = run
+        # Every chunk of the hit was used, vLLM's own hits included; the tail first
+        # so that the chain head, which every longer hit needs, is the most recent.
+        used = [k for g, span in enumerate(self.spans) for k in req.keys[g][: hit // span]]
+        self.index.touch(used[::-1])
+        order = TransferOrder(self._new_job_id(), req_id, JobKind.LOAD, tuple(spans), unloadable)
+        job.order, job.tokens = order, num_external
+        job.ranges = tuple((g, first * self.layout.groups[g].tokens_per_block, hit)
+                           for g, _, first, _, _ in pieces)  # fmt: skip
+        self._queue(req, job)
+        figures = self._figures
+        figures["hit_requests"] += 1
+        figures["hit_tokens"] += num_external
+        figures["cpu_hit_chunks"] += len(job.pinned)
+        figures["lower_hit_chunks"] += len(job.promoted)
+        figures["unloadable_chunks"] += len(lost)
+        return order
+
+    def _reserve(self, keys: list[bytes]) -> tuple[dict[bytes, int], set[bytes], _Job]:
+        """Slots for ``keys``: pins for CPU-resident ones, promotion slots for the rest.
+
+        Returns key -> slot, the keys that got no slot, and a job holding the
+        pins and reservations until its report completes them.
+        """
+        mask = self.index.ready_mask(keys)
+        resident = [key for key, ok in zip(keys, mask, strict=True) if ok]
+        lower = [key for key, ok in zip(keys, mask, strict=True) if not ok]
+        slots = dict(zip(resident, self.index.prepare_load(resident).slots, strict=True))
+        promoted: tuple[bytes, ...] = ()
+        if lower:
+            reserved = self.index.prepare_store(lower, admit_all=True)
+            if reserved is not None:
+                promoted = reserved.keys
+                slots.update(zip(reserved.keys, reserved.slots, strict=True))
+        lost = set(lower) - set(promoted)
+        placeholder = TransferOrder(0, "", JobKind.LOAD, ())
+        return slots, lost, _Job(placeholder, pinned=tuple(resident), promoted=promoted)
+
+    # -- stores -----------------------------------------------------------------------
+    def plan_store(
+        self,
+        req_id: str,
+        token_ids: Sequence[int],
+        *,
+        computed: int,
+        scheduled: int,
+        block_ids: Sequence[Sequence[int]],
+        num_prompt_tokens: int,
+    ) -> TransferOrder | None:
+        """Queue a store of the chunks this step completes (tokens ``computed + scheduled``).
+
+        Called for every scheduled request at every step; the worker runs the
+        order after the step's forward pass, when those tokens' KV is written.
+        """
+        req = self._request(req_id)
+        end = min(computed + scheduled, len(token_ids))
+        for ranges in req.valid:
+            _add_range(ranges, computed, end)
+        if self.config.offload_prompt_only:
+            end = min(end, num_prompt_tokens)
+        self._extend_keys(req, token_ids, end)
+        chosen: list[tuple[int, int]] = []
+        skipped = 0
+        for g, span in enumerate(self.spans):
+            blocks, stop = block_ids[g], end // span
+            for c in range(req.next_chunk[g], stop):
+                ids = blocks[c * self.bpc : (c + 1) * self.bpc]
+                if (len(ids) == self.bpc and NULL_BLOCK not in ids
+                        and _covered(req.valid[g], c * span, (c + 1) * span)):  # fmt: skip
+                    chosen.append((g, c))
+                else:
+                    skipped += 1
+            req.next_chunk[g] = max(req.next_chunk[g], stop)
+        self._figures["skipped_store_chunks"] += skipped
+        if not chosen:
+            return None
+        where = {req.keys[g][c]: (g, c) for g, c in chosen}
+        reserved = self.index.prepare_store(list(where))
+        if reserved is None:  # no room without evicting chunks that are pinned: skip them
+            self._figures["skipped_store_chunks"] += len(chosen)
+            return None
+        if not reserved.keys:
+            return None
+        spans: list[ChunkSpan] = []
+        start = 0
+        keys, slots = reserved.keys, reserved.slots
+        while start < len(keys):  # one span per run of consecutive chunks of one group
+            g, c = where[keys[start]]
+            run = start + 1
+            while run < len(keys) and where[keys[run]] == (g, c + run - start):
+                run += 1
+            blocks = block_ids[g][c * self.bpc : (c + run - start) * self.bpc]
+            spans.append(ChunkSpan(g, keys[start:run], slots[start:run], BlockSpan(tuple(blocks))))
+            start = run
+        order = TransferOrder(self._new_job_id(), req_id, JobKind.STORE, tuple(spans))
+        self._queue(req, _Job(order))
+        self._figures["stores"] += 1
+        return order
+
+    # -- reports and lifecycle ----------------------------------------------------------
+    def take_orders(self) -> list[TransferOrder]:
+        """Orders queued since the last call, for this step's connector metadata."""
+        orders, self._orders = self._orders, []
+        return orders
+
+    def on_report(self, report: JobReport) -> None:
+        """Fold one worker report in; a job completes once every rank reported it."""
+        job = self._jobs.get(report.job_id)
+        if job is None:
+            return
+        job.report = report if job.report is None else merge_reports(job.report, report)
+        if job.report.workers >= self.world_size:
+            del self._jobs[report.job_id]
+            self._complete(job, job.report)
+
+    def _complete(self, job: _Job, report: JobReport) -> None:
+        order, index, figures = job.order, self.index, self._figures
+        failed = report.failed_keys
+        if order.kind is JobKind.LOAD:
+            index.complete_load(job.pinned)
+            everywhere = {k for k, ranks in report.promoted.items() if ranks >= self.world_size}
+            good = [k for k in job.promoted if k not in failed and k in everywhere]
+            index.complete_store(good, success=True)
+            index.complete_store([k for k in job.promoted if k not in set(good)], success=False)
+            figures["loads"] += 1
+            req = self._requests.get(order.req_id)
+            if report.ok:
+                figures["loaded_tokens"] += job.tokens
+                if req is not None:
+                    for g, lo, hi in job.ranges:
+                        _add_range(req.valid[g], lo, hi)
+            else:
+                figures["failed_loads"] += 1
+                figures["failed_load_tokens"] += job.tokens
+        else:
+            keys = order.keys
+            index.complete_store([k for k in keys if k not in failed], success=True)
+            index.complete_store([k for k in keys if k in failed], success=False)
+            figures["stored_chunks"] += len(keys) - len(failed & set(keys))
+            figures["failed_store_chunks"] += len(failed & set(keys))
+        self._release(order.req_id, order.job_id)
+
+    def request_finished(self, req_id: str) -> None:
+        """Forget the request once its orders are reported; its blocks may be freed now."""
+        req = self._requests.get(req_id)
+        if req is not None:
+            req.finished = True
+            self._release(req_id, None)
+
+    def preempted(self, req_id: str) -> None:
+        """The request lost its blocks: nothing in them is known valid any more."""
+        req = self._requests.get(req_id)
+        if req is not None:
+            req.valid = [[] for _ in self.spans]
+            req.next_chunk = [0] * len(self.spans)
+
+    def reset(self) -> bool:
+        """Drop every CPU chunk no job is using (vLLM's ``reset_prefix_cache`` with the connector).
+
+        Lower tiers keep theirs: they are shared (a remote server) or outlive
+        the process by design (disk).
+        """
+        self.index.reset()
+        self._figures["resets"] += 1
+        return True
+
+    def take_events(self) -> list[IndexEvent]:
+        return self.index.take_events()
+
+    def figures(self) -> dict[str, int]:
+        """Counters since start: offered and loaded tokens, stores, failures, index state."""
+        out = dict(self._figures)
+        out.update({f"index_{name}": value for name, value in self.index.stats().items()})
+        out["jobs_in_flight"] = len(self._jobs)
+        out["requests_tracked"] = len(self._requests)
+        return out
+
+    def close(self) -> None:
+        for probe in self.probes:
+            probe.close()
+
+    # -- internals ----------------------------------------------------------------------
+    def _request(self, req_id: str) -> _Request:
+        req = self._requests.get(req_id)
+        if req is None:
+            n = len(self.spans)
+            req = _Request([[] for _ in range(n)], [[] for _ in range(n)], [0] * n)
+            self._requests[req_id] = req
+        return req
+
+    def _extend_keys(self, req: _Request, token_ids: Sequence[int], tokens: int) -> None:
+        """Make ``req.keys[g]`` name every full chunk of the first ``tokens`` token ids."""
+        for g, span in enumerate(self.spans):
+            keys, want = req.keys[g], tokens // span
+            if len(keys) < want:
+                keys += extend_prefix_keys(keys, token_ids[: want * span], span, g, self.namespace)
+
+    def _new_job_id(self) -> int:
+        job_id, self._next_job = self._next_job, self._next_job + 1
+        return job_id
+
+    def _queue(self, req: _Request, job: _Job) -> None:
+        self._jobs[job.order.job_id] = job
+        req.jobs.add(job.order.job_id)
+        self._orders.append(job.order)
+
+    def _release(self, req_id: str, job_id: int | None) -> None:
+        req = self._requests.get(req_id)
+        if req is None:
+            return
+        if job_id is not None:
+            req.jobs.discard(job_id)
+        if req.finished and not req.jobs:
+            del self._requests[req_id]

@@ -1,0 +1,175 @@
+"""The connector's worker side in plain terms: run orders, report them, hold nothing back.
+
+It drives one :class:`~kvoffload.engine.OffloadEngine` over the worker's KV
+tensors. vLLM's hooks map onto it as follows (see
+:mod:`kvoffload.vllm.connector`):
+
+* loads are submitted as the scheduler ordered them and reported when done;
+* stores are submitted after the forward pass (:meth:`OffloadWorker.submit`),
+  when the step's KV is written;
+* at the end of the step, :meth:`OffloadWorker.poll` first waits until this
+  step's stores have finished *reading* engine blocks (a copy into CPU
+  slots; disk and network writes go on in the background), then turns
+  finished jobs into vLLM's sets: requests whose loads are done
+  (``finished_recving``) or failed (``failed_recving``), failed engine block
+  ids, and one :class:`JobReport` per job for the scheduler side.
+
+Why wait for the copies at the end of the step? vLLM reuses a block as soon
+as the step's output says it may: a request finished, a sliding window moved
+past the block, a request was preempted. With every store's copy done by
+then, no block is ever handed on under a store still reading it, and
+finished requests need not hold their blocks (which would also keep
+``reset_prefix_cache`` from working until some later step released them).
+:meth:`OffloadWorker.before_forward` repeats the wait before each forward
+pass for stores submitted in between.
+
+A failed load is never hidden: its blocks are reported, so vLLM recomputes
+them (invariant 3). vLLM accepts block ids only for single-group layouts
+(block ids repeat across groups of a hybrid one), so hybrid layouts report
+the request instead, and vLLM recomputes it from its own prefix-cache hit.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvoffload.engine import JobKind, OffloadEngine
+from kvoffload.vllm._protocol import JobReport, TransferOrder, merge_reports
+
+__all__ = ["OffloadWorker", "PollResult"]
+
+logger = logging.getLogger("kvoffload")
+
+
+@dataclass(slots=True)
+class PollResult:
+    """What one step reports to vLLM: requests whose loads finished, and those that failed."""
+
+    finished_recving: set[str] = field(default_factory=set)
+    failed_recving: set[str] = field(default_factory=set)
+
+
+class OffloadWorker:
+    """Runs transfer orders on ``engine``; see the module docstring.
+
+    ``report_blocks`` is true when vLLM takes failed loads as block ids (a
+    single KV cache group); otherwise failed loads are reported per request.
+    """
+
+    def __init__(self, engine: OffloadEngine, *, report_blocks: bool) -> None:
+        self.engine = engine
+        self.report_blocks = report_blocks
+        self._orders: dict[int, TransferOrder] = {}  # engine job id -> order
+        self._instant: list[TransferOrder] = []  # orders with nothing to run: failed at once
+        self._loads = Counter[str]()
+        self._failed_loads: set[str] = set()
+        self._failed_blocks: set[int] = set()
+        self._reports: dict[int, JobReport] = {}
+        self._figures = Counter[str]()
+
+    def before_forward(self) -> None:
+        """Wait until earlier stores no longer read engine blocks (see the module docstring)."""
+        self.engine.wait_for_sources()
+
+    def submit(self, orders: Iterable[TransferOrder], kind: JobKind) -> None:
+        """Start this step's orders of ``kind``; each is reported once by :meth:`poll`."""
+        for order in orders:
+            if order.kind is not kind:
+                continue
+            if kind is JobKind.LOAD:
+                self._loads[order.req_id] += 1
+            if not order.spans:
+                self._instant.append(order)
+                continue
+            try:
+                if kind is JobKind.LOAD:
+                    job_id = self.engine.submit_load(order.spans)
+                else:
+                    job_id = self.engine.submit_store(order.spans)
+            except Exception as exc:  # a bad order fails its job, never the step
+                logger.error("kvoffload: %s order %d refused: %s", kind.value, order.job_id, exc)
+                self._figures["refused_orders"] += 1
+                self._instant.append(order)
+            else:
+                self._orders[job_id] = order
+
+    def poll(self) -> PollResult:
+        """Wait for this step's stores to read their blocks, then collect finished jobs."""
+        self.engine.wait_for_sources()
+        out = PollResult()
+        done = [(self._orders.pop(r.job_id), r) for r in self.engine.get_finished()]
+        instant, self._instant = self._instant, []
+        for order, result in [*done, *((o, None) for o in instant)]:
+            report = JobReport.of(order, result)
+            self._record(order, report)
+            if order.kind is JobKind.LOAD:
+                self._finish_load(order, report, out)
+            elif not report.ok:
+                self._figures["failed_store_jobs"] += 1
+        return out
+
+    def _finish_load(self, order: TransferOrder, report: JobReport, out: PollResult) -> None:
+        req_id = order.req_id
+        if not report.ok:
+            self._figures["failed_load_jobs"] += 1
+            self._figures["failed_load_blocks"] += sum(
+                len(b) for b in report.failed_blocks.values()
+            )
+            if self.report_blocks:
+                for ids in report.failed_blocks.values():
+                    self._failed_blocks |= ids
+            else:
+                self._failed_loads.add(req_id)
+            for line in report.errors:
+                logger.warning("kvoffload: load for request %s: %s", req_id, line)
+        self._loads[req_id] -= 1
+        if self._loads[req_id] <= 0:
+            del self._loads[req_id]
+            out.finished_recving.add(req_id)
+            if req_id in self._failed_loads:
+                self._failed_loads.discard(req_id)
+                out.failed_recving.add(req_id)
+
+    def _record(self, order: TransferOrder, report: JobReport) -> None:
+        old = self._reports.get(order.job_id)
+        self._reports[order.job_id] = report if old is None else merge_reports(old, report)
+        kind = order.kind.value
+        self._figures[f"{kind}_jobs"] += 1
+        self._figures[f"{kind}_chunks"] += len(order.keys) - len(report.failed_keys)
+        self._figures[f"failed_{kind}_chunks"] += len(report.failed_keys)
+
+    def take_failed_blocks(self) -> set[int]:
+        """Engine block ids whose load failed since the last call (single-group layouts)."""
+        blocks, self._failed_blocks = self._failed_blocks, set()
+        return blocks
+
+    def take_reports(self) -> list[JobReport]:
+        """Job reports since the last call, for the scheduler side."""
+        reports, self._reports = list(self._reports.values()), {}
+        return reports
+
+    def drain_lower_evictions(self) -> int:
+        """Forget the keys lower tiers dropped on their own; the scheduler side probes instead."""
+        dropped = sum(len(tier.take_evicted()) for tier in self.engine.cascade.lower)
+        self._figures["lower_tier_evictions"] += dropped
+        return dropped
+
+    def figures(self) -> dict[str, Any]:
+        """Counters since start, the engine's own and per-tier traffic included."""
+        out: dict[str, Any] = dict(self._figures)
+        out["engine"] = self.engine.stats()
+        out["traffic"] = {
+            name: {"stores": t.stores, "store_bytes": t.store_bytes, "loads": t.loads,
+                   "load_bytes": t.load_bytes, "store_failures": t.store_failures,
+                   "load_failures": t.load_failures}
+            for name, t in self.engine.traffic().items()
+        }  # fmt: skip
+        return out
+
+    def close(self) -> None:
+        """Let queued jobs finish, then release the engine and its tiers."""
+        self.engine.close()
