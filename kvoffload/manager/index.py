@@ -142,6 +142,11 @@ class OffloadManager:
         ready = self._ready
         return [key in ready for key in keys]
 
+    def storing_mask(self, keys: Iterable[bytes]) -> list[bool]:
+        """Whether each key's store or promotion is in flight; a pure query like ``ready_mask``."""
+        storing = self._storing
+        return [key in storing for key in keys]
+
     def room(self) -> int:
         """The most chunks one new load can use at once: slots neither pinned nor being stored.
 

@@ -208,7 +208,7 @@ class KVOffloadConnector(KVConnectorBase_V1, SupportsHMA):
             return 0, False
         self._requests[request.request_id] = request
         hit = scheduler.lookup(request.request_id, request.all_token_ids, num_computed_tokens)
-        return hit, hit > 0
+        return hit, bool(hit)
 
     def update_state_after_alloc(
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int

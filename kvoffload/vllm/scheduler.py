@@ -54,6 +54,9 @@ __all__ = ["NULL_BLOCK", "OffloadScheduler", "TierProbe"]
 #: vLLM's placeholder block id for blocks a group does not hold (outside a window).
 NULL_BLOCK = 0
 
+#: A chunk whose store or promotion is in flight: available soon, not yet.
+_PENDING = object()
+
 
 class TierProbe(Protocol):
     """What the scheduler side asks a lower tier: which keys it probably holds."""
@@ -144,15 +147,18 @@ class OffloadScheduler:
         self._orders: list[TransferOrder] = []
         self._next_job = 1
         self._figures = dict.fromkeys(
-            ("lookups", "hit_requests", "hit_tokens", "loaded_tokens", "failed_load_tokens",
-             "loads", "failed_loads", "unloadable_chunks", "stores", "stored_chunks",
-             "failed_store_chunks", "skipped_store_chunks", "cpu_hit_chunks",
+            ("lookups", "deferred_lookups", "hit_requests", "hit_tokens", "loaded_tokens",
+             "failed_load_tokens", "loads", "failed_loads", "unloadable_chunks", "stores",
+             "stored_chunks", "failed_store_chunks", "skipped_store_chunks", "cpu_hit_chunks",
              "lower_hit_chunks", "resets"), 0)  # fmt: skip
 
     # -- lookups ------------------------------------------------------------------
-    def lookup(self, req_id: str, token_ids: Sequence[int], local_hit: int) -> int:
-        """Tokens beyond ``local_hit`` the tiers can serve: 0, or ``H - local_hit``.
+    def lookup(self, req_id: str, token_ids: Sequence[int], local_hit: int) -> int | None:
+        """Tokens beyond ``local_hit`` the tiers can serve: 0, ``H - local_hit``, or ``None``.
 
+        ``None`` (vLLM: ask again at a later step) when the best hit needs a
+        chunk another job is storing or promoting right now: waiting a step
+        turns it into a CPU hit, where planning now would have to fail it.
         Free of side effects on the index and the tiers, as vLLM asks (it may
         call twice); it remembers the request's keys and what it offered.
         """
@@ -169,6 +175,9 @@ class OffloadScheduler:
             hit -= self.alignment
         if hit <= local_hit:
             return 0
+        if any(state is _PENDING for state in self._needed(available, local_hit, hit)):
+            self._figures["deferred_lookups"] += 1
+            return None
         req.offered = hit
         return hit - local_hit
 
@@ -177,18 +186,26 @@ class OffloadScheduler:
         window = self.layout.groups[g].sliding_window
         return local_hit if window is None else max(local_hit, hit - window + 1)
 
-    def _availability(self, req: _Request, local_hit: int, top: int) -> list[dict[int, bool]]:
-        """Per group: chunk index -> loadable, for every chunk a hit up to ``top`` may need."""
-        out: list[dict[int, bool]] = []
+    def _availability(self, req: _Request, local_hit: int, top: int) -> list[dict[int, object]]:
+        """Per group: chunk index -> ``True`` (loadable), ``_PENDING`` (in flight) or ``False``.
+
+        Covers every chunk a hit up to ``top`` may need. The CPU index answers
+        first; each lower tier is asked once, in one batch, for what the
+        tiers above it lack.
+        """
+        out: list[dict[int, object]] = []
         wanted: list[tuple[int, int, bytes]] = []
         for g, span in enumerate(self.spans):
             first, stop = local_hit // span, top // span
             keys = req.keys[g][first:stop]
-            mask = self.index.ready_mask(keys)
-            out.append(dict(zip(range(first, stop), mask, strict=True)))
-            wanted += [(g, c, k) for c, k, ok in zip(range(first, stop), keys, mask, strict=True)
-                       if not ok]  # fmt: skip
-        for probe in self.probes:  # one batched question per tier, for what the ones above lack
+            ready, storing = self.index.ready_mask(keys), self.index.storing_mask(keys)
+            states: dict[int, object] = {}
+            for c, key, yes, busy in zip(range(first, stop), keys, ready, storing, strict=True):
+                states[c] = True if yes else _PENDING if busy else False
+                if not yes and not busy:
+                    wanted.append((g, c, key))
+            out.append(states)
+        for probe in self.probes:
             if not wanted:
                 break
             answers = probe.contains_many([key for _, _, key in wanted])
@@ -198,15 +215,18 @@ class OffloadScheduler:
             wanted = [w for w, yes in zip(wanted, answers, strict=True) if not yes]
         return out
 
-    def _servable(self, available: list[dict[int, bool]], local_hit: int, hit: int) -> bool:
-        """Every chunk a hit at ``hit`` needs is available, and the CPU tier can stage them all."""
-        needed = 0
+    def _needed(self, available: list[dict[int, object]], local_hit: int, hit: int) -> list[object]:
+        """The states of every chunk a hit at ``hit`` needs, all groups together."""
+        states: list[object] = []
         for g, span in enumerate(self.spans):
             first = self._first_needed(g, local_hit, hit) // span
-            if not all(available[g].get(c, False) for c in range(first, hit // span)):
-                return False
-            needed += max(0, hit // span - first)
-        return needed <= self.index.room()
+            states += [available[g].get(c, False) for c in range(first, hit // span)]
+        return states
+
+    def _servable(self, available: list[dict[int, object]], local_hit: int, hit: int) -> bool:
+        """Every chunk a hit at ``hit`` needs is there or on its way, and the CPU tier has room."""
+        states = self._needed(available, local_hit, hit)
+        return all(state is not False for state in states) and len(states) <= self.index.room()
 
     # -- loads ----------------------------------------------------------------------
     def plan_load(
