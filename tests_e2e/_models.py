@@ -1,0 +1,63 @@
+"""Tiny models with random weights, built at test time (nothing comes from a model hub).
+
+Weights are seeded, so two builds of one model are identical and a run with
+the connector can be compared token for token with a run without it.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+#: A 2-layer Llama: one full-attention KV cache group.
+LLAMA: dict[str, Any] = {
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "vocab_size": 512,
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 2,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 4096,
+    "torch_dtype": "bfloat16",
+}
+
+#: A 4-layer Gemma-4 text model: three sliding-window layers and one full-attention
+#: layer, four KV cache groups on vLLM's CPU backend (512, 512, 512, 32 tokens per
+#: block with block_size=32). The project's own example config.
+#: The per-layer input embeddings (262144 x layers x 256 by default, half a gigabyte) are
+#: shrunk to the model's vocabulary.
+GEMMA4: dict[str, Any] = {
+    **json.loads(
+        (Path(__file__).resolve().parents[1] / "kvoffload/examples/tiny_gemma4.json").read_text()
+    ),
+    "vocab_size_per_layer_input": 1024,
+    "hidden_size_per_layer_input": 16,
+}
+
+#: A Llama big enough that prefill costs real time on a CPU, for the TTFT benchmark.
+BIG_LLAMA: dict[str, Any] = {
+    **LLAMA,
+    "vocab_size": 4096,
+    "hidden_size": 1024,
+    "intermediate_size": 2816,
+    "num_hidden_layers": 8,
+    "num_attention_heads": 16,
+    "num_key_value_heads": 8,
+}
+
+
+def build(config: dict[str, Any], path: Path, seed: int = 0) -> Path:
+    """Save a randomly initialised model of ``config`` under ``path`` (once)."""
+    if (path / "config.json").exists():
+        return path
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    hf_config = AutoConfig.for_model(**config)
+    model = AutoModelForCausalLM.from_config(hf_config).to(torch.bfloat16)
+    model.save_pretrained(path)
+    return path
