@@ -94,8 +94,10 @@ class _Request:
     keys: list[list[bytes]]
     #: Per group: token ranges whose KV in the engine's blocks is valid.
     valid: list[list[tuple[int, int]]]
-    #: Per group: chunks below this index were stored or skipped.
+    #: Per group: chunks below this index were stored or skipped, except those
+    #: in ``retry`` (no CPU room at the time).
     next_chunk: list[int]
+    retry: list[set[int]]
     #: The engine's own hit at the last lookup, and the hit we offered.
     local_hit: int = 0
     offered: int = 0
@@ -340,11 +342,53 @@ class OffloadScheduler:
         if self.config.offload_prompt_only:
             end = min(end, num_prompt_tokens)
         self._extend_keys(req, token_ids, end)
+        chosen = self._storable(req, block_ids, end)
+        if not chosen:
+            return None
+        # Chunk ends in token order: if the CPU tier has room for only some of them,
+        # the ones kept form a prefix in every group, which is what later hits need.
+        chosen.sort(key=lambda gc: ((gc[1] + 1) * self.spans[gc[0]], gc[0]))
+        keys = [req.keys[g][c] for g, c in chosen]
+        reserved, n = None, min(len(keys), self.index.room())
+        while n > 0 and (reserved := self.index.prepare_store(keys[:n])) is None:
+            n //= 2
+        for g, c in chosen[n if reserved is not None else 0 :]:
+            req.retry[g].add(c)  # no room now (stores in flight): try again next step
+        if reserved is None or not reserved.keys:
+            return None
+        where = {key: gc for key, gc in zip(keys, chosen, strict=True)}
+        pairs = sorted(zip(reserved.keys, reserved.slots, strict=True), key=lambda p: where[p[0]])
+        spans: list[ChunkSpan] = []
+        start = 0
+        while start < len(pairs):  # one span per run of consecutive chunks of one group
+            g, c = where[pairs[start][0]]
+            run = start + 1
+            while run < len(pairs) and where[pairs[run][0]] == (g, c + run - start):
+                run += 1
+            blocks = block_ids[g][c * self.bpc : (c + run - start) * self.bpc]
+            run_keys = tuple(key for key, _ in pairs[start:run])
+            run_slots = tuple(slot for _, slot in pairs[start:run])
+            spans.append(ChunkSpan(g, run_keys, run_slots, BlockSpan(tuple(blocks))))
+            start = run
+        order = TransferOrder(self._new_job_id(), req_id, JobKind.STORE, tuple(spans))
+        self._queue(req, _Job(order))
+        self._figures["stores"] += 1
+        return order
+
+    def _storable(
+        self, req: _Request, block_ids: Sequence[Sequence[int]], end: int
+    ) -> list[tuple[int, int]]:
+        """``(group, chunk)`` of every new or retried chunk below ``end`` whose KV is valid.
+
+        The others (a null block, blocks no one wrote) are counted as skipped
+        and never looked at again.
+        """
         chosen: list[tuple[int, int]] = []
         skipped = 0
         for g, span in enumerate(self.spans):
             blocks, stop = block_ids[g], end // span
-            for c in range(req.next_chunk[g], stop):
+            retry, req.retry[g] = sorted(req.retry[g]), set()
+            for c in [*retry, *range(req.next_chunk[g], stop)]:
                 ids = blocks[c * self.bpc : (c + 1) * self.bpc]
                 if (len(ids) == self.bpc and NULL_BLOCK not in ids
                         and _covered(req.valid[g], c * span, (c + 1) * span)):  # fmt: skip
@@ -353,30 +397,7 @@ class OffloadScheduler:
                     skipped += 1
             req.next_chunk[g] = max(req.next_chunk[g], stop)
         self._figures["skipped_store_chunks"] += skipped
-        if not chosen:
-            return None
-        where = {req.keys[g][c]: (g, c) for g, c in chosen}
-        reserved = self.index.prepare_store(list(where))
-        if reserved is None:  # no room without evicting chunks that are pinned: skip them
-            self._figures["skipped_store_chunks"] += len(chosen)
-            return None
-        if not reserved.keys:
-            return None
-        spans: list[ChunkSpan] = []
-        start = 0
-        keys, slots = reserved.keys, reserved.slots
-        while start < len(keys):  # one span per run of consecutive chunks of one group
-            g, c = where[keys[start]]
-            run = start + 1
-            while run < len(keys) and where[keys[run]] == (g, c + run - start):
-                run += 1
-            blocks = block_ids[g][c * self.bpc : (c + run - start) * self.bpc]
-            spans.append(ChunkSpan(g, keys[start:run], slots[start:run], BlockSpan(tuple(blocks))))
-            start = run
-        order = TransferOrder(self._new_job_id(), req_id, JobKind.STORE, tuple(spans))
-        self._queue(req, _Job(order))
-        self._figures["stores"] += 1
-        return order
+        return chosen
 
     # -- reports and lifecycle ----------------------------------------------------------
     def take_orders(self) -> list[TransferOrder]:
@@ -434,6 +455,7 @@ class OffloadScheduler:
         if req is not None:
             req.valid = [[] for _ in self.spans]
             req.next_chunk = [0] * len(self.spans)
+            req.retry = [set() for _ in self.spans]
 
     def reset(self) -> bool:
         """Drop every CPU chunk no job is using (vLLM's ``reset_prefix_cache`` with the connector).
@@ -465,7 +487,8 @@ class OffloadScheduler:
         req = self._requests.get(req_id)
         if req is None:
             n = len(self.spans)
-            req = _Request([[] for _ in range(n)], [[] for _ in range(n)], [0] * n)
+            req = _Request([[] for _ in range(n)], [[] for _ in range(n)], [0] * n,
+                           [set() for _ in range(n)])  # fmt: skip
             self._requests[req_id] = req
         return req
 
