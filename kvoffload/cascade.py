@@ -123,7 +123,7 @@ class TierCascade:
         self.cpu.reserve(slot)
         out = self.cpu.slot_array(slot, nbytes)
         for tier in self.lower:
-            if not tier.contains(key):
+            if tier.cheap_contains and not tier.contains(key):
                 continue
             start = time.perf_counter()
             try:
@@ -140,6 +140,24 @@ class TierCascade:
     def lower_tier_of(self, key: bytes) -> Tier | None:
         """The first lower tier that probably holds ``key`` (a hint, see ``Tier.contains``)."""
         return next((tier for tier in self.lower if tier.contains(key)), None)
+
+    def lower_prefix(self, keys: Sequence[bytes]) -> int:
+        """How many leading ``keys`` some lower tier probably holds.
+
+        Each tier is asked once, in one batch (``contains_many``: one round
+        trip for a remote tier), and only about the keys the tiers before it
+        lack, so a request's lookup costs one question per tier.
+        """
+        found = [False] * len(keys)
+        wanted = list(range(len(keys)))
+        for tier in self.lower:
+            if not wanted:
+                break
+            answers = tier.contains_many([keys[i] for i in wanted])
+            for i, yes in zip(wanted, answers, strict=True):
+                found[i] = yes
+            wanted = [i for i, yes in zip(wanted, answers, strict=True) if not yes]
+        return next((i for i, yes in enumerate(found) if not yes), len(keys))
 
     def stats(self) -> dict[str, dict[str, object]]:
         """Per tier: the tier's own counters."""

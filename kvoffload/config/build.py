@@ -9,6 +9,7 @@ keys). Only ``ConfigError`` ever escapes.
 from __future__ import annotations
 
 import difflib
+import os
 import warnings
 from collections.abc import Mapping
 from typing import Any
@@ -50,16 +51,34 @@ def build_offloading_config(
         blocks_per_chunk=blocks_per_chunk,
         cpu_bytes_to_use=parsed["cpu_bytes_to_use"],
         eviction_policy=parsed.get("eviction_policy", POLICIES.default),
-        store_threshold=parsed.get("store_threshold", KEYS_BY_NAME["store_threshold"].default),
-        offload_prompt_only=parsed.get(
-            "offload_prompt_only", KEYS_BY_NAME["offload_prompt_only"].default
-        ),
+        store_threshold=_value(parsed, "store_threshold"),
+        offload_prompt_only=_value(parsed, "offload_prompt_only"),
         disk_path=parsed.get("disk_path"),
         disk_bytes_to_use=parsed.get("disk_bytes_to_use", 0),
         world_size=workers,
+        remote_url=parsed.get("remote_url"),
+        remote_password_env=parsed.get("remote_password_env"),
+        remote_timeout_ms=_value(parsed, "remote_timeout_ms"),
+        remote_retry_ms=_value(parsed, "remote_retry_ms"),
     )
     _check_budgets(config)
+    _check_password_env(config)
     return config
+
+
+def _value(parsed: dict[str, Any], name: str) -> Any:
+    """The given value of ``name``, else its declared default."""
+    return parsed.get(name, KEYS_BY_NAME[name].default)
+
+
+def _check_password_env(config: OffloadConfig) -> None:
+    """The password variable must be set where the engine starts (its value is never shown)."""
+    name = config.remote_password_env
+    if name is not None and not os.environ.get(name):
+        raise ConfigError(
+            f"'remote_password_env' names ${name}, which is not set (or empty) in this "
+            f"environment; export {name} with the remote server's password before starting"
+        )
 
 
 def _known_items(extra_config: Mapping[str, Any] | None) -> dict[str, object]:

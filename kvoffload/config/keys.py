@@ -35,6 +35,8 @@ class KeyType(Enum):
     BOOL = ("bool", values.to_bool)
     POLICY = ("policy name", values.to_str)
     PATH = ("path", values.to_path)
+    URL = ("URL", values.to_remote_url)
+    ENV = ("variable name", values.to_env_name)
     IGNORED = ("any", None)
 
     def __init__(self, label: str, coerce: Callable[[str, object], object] | None) -> None:
@@ -99,6 +101,21 @@ KEYS: tuple[Key, ...] = (
     Key("disk_bytes_to_use", KeyType.SIZE, None,
         "Byte budget of the disk tier, enforced by its own eviction. Needs `disk_path`.",
         minimum=1),
+    Key("remote_url", KeyType.URL, None,
+        "The shared remote tier, behind CPU and disk: `redis://host:6379/0` (Redis or "
+        "Valkey), `rediss://` for TLS, `redis+cluster://host:7000` for a Redis Cluster. "
+        "Unset: no remote tier. The server evicts on its own (`maxmemory` with an LRU or "
+        "LFU policy)."),
+    Key("remote_password_env", KeyType.ENV, None,
+        "Name of the environment variable that holds the remote server's password "
+        "(never the password itself). Needs `remote_url`."),
+    Key("remote_timeout_ms", KeyType.INT, 100,
+        "Timeout of every call to the remote tier, in milliseconds; a slower server is "
+        "treated as down. Needs `remote_url`.", minimum=1),
+    Key("remote_retry_ms", KeyType.INT, 10000,
+        "Longest wait between reconnection attempts while the remote tier is down, in "
+        "milliseconds (the wait doubles from 100 ms up to this). Needs `remote_url`.",
+        minimum=1),
     *(
         Key(name, KeyType.IGNORED, None, _VLLM_ONLY)
         for name in (
@@ -124,6 +141,9 @@ EXCLUSIVE: tuple[tuple[str, ...], ...] = (("block_size", "blocks_per_chunk"),)
 REQUIRES: dict[str, tuple[str, ...]] = {
     "disk_path": ("disk_bytes_to_use",),
     "disk_bytes_to_use": ("disk_path",),
+    "remote_password_env": ("remote_url",),
+    "remote_timeout_ms": ("remote_url",),
+    "remote_retry_ms": ("remote_url",),
 }
 
 

@@ -46,6 +46,13 @@ class OffloadConfig:
     disk_bytes_to_use: int = 0
     #: Workers sharing ``cpu_bytes_to_use`` (tensor-parallel ranks).
     world_size: int = 1
+    #: The remote tier's canonical URL (no secret in it), or None for none.
+    remote_url: str | None = None
+    #: Name of the environment variable holding the remote server's password.
+    remote_password_env: str | None = None
+    #: Timeout of each remote call, and the longest wait between reconnection attempts.
+    remote_timeout_ms: int = 100
+    remote_retry_ms: int = 10000
 
     @property
     def tokens_per_block(self) -> tuple[int, ...]:
@@ -110,6 +117,15 @@ class OffloadConfig:
             ("store_threshold", str(self.store_threshold)),
             ("offload_prompt_only", str(self.offload_prompt_only).lower()),
             ("disk tier", disk),
+            ("remote tier", self._remote_text()),
         ]  # fmt: skip
         summary = [f"{name:<20} {value}" for name, value in settings]
         return "\n".join([*table, "", *summary])
+
+    def _remote_text(self) -> str:
+        if self.remote_url is None:
+            return "off"
+        password = (
+            f", password from ${self.remote_password_env}" if self.remote_password_env else ""
+        )
+        return f"{self.remote_url} (timeout {self.remote_timeout_ms} ms{password})"

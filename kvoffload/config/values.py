@@ -16,7 +16,19 @@ from decimal import Decimal, InvalidOperation
 
 from kvoffload.errors import ConfigError
 
-__all__ = ["format_bytes", "safe_repr", "to_bool", "to_int", "to_path", "to_size", "to_str"]
+__all__ = [
+    "format_bytes",
+    "safe_repr",
+    "to_bool",
+    "to_env_name",
+    "to_int",
+    "to_path",
+    "to_remote_url",
+    "to_size",
+    "to_str",
+]
+
+_ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 
 _SIZE_UNITS = {
     "": 1,
@@ -120,6 +132,24 @@ def to_path(key: str, value: object) -> str:
     if isinstance(value, str) and value.strip() and "\0" not in value:
         return value
     raise _reject(key, value, "a non-empty directory path")
+
+
+def to_remote_url(key: str, value: object) -> str:
+    """A checked remote URL in its canonical form (see :mod:`kvoffload.config.remote_url`)."""
+    from kvoffload.config.remote_url import parse_remote_url
+
+    if not isinstance(value, str) or not value.strip():
+        raise _reject(key, value, "a URL such as redis://host:6379/0")
+    return str(parse_remote_url(key, value))
+
+
+def to_env_name(key: str, value: object) -> str:
+    """The name of an environment variable (never its value)."""
+    if isinstance(value, str) and _ENV_NAME.match(value.strip()):
+        return value.strip()
+    raise _reject(
+        key, value, "the name of an environment variable, such as KVOFFLOAD_REDIS_PASSWORD"
+    )
 
 
 def format_bytes(n: int) -> str:

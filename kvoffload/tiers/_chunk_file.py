@@ -48,7 +48,16 @@ from kvoffload.errors import CorruptChunkError, TierError
 from kvoffload.tiers._direct_io import ALIGN, O_DIRECT, BufferPool, is_aligned
 from kvoffload.tiers.base import ChunkBuffer
 
-__all__ = ["CRC32", "FORMAT_VERSION", "MAX_KEY_BYTES", "XXH3_64", "ChunkFileIO", "file_bytes"]
+__all__ = [
+    "CRC32",
+    "FORMAT_VERSION",
+    "MAX_KEY_BYTES",
+    "XXH3_64",
+    "ChunkFileIO",
+    "file_bytes",
+    "pack_record",
+    "unpack_record_into",
+]
 
 MAGIC = b"KVOFFCHK"
 FORMAT_VERSION = 1
@@ -137,7 +146,12 @@ def parse_header(block: ChunkBuffer) -> Header:
 
 def _check_header(block: ChunkBuffer, name: tuple[bytes, bytes], length: int) -> Header:
     header = parse_header(block)
-    if (header.namespace, header.key) != name:
+    if header.namespace != name[0]:
+        raise CorruptChunkError(
+            f"chunk of namespace {header.namespace.hex()}, not {name[0].hex()} (another model "
+            "or layout)"
+        )
+    if header.key != name[1]:
         raise CorruptChunkError(f"header names key {header.key.hex()}, not {name[1].hex()}")
     if header.payload_len != length:
         raise TierError(f"chunk holds {header.payload_len} bytes, the caller expects {length}")
@@ -225,6 +239,50 @@ class ChunkFileIO:
             raise CorruptChunkError(
                 f"payload checksum mismatch: {actual:#x} != stored {checked.payload_sum:#x}"
             )
+
+
+def pack_record(namespace: bytes, key: bytes, payload: ChunkBuffer) -> bytearray:
+    """A chunk as one self-checking value: the file header (unpadded), then the payload.
+
+    For stores that hold a chunk as one value (a remote key-value server):
+    the same header and checksum as a chunk file, without the alignment
+    padding a file needs for O_DIRECT.
+    """
+    size = _FIXED.size + len(key)
+    record = bytearray(size + payload.nbytes)
+    header = np.frombuffer(record, dtype=np.uint8, count=size)
+    pack_header(header, namespace, key, payload.nbytes, DEFAULT_ALGORITHM)
+    seal_header(header, len(key), _CHECKSUMS[DEFAULT_ALGORITHM](payload.data))
+    record[size:] = payload.data
+    return record
+
+
+def unpack_record_into(record: bytes, name: tuple[bytes, bytes], out: ChunkBuffer) -> None:
+    """Verify a :func:`pack_record` value against chunk ``name`` and copy its payload to ``out``.
+
+    Raises ``CorruptChunkError`` for garbage, a truncated value, another
+    namespace's or key's chunk, or a checksum mismatch; ``TierError`` for an
+    intact chunk of another size.
+    """
+    view = np.frombuffer(record, dtype=np.uint8)
+    if view.nbytes < _FIXED.size:
+        raise CorruptChunkError(f"truncated chunk record: {view.nbytes} bytes, no header")
+    key_len = int.from_bytes(record[10:12], "little")
+    size = _FIXED.size + key_len
+    if view.nbytes < size:
+        raise CorruptChunkError(f"truncated chunk record: {view.nbytes} bytes, no complete header")
+    checked = _check_header(view[:size], name, out.nbytes)
+    if view.nbytes != size + out.nbytes:
+        raise CorruptChunkError(
+            f"truncated chunk record: {view.nbytes - size} payload bytes, needs {out.nbytes}"
+        )
+    payload = view[size:]
+    actual = _CHECKSUMS[checked.algorithm](payload.data)
+    if actual != checked.payload_sum:
+        raise CorruptChunkError(
+            f"payload checksum mismatch: {actual:#x} != stored {checked.payload_sum:#x}"
+        )
+    out[:] = payload
 
 
 def _explain_size(

@@ -26,6 +26,7 @@ Contract, for every tier (cpu, disk, and a remote store such as Redis):
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -42,6 +43,9 @@ class Tier(ABC):
 
     #: Short name used in reports: "cpu", "disk", "redis".
     name: str = ""
+    #: Whether ``contains`` is cheap (an in-memory lookup). When it is not (a round
+    #: trip to a server), a load asks for the chunk directly and a miss raises.
+    cheap_contains: bool = True
 
     @abstractmethod
     def put(self, key: bytes, data: ChunkBuffer) -> None:
@@ -58,6 +62,10 @@ class Tier(ABC):
     @abstractmethod
     def discard(self, key: bytes) -> None:
         """Forget ``key``; unknown keys are ignored."""
+
+    def contains_many(self, keys: Sequence[bytes]) -> list[bool]:
+        """``contains`` for each key; tiers behind a network answer in one round trip."""
+        return [self.contains(key) for key in keys]
 
     def take_evicted(self) -> list[bytes]:
         """Keys the tier dropped on its own since the last call (budget, corruption).

@@ -1,0 +1,360 @@
+"""The remote tier: chunks in Redis or Valkey, so a fleet of engines shares one KV cache.
+
+One machine's RAM and disk hold one engine's history; a conversation's next
+turn often lands on another node. This tier puts every stored chunk on a
+shared server (one server, or a Redis Cluster through any of its nodes), so
+what one engine computed, every engine can load.
+
+**Names and values.** A chunk lives under ``kvoffload:<namespace hex>:<key
+hex>``: the namespace fingerprints model, dtype and layout, so engines of
+different models share a server safely. The value is one record (the disk
+tier's chunk header without its padding, then the payload; see
+:func:`kvoffload.tiers._chunk_file.pack_record`), written with one ``SET``,
+so it is there whole or not at all. A load checks magic, namespace, key,
+length and checksum: a wrong, truncated or foreign value is a miss (it is
+deleted and counted), never handed on.
+
+**The server owns eviction.** Run it with ``maxmemory`` and an LRU or LFU
+policy. The tier never reports evictions: ``contains`` is a hint, and a
+chunk that vanished between lookup and load is a failed load of those
+blocks, which the engine recomputes.
+
+**Faults never reach the engine as exceptions.** Every call has a timeout
+(``remote_timeout_ms``) and redis-py's own retries are off, so no call waits
+longer. A server that is down at start is reported once (a warning on the
+``kvoffload`` logger) and the tier starts anyway; while it is down, calls
+fail at once (stores counted as failed, loads raise ``TierError``, probes
+answer "not here") and a reconnection is tried after a wait that doubles
+from 100 ms up to ``remote_retry_ms``. When the server answers again the
+tier resumes, and says so. A wrong password is not an outage: it fails at
+start with ``ConfigError``. The password comes from the environment variable
+``remote_password_env`` names and appears in no message, ``repr`` or stat.
+
+**Asynchronous stores.** Stores reach this tier inside the engine's store
+job, on its worker threads, after the job has released the engine's blocks
+(:meth:`kvoffload.engine.OffloadEngine.wait_for_sources`); neither the
+forward pass nor the scheduler waits for the network.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import threading
+import time
+import typing
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
+from typing import Any, TypeVar
+
+from kvoffload.config.remote_url import RemoteURL, parse_remote_url
+from kvoffload.errors import ConfigError, CorruptChunkError, TierError
+from kvoffload.tiers._chunk_file import pack_record, unpack_record_into
+from kvoffload.tiers._disk_checks import checked_buffer, namespace_fingerprint, valid_key
+from kvoffload.tiers.base import ChunkBuffer, Tier
+
+__all__ = ["RedisTier"]
+
+logger = logging.getLogger("kvoffload")
+
+_T = TypeVar("_T")
+_FIRST_RETRY_S = 0.1
+#: Replies of a server that refused the credentials.
+_REFUSED = ("WRONGPASS", "NOAUTH", "invalid password", "invalid username")
+
+
+@dataclass(slots=True)
+class _Counters:
+    """What ``stats()`` reports besides the connection state."""
+
+    stores: int = 0
+    store_bytes: int = 0
+    store_failures: int = 0
+    store_seconds: float = 0.0
+    loads: int = 0
+    load_bytes: int = 0
+    load_misses: int = 0
+    load_failures: int = 0
+    corrupt_values: int = 0
+    load_seconds: float = 0.0
+    probes: int = 0
+    probed_keys: int = 0
+    probe_hits: int = 0
+    errors: int = 0
+    outages: int = 0
+    reconnects: int = 0
+
+
+def _redis() -> Any:
+    try:
+        import redis
+    except ImportError:  # pragma: no cover - installed wherever the tests run
+        raise ConfigError(
+            "the remote tier needs the redis package: pip install 'kvoffload[redis]'"
+        ) from None
+    return redis
+
+
+class RedisTier(Tier):
+    """Chunks as checksummed values on a Redis / Valkey server or cluster; see the module docstring.
+
+    ``url`` is a ``remote_url`` (text or parsed); ``namespace`` the layout
+    fingerprint (``kvoffload.keys.namespace_of``). Cheap to build: a second
+    instance with its own connection is how a scheduler probes the server.
+    """
+
+    name = "redis"
+    #: ``contains`` costs a round trip: loads ask for the value directly.
+    cheap_contains = False
+
+    def __init__(
+        self,
+        url: str | RemoteURL,
+        namespace: bytes,
+        *,
+        password_env: str | None = None,
+        timeout_ms: int = 100,
+        retry_ms: int = 10000,
+    ) -> None:
+        self._url = parse_remote_url("remote_url", url) if isinstance(url, str) else url
+        self._namespace = namespace_fingerprint(namespace)
+        self._prefix = f"kvoffload:{self._namespace.hex()}:".encode()
+        self._password_env = password_env
+        password = os.environ.get(password_env) if password_env else None
+        if password_env and not password:
+            raise ConfigError(f"'remote_password_env' names ${password_env}, which is not set")
+        self._timeout = timeout_ms / 1000
+        self._retry_max = max(retry_ms / 1000, _FIRST_RETRY_S)
+        self._redis = _redis()
+        self._lock = threading.Lock()
+        self._client: Any = None
+        self._down_since: float | None = None
+        self._retry_at = 0.0
+        self._wait = _FIRST_RETRY_S
+        self._counters = _Counters()
+        self._closed = False
+        self._connect = self._client_factory(password)
+        # Down at start: reported once by _down; the tier serves misses and retries.
+        with contextlib.suppress(TierError):
+            self._call(lambda client: client.ping(), starting=True)
+
+    def __repr__(self) -> str:
+        return f"RedisTier({self._url}, namespace={self._namespace.hex()[:12]})"
+
+    # -- connection ---------------------------------------------------------
+    def _client_factory(self, password: str | None) -> Callable[[], Any]:
+        """A function that opens a client; the password lives only in its closure."""
+        redis, url = self._redis, self._url
+        options: dict[str, Any] = {
+            "username": url.username,
+            "password": password,
+            "ssl": url.tls,
+            "socket_timeout": self._timeout,
+            "socket_connect_timeout": self._timeout,
+            "retry": redis.retry.Retry(redis.backoff.NoBackoff(), 0),
+        }
+        if url.cluster:
+            from redis.cluster import RedisCluster
+
+            return lambda: RedisCluster(host=url.host, port=url.port, **options)
+        return lambda: redis.Redis(host=url.host, port=url.port, db=url.db, **options)
+
+    def _call(self, op: Callable[[Any], _T], *, starting: bool = False) -> _T:
+        """Run ``op`` on a live client; any failure becomes ``TierError`` (and maybe an outage).
+
+        Refused credentials are ``ConfigError`` while ``starting`` (a wrong
+        password is a configuration error, not an outage); later, say after a
+        password rotation on the server, they make the tier down like any
+        other failure, so the engine keeps serving.
+        """
+        self._check_open()
+        errors = self._redis.exceptions
+        with self._lock:
+            now = time.monotonic()
+            if self._down_since is not None and now < self._retry_at:
+                raise TierError(
+                    f"remote tier {self._url} is down; next attempt in {self._retry_at - now:.1f} s"
+                )
+            client = self._client
+        try:
+            if client is None:
+                client = self._connect()
+            result = op(client)
+        except errors.RedisError as exc:
+            refused = isinstance(exc, errors.AuthenticationError | errors.AuthorizationError) or (
+                isinstance(exc, errors.ResponseError)
+                and str(exc).startswith(("WRONGPASS", "NOAUTH"))
+            )
+            if refused and starting:
+                self._auth_failed(exc)
+            if refused or not isinstance(exc, errors.ResponseError):
+                self._down(exc)
+                raise TierError(f"remote tier {self._url} failed: {exc}") from exc
+            with self._lock:
+                self._counters.errors += 1
+            raise TierError(f"remote tier {self._url}: {exc}") from exc
+        except OSError as exc:
+            self._down(exc)
+            raise TierError(f"remote tier {self._url} failed: {exc}") from exc
+        self._up(client)
+        return result
+
+    def _up(self, client: Any) -> None:
+        with self._lock:
+            self._client = client
+            if self._down_since is None:
+                return
+            outage = time.monotonic() - self._down_since
+            self._down_since, self._wait = None, _FIRST_RETRY_S
+            self._counters.reconnects += 1
+        logger.warning("kvoffload: remote tier %s is back after %.1f s", self._url, outage)
+
+    def _down(self, exc: BaseException) -> None:
+        with self._lock:
+            self._counters.errors += 1
+            first = self._down_since is None
+            now = time.monotonic()
+            if first:
+                self._down_since = now
+                self._counters.outages += 1
+            else:
+                self._wait = min(2 * self._wait, self._retry_max)
+            self._retry_at = now + self._wait
+            stale, self._client = self._client, None
+        if stale is not None:
+            self._close_client(stale)
+        if first:
+            logger.warning(
+                "kvoffload: remote tier %s is unreachable (%s); serving from local tiers and "
+                "retrying with backoff up to %.1f s",
+                self._url,
+                type(exc).__name__,
+                self._retry_max,
+            )
+
+    def _auth_failed(self, exc: BaseException) -> typing.NoReturn:
+        source = f"${self._password_env}" if self._password_env else "no password"
+        raise ConfigError(
+            f"remote tier {self._url} refused the credentials ({source}): "
+            f"{type(exc).__name__}; check remote_password_env and the server's requirepass/ACL"
+        ) from None
+
+    @staticmethod
+    def _close_client(client: Any) -> None:
+        try:
+            client.close()
+        except Exception:
+            logger.debug("kvoffload: closing a remote client failed", exc_info=True)
+
+    @property
+    def is_up(self) -> bool:
+        with self._lock:
+            return self._down_since is None
+
+    # -- the Tier contract --------------------------------------------------
+    def _name(self, key: bytes) -> bytes:
+        return self._prefix + key.hex().encode()
+
+    def put(self, key: bytes, data: ChunkBuffer) -> None:
+        """``SET`` the chunk's record; ``TierError`` (counted) if the server is down or refuses."""
+        payload = checked_buffer("data", data)
+        if not valid_key(key):
+            raise TierError(f"RedisTier: key must be 1 to 120 bytes, got {key!r:.80}")
+        record = pack_record(self._namespace, key, payload)
+        start = time.perf_counter()
+        try:
+            self._call(lambda client: client.set(self._name(key), record))
+        except TierError:
+            with self._lock:
+                self._counters.store_failures += 1
+            raise
+        with self._lock:
+            c = self._counters
+            c.stores += 1
+            c.store_bytes += payload.nbytes
+            c.store_seconds += time.perf_counter() - start
+
+    def get_into(self, key: bytes, out: ChunkBuffer) -> None:
+        """Fill ``out`` with the verified chunk; a missing or bad value raises ``TierError``."""
+        buf = checked_buffer("out", out)
+        start = time.perf_counter()
+        try:
+            value = self._call(lambda client: client.get(self._name(key)))
+        except TierError:
+            with self._lock:
+                self._counters.load_failures += 1
+            raise
+        if value is None:
+            with self._lock:
+                self._counters.load_misses += 1
+            raise TierError(f"remote tier does not hold {key.hex()} (evicted or never stored)")
+        try:
+            unpack_record_into(value, (self._namespace, key), buf)
+        except CorruptChunkError:
+            with self._lock:
+                self._counters.corrupt_values += 1
+            self.discard(key)
+            raise
+        except TierError:
+            with self._lock:
+                self._counters.load_failures += 1
+            raise
+        with self._lock:
+            c = self._counters
+            c.loads += 1
+            c.load_bytes += buf.nbytes
+            c.load_seconds += time.perf_counter() - start
+
+    def contains(self, key: bytes) -> bool:
+        return self.contains_many([key])[0]
+
+    def contains_many(self, keys: Sequence[bytes]) -> list[bool]:
+        """One pipelined round trip of ``EXISTS`` per key; all ``False`` if the server is down."""
+        if not keys:
+            return []
+
+        def ask(client: Any) -> list[bool]:
+            pipe = client.pipeline(transaction=False)
+            for key in keys:
+                pipe.exists(self._name(key))
+            return [bool(n) for n in pipe.execute()]
+
+        try:
+            found = self._call(ask)
+        except TierError:
+            found = [False] * len(keys)
+        with self._lock:
+            c = self._counters
+            c.probes += 1
+            c.probed_keys += len(keys)
+            c.probe_hits += sum(found)
+        return found
+
+    def discard(self, key: bytes) -> None:
+        # A failure is counted in errors; an undeleted value is verified again on its next load.
+        with contextlib.suppress(TierError):
+            self._call(lambda client: client.delete(self._name(key)))
+
+    def stats(self) -> dict[str, Any]:
+        with self._lock:
+            stats: dict[str, Any] = asdict(self._counters)
+            stats["up"] = self._down_since is None
+        stats["url"] = str(self._url)
+        for kind in ("load", "store"):
+            count = stats[f"{kind}s"]
+            stats[f"{kind}_ms_mean"] = 1000 * stats[f"{kind}_seconds"] / count if count else 0.0
+        return stats
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        with self._lock:
+            client, self._client = self._client, None
+        if client is not None:
+            self._close_client(client)
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise TierError("the remote tier is closed")
