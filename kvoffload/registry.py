@@ -75,6 +75,7 @@ TIERS = Registry(
     {
         "cpu": "kvoffload.tiers.cpu:CPUTier",
         "disk": "kvoffload.tiers.disk:DiskTier",
+        "redis": "kvoffload.tiers.remote:RedisTier",
     },
     default="cpu",
 )

@@ -48,9 +48,9 @@ from kvoffload.cascade import TierCascade, TierTraffic
 from kvoffload.config import OffloadConfig
 from kvoffload.engine.results import ChunkSpan, JobKind, JobResult, Outcome
 from kvoffload.errors import TransferError
-from kvoffload.registry import TIERS
 from kvoffload.tiers.base import Tier
 from kvoffload.tiers.cpu import CPUTier
+from kvoffload.tiers.from_config import lower_tiers
 from kvoffload.transfer import KVTransfer
 
 __all__ = ["OffloadEngine"]
@@ -101,19 +101,14 @@ class OffloadEngine:
         *,
         max_workers: int = 2,
     ) -> OffloadEngine:
-        """The engine a validated configuration describes: CPU slab, then disk if configured.
+        """The engine a validated configuration describes: CPU slab, then disk and remote tiers.
 
         ``namespace`` fingerprints model, dtype and layout
         (:func:`kvoffload.keys.namespace_of`); the disk tier keeps its files under it.
         """
         transfer = KVTransfer(config.layout, kv_caches, config.blocks_per_chunk)
         cpu = CPUTier(config.num_cpu_chunks, config.max_chunk_bytes)
-        lower: list[Tier] = []
-        if config.disk_path is not None:
-            lower.append(
-                TIERS.create("disk", config.disk_path, config.disk_bytes_to_use, namespace)
-            )
-        return cls.create(transfer, cpu, lower, max_workers=max_workers)
+        return cls.create(transfer, cpu, lower_tiers(config, namespace), max_workers=max_workers)
 
     # -- the worker-side interface -------------------------------------------------
     def submit_store(self, spans: Sequence[ChunkSpan]) -> int:

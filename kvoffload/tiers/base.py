@@ -27,12 +27,12 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 import numpy.typing as npt
 
-__all__ = ["ChunkBuffer", "Tier"]
+__all__ = ["ChunkBuffer", "Tier", "TierProbe"]
 
 #: A chunk's bytes: a 1-D contiguous uint8 numpy array.
 ChunkBuffer = npt.NDArray[np.uint8]
@@ -83,3 +83,17 @@ class Tier(ABC):
 
     def close(self) -> None:
         """Release resources; safe to call twice."""
+
+
+class TierProbe(Protocol):
+    """What a scheduler asks a lower tier it does not own: which keys it probably holds.
+
+    Tiers are probes themselves (``contains_many``); :class:`~kvoffload.tiers.disk.DiskProbe`
+    answers for a disk tier another process owns.
+    """
+
+    name: str
+
+    def contains_many(self, keys: Sequence[bytes]) -> list[bool]: ...
+
+    def close(self) -> None: ...

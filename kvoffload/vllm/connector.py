@@ -39,10 +39,11 @@ from kvoffload.errors import ConfigError
 from kvoffload.keys import namespace_of
 from kvoffload.layout import KVLayout
 from kvoffload.manager.results import EventKind
-from kvoffload.tiers.disk import DiskProbe
+from kvoffload.tiers.base import TierProbe
+from kvoffload.tiers.from_config import lower_probes
 from kvoffload.vllm._layout import layout_from_kv_cache_config
 from kvoffload.vllm._protocol import JobReport, TransferOrder, merge_reports
-from kvoffload.vllm.scheduler import OffloadScheduler, TierProbe
+from kvoffload.vllm.scheduler import OffloadScheduler
 from kvoffload.vllm.worker import OffloadWorker
 
 if TYPE_CHECKING:
@@ -187,9 +188,8 @@ class KVOffloadConnector(KVConnectorBase_V1, SupportsHMA):
 
     def _probes(self, namespaces: list[bytes]) -> list[TierProbe]:
         """The lower tiers as the scheduler side sees them; a chunk must be on every rank."""
-        if self.config.disk_path is None:
-            return []
-        return [_AllRanks([DiskProbe(self.config.disk_path, ns) for ns in namespaces])]
+        per_rank = [lower_probes(self.config, ns) for ns in namespaces]
+        return [_AllRanks(list(tier)) for tier in zip(*per_rank, strict=True)]
 
     def figures(self) -> dict[str, Any]:
         """This side's counters: offered and loaded tokens (scheduler), jobs and bytes (worker)."""

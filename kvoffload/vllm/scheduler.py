@@ -39,13 +39,13 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
 
 from kvoffload.config import OffloadConfig
 from kvoffload.engine.results import ChunkSpan, JobKind
 from kvoffload.keys import extend_prefix_keys
 from kvoffload.manager.index import OffloadManager
 from kvoffload.manager.results import IndexEvent
+from kvoffload.tiers.base import TierProbe
 from kvoffload.transfer import BlockSpan
 from kvoffload.vllm._protocol import JobReport, TransferOrder, merge_reports
 
@@ -56,16 +56,6 @@ NULL_BLOCK = 0
 
 #: A chunk whose store or promotion is in flight: available soon, not yet.
 _PENDING = object()
-
-
-class TierProbe(Protocol):
-    """What the scheduler side asks a lower tier: which keys it probably holds."""
-
-    name: str
-
-    def contains_many(self, keys: Sequence[bytes]) -> list[bool]: ...
-
-    def close(self) -> None: ...
 
 
 def _add_range(ranges: list[tuple[int, int]], start: int, stop: int) -> None:

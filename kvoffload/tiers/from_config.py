@@ -1,0 +1,53 @@
+"""The lower tiers a validated configuration describes, for each side of a connector.
+
+The worker side gets the tiers themselves (:func:`lower_tiers`, in cascade
+order: disk, then remote); the scheduler side gets probes of the same tiers
+(:func:`lower_probes`), which only answer which chunks are probably there:
+the disk tier's files, the remote server through a connection of its own.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from kvoffload.registry import TIERS
+from kvoffload.tiers.base import Tier, TierProbe
+
+if TYPE_CHECKING:
+    from kvoffload.config import OffloadConfig
+
+__all__ = ["lower_probes", "lower_tiers"]
+
+
+def _remote(config: OffloadConfig, namespace: bytes) -> Tier:
+    tier: Tier = TIERS.create(
+        "redis",
+        config.remote_url,
+        namespace,
+        password_env=config.remote_password_env,
+        timeout_ms=config.remote_timeout_ms,
+        retry_ms=config.remote_retry_ms,
+    )
+    return tier
+
+
+def lower_tiers(config: OffloadConfig, namespace: bytes) -> list[Tier]:
+    """Disk (if ``disk_path``), then remote (if ``remote_url``), for ``namespace``."""
+    tiers: list[Tier] = []
+    if config.disk_path is not None:
+        tiers.append(TIERS.create("disk", config.disk_path, config.disk_bytes_to_use, namespace))
+    if config.remote_url is not None:
+        tiers.append(_remote(config, namespace))
+    return tiers
+
+
+def lower_probes(config: OffloadConfig, namespace: bytes) -> list[TierProbe]:
+    """What the scheduler side asks instead of :func:`lower_tiers`, in the same order."""
+    from kvoffload.tiers.disk import DiskProbe
+
+    probes: list[TierProbe] = []
+    if config.disk_path is not None:
+        probes.append(DiskProbe(config.disk_path, namespace))
+    if config.remote_url is not None:
+        probes.append(_remote(config, namespace))
+    return probes

@@ -1,0 +1,140 @@
+"""Real Redis servers on loopback for the remote-tier tests, started and stopped by fixtures.
+
+Each server gets a free port and a directory of its own, persistence off.
+Without ``redis-server`` the tests are skipped on a developer's machine with
+the command that installs it, and fail under CI (``CI`` set), which must
+have it (``.ci/run`` installs it).
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import shutil
+import socket
+import subprocess
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+
+INSTALL = "apt-get update && apt-get install -y redis-server"
+
+
+def need_redis_server() -> str:
+    path = shutil.which("redis-server")
+    if path is None:
+        message = f"redis-server is not installed; install it with: {INSTALL}"
+        if os.environ.get("CI"):
+            pytest.fail(message)
+        pytest.skip(message)
+    return path
+
+
+def _is_free(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+        return True
+
+
+def free_port() -> int:
+    """A free loopback port whose cluster bus port (port + 10000) is free and valid too."""
+    rng = random.Random()
+    while True:
+        port = rng.randrange(20000, 50000)
+        if _is_free(port) and _is_free(port + 10000):
+            return port
+
+
+@dataclass
+class RedisServer:
+    """One ``redis-server`` process on 127.0.0.1."""
+
+    directory: Path
+    port: int = field(default_factory=free_port)
+    password: str | None = None
+    cluster: bool = False
+    process: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def start(self) -> RedisServer:
+        args = [need_redis_server(), "--port", str(self.port), "--bind", "127.0.0.1",
+                "--save", "", "--appendonly", "no", "--dir", str(self.directory)]  # fmt: skip
+        if self.password:
+            args += ["--requirepass", self.password]
+        if self.cluster:
+            args += ["--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf"]
+        self.directory.mkdir(parents=True, exist_ok=True)
+        self.process = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        self.wait_until_ready()
+        return self
+
+    def client(self):  # type: ignore[no-untyped-def]
+        import redis
+
+        return redis.Redis(host="127.0.0.1", port=self.port, password=self.password)
+
+    def wait_until_ready(self, timeout: float = 20.0) -> None:
+        deadline = time.monotonic() + timeout
+        while True:
+            if self.process is not None and self.process.poll() is not None:
+                code, self.process = self.process.returncode, None
+                raise RuntimeError(f"redis-server on port {self.port} exited with {code}")
+            try:
+                if self.client().ping():
+                    return
+            except Exception:
+                if time.monotonic() > deadline:
+                    self.kill()
+                    raise
+                time.sleep(0.05)
+
+    def kill(self) -> None:
+        """SIGKILL, the way a crashed server goes."""
+        if self.process is not None:
+            self.process.kill()
+            self.process.wait(timeout=10)
+            self.process = None
+
+    def stop(self) -> None:
+        if self.process is not None:
+            self.process.terminate()
+            self.process.wait(timeout=10)
+            self.process = None
+
+
+@pytest.fixture
+def redis_server(tmp_path: Path) -> Iterator[RedisServer]:
+    server = RedisServer(tmp_path / "redis").start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def redis_cluster(tmp_path: Path) -> Iterator[list[RedisServer]]:
+    """Three masters, no replicas, every slot assigned."""
+    nodes = [RedisServer(tmp_path / f"node{i}", cluster=True).start() for i in range(3)]
+    try:
+        cli = shutil.which("redis-cli")
+        assert cli is not None, f"redis-cli is missing; install it with: {INSTALL}"
+        subprocess.run(
+            [cli, "--cluster", "create", *(f"127.0.0.1:{n.port}" for n in nodes),
+             "--cluster-replicas", "0", "--cluster-yes"],
+            check=True, capture_output=True, timeout=60,
+        )  # fmt: skip
+        deadline = time.monotonic() + 30
+        while nodes[0].client().execute_command("CLUSTER INFO").get("cluster_state") != "ok":
+            assert time.monotonic() < deadline, "the cluster did not reach cluster_state:ok"
+            time.sleep(0.1)
+        yield nodes
+    finally:
+        for node in nodes:
+            node.stop()
