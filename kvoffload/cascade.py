@@ -137,10 +137,6 @@ class TierCascade:
         self.cpu.release(slot)
         return None
 
-    def lower_tier_of(self, key: bytes) -> Tier | None:
-        """The first lower tier that probably holds ``key`` (a hint, see ``Tier.contains``)."""
-        return next((tier for tier in self.lower if tier.contains(key)), None)
-
     def lower_prefix(self, keys: Sequence[bytes]) -> int:
         """How many leading ``keys`` some lower tier probably holds.
 

@@ -392,3 +392,33 @@ def test_remote_keys_need_a_url_and_a_set_password_variable(
     assert "$KVO_SET_PASSWORD" in str(cfg) and SECRET not in str(cfg) and SECRET not in repr(cfg)
     with pytest.raises(ConfigError, match="greater than 0"):
         config(remote_url="redis://h", remote_timeout_ms=0)
+
+
+def test_engines_built_from_one_configuration_share_chunks_through_the_server(
+    redis_server: RedisServer, tmp_path: Path
+) -> None:
+    from kvoffload.tiers.from_config import lower_probes
+
+    cfg = config(remote_url=redis_server.url, blocks_per_chunk=BPC, disk_path=str(tmp_path / "d"),
+                 disk_bytes_to_use="4MiB", remote_timeout_ms=2000)  # fmt: skip
+    source = seeded(9)
+    first = OffloadEngine.from_config(cfg, source, NAMESPACE)
+    assert [t.name for t in first.cascade.lower] == ["disk", "redis"]
+    assert not store(first, CHUNKS).failed_keys
+    first.close()
+    probes = lower_probes(cfg, NAMESPACE)
+    assert [p.name for p in probes] == ["disk", "redis"]
+    keys = [key for _, key, _ in CHUNKS]
+    assert all(all(p.contains_many(keys)) for p in probes)
+    # Another engine, on another machine: no disk tier, only the server in common.
+    remote_only = config(remote_url=redis_server.url, blocks_per_chunk=BPC)
+    target = allocate_kv_caches(layout(), NUM_BLOCKS, torch.bfloat16)
+    second = OffloadEngine.from_config(remote_only, target, NAMESPACE)
+    result = load(second, store_spans(CHUNKS))
+    assert result.done_keys == tuple(keys)
+    for g, _, blocks in CHUNKS:
+        got, want = pages(target, g, blocks), pages(source, g, blocks)
+        assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+    second.close()
+    for probe in probes:
+        probe.close()

@@ -133,10 +133,7 @@ class DemoReplay:
     def _plan(self, g: int, keys: list[bytes], blocks: list[int]) -> _Plan:
         plan = _Plan(g, keys, blocks)
         cpu = self.index.lookup(keys)
-        hits = cpu
-        lower = self.engine.cascade
-        while hits < len(keys) and lower.lower_tier_of(keys[hits]) is not None:
-            hits += 1
+        hits = cpu + self.engine.cascade.lower_prefix(keys[cpu:])
         if hits and self.rng.random() < GPU_PREFIX_SHARE:
             plan.cached = self.rng.randrange(hits * self.bpc)
         first = plan.cached // self.bpc
