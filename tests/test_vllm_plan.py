@@ -1,0 +1,993 @@
+"""The vLLM adapter's plain logic end to end: OffloadScheduler and OffloadWorker, no vLLM.
+
+:class:`Stand` plays vLLM's part around the real pieces (an
+``OffloadScheduler`` with its real index, ``OffloadWorker`` ranks over real
+``OffloadEngine``\\ s, real KV tensors, real disk files): a block allocator per
+group that never hands out the null block, a "forward" that writes each
+block's KV as a function of the token prefix it ends (:func:`expected_page`),
+so a loaded block is checked bit-exact with no copy of what was stored, and a
+step that makes the connector's calls in vLLM's order.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import random
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from kvoffload import build_offloading_config
+from kvoffload.engine import ChunkSpan, JobKind, JobStatus, OffloadEngine
+from kvoffload.keys import namespace_of, prefix_keys_for_layout
+from kvoffload.layout import CacheGroup, KVLayout
+from kvoffload.manager.index import OffloadManager
+from kvoffload.tiers.disk import DiskProbe
+from kvoffload.transfer import BlockSpan, allocate_kv_caches
+from kvoffload.vllm._protocol import JobReport, TransferOrder, merge_reports
+from kvoffload.vllm.scheduler import NULL_BLOCK, OffloadScheduler
+from kvoffload.vllm.worker import OffloadWorker
+
+PAGE = 256  # bytes of one block of one layer, the same in every group (as in vLLM)
+WINDOW = 24
+SCRUB = 0xA5  # what a freshly allocated block holds: no KV at all
+
+
+@dataclass(frozen=True)
+class Model:
+    name: str
+    layout: KVLayout
+    bpc: int  # blocks per chunk
+
+
+#: One full-attention group, like Llama: 8-token chunks.
+LLAMA = Model("llama", KVLayout((CacheGroup("full", 4, ("l0", "l1"), PAGE),)), bpc=2)
+#: Like Gemma-4, scaled down: three sliding-window groups and one full group.
+GEMMA = Model(
+    "gemma",
+    KVLayout(
+        (
+            *(CacheGroup("sliding", 16, (f"s{i}",), PAGE, sliding_window=WINDOW) for i in range(3)),
+            CacheGroup("full", 4, ("f0",), PAGE),
+        )
+    ),
+    bpc=2,
+)
+MODELS = pytest.mark.parametrize("model", [LLAMA, GEMMA], ids=lambda m: m.name)
+
+
+def make_tokens(seed: int, n: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(1, 32000) for _ in range(n)]
+
+
+def expected_page(layer: str, tokens: Sequence[int], end: int) -> torch.Tensor:
+    """The KV bytes of one layer's block whose last token is ``tokens[end - 1]``."""
+    data = layer.encode() + b"\0" + np.asarray(tokens[:end], dtype="<i8").tobytes()
+    seed = int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little")
+    return torch.from_numpy(np.random.default_rng(seed).integers(0, 256, PAGE, dtype=np.uint8))
+
+
+def page(kv: dict[str, torch.Tensor], layer: str, block: int) -> torch.Tensor:
+    """The bytes of ``block`` of ``layer`` (a view into the engine tensor)."""
+    return kv[layer][block].reshape(-1).view(torch.uint8)
+
+
+def first_token(group: CacheGroup, local: int, hit: int) -> int:
+    """The first token of ``group`` a hit at ``hit`` must supply beyond the engine's ``local``."""
+    if group.sliding_window is None:
+        return local
+    return max(local, hit - group.sliding_window + 1)
+
+
+def reference_hit(
+    model: Model, n_tokens: int, local: int, stored: Callable[[int, int], bool]
+) -> int:
+    """The longest aligned hit for ``n_tokens`` whose needed chunks are all ``stored(g, c)``."""
+    spans = [g.tokens_per_block * model.bpc for g in model.layout.groups]
+    align = math.lcm(*spans)
+    hit = (n_tokens - 1) // align * align
+    while hit > local:
+        if all(
+            stored(g, c)
+            for g, group in enumerate(model.layout.groups)
+            for c in range(first_token(group, local, hit) // spans[g], hit // spans[g])
+        ):
+            return hit
+        hit -= align
+    return local
+
+
+@dataclass
+class Req:
+    """One request as vLLM's scheduler sees it."""
+
+    req_id: str
+    tokens: list[int]
+    local_hit: int
+    offered: int | None  # lookup's answer; None means "ask again later"
+    blocks: list[list[int]] = field(default_factory=list)  # per group, NULL_BLOCK included
+    computed: int = 0  # vLLM's num_computed_tokens
+    load: TransferOrder | None = None
+    verified: int = 0  # loaded blocks found bit-exact (rank 0)
+    #: Per group, the blocks a load of the hit must fill (kept after the request finished).
+    load_ids: dict[int, list[int]] = field(default_factory=dict)
+
+    @property
+    def hit(self) -> int:
+        assert self.offered is not None
+        return self.local_hit + self.offered
+
+
+@dataclass
+class Step:
+    """What one engine step's polls returned, every rank together."""
+
+    orders: list[TransferOrder]
+    finished: set[str] = field(default_factory=set)
+    failed_recving: set[str] = field(default_factory=set)
+    failed_blocks: set[int] = field(default_factory=set)
+    reports: list[list[JobReport]] = field(default_factory=list)  # per rank
+
+    def merge(self, other: Step) -> Step:
+        return Step(
+            self.orders + other.orders,
+            self.finished | other.finished,
+            self.failed_recving | other.failed_recving,
+            self.failed_blocks | other.failed_blocks,
+            self.reports + other.reports,
+        )
+
+
+class Stand:
+    """vLLM's part around one ``OffloadScheduler`` and ``world_size`` worker ranks.
+
+    ``null_window``: like vLLM's sliding-window manager, a request admitted
+    with a hit gets the null block for every sliding block wholly before the
+    window of its hit point; otherwise it gets real (unfilled) blocks there.
+    """
+
+    def __init__(
+        self,
+        model: Model,
+        root: Path,
+        *,
+        cpu_chunks: int = 96,
+        disk: bool = False,
+        probe: bool = False,
+        world_size: int = 1,
+        null_window: bool = True,
+        policy: str | None = None,
+        num_blocks: int = 160,
+    ) -> None:
+        self.model, self.layout, self.null_window = model, model.layout, null_window
+        slot = max(g.chunk_bytes(model.bpc) for g in self.layout.groups)
+        extra: dict[str, object] = {
+            "cpu_bytes_to_use": cpu_chunks * slot * world_size,
+            "blocks_per_chunk": model.bpc,
+        }
+        if policy is not None:
+            extra["eviction_policy"] = policy
+        if disk:
+            extra.update(disk_path=str(root / "disk"), disk_bytes_to_use=8 << 20)
+        self.config = build_offloading_config(extra, self.layout, world_size)
+        self.namespace = namespace_of("kvoffload-test", "bfloat16", self.layout)
+        probes = [DiskProbe(root / "disk", self.namespace)] if probe else []
+        self.scheduler = OffloadScheduler(
+            self.config, self.namespace, probes, world_size=world_size
+        )
+        self.kv = [allocate_kv_caches(self.layout, num_blocks) for _ in range(world_size)]
+        single = len(self.layout.groups) == 1
+        self.workers = [
+            OffloadWorker(OffloadEngine.from_config(self.config, kv, self.namespace),
+                          report_blocks=single)
+            for kv in self.kv
+        ]  # fmt: skip
+        self._free = []
+        for g in range(len(self.layout.groups)):
+            ids = list(range(1, num_blocks))  # never NULL_BLOCK
+            random.Random(g).shuffle(ids)
+            self._free.append(ids)
+        self._closed = False
+        self._down: set[int] = set()
+
+    @property
+    def index(self) -> OffloadManager:
+        return self.scheduler.index
+
+    def close_rank(self, rank: int) -> None:
+        """Shut one rank's engine down: it refuses every order from now on."""
+        self.workers[rank].engine.close()
+        self._down.add(rank)
+
+    def close(self) -> None:
+        if not self._closed:
+            self._closed = True
+            for worker in self.workers:
+                worker.close()
+            self.scheduler.close()
+
+    # -- helpers ---------------------------------------------------------------------
+    def keys(self, tokens: Sequence[int]) -> list[list[bytes]]:
+        """Every full chunk's key per group, computed apart from the scheduler."""
+        return prefix_keys_for_layout(tokens, self.config.tokens_per_chunk, self.namespace)
+
+    def ready(self, keys: Sequence[bytes]) -> list[bool]:
+        return self.index.ready_mask(keys)
+
+    def alloc(self, n_tokens: int) -> list[list[int]]:
+        """Fresh scrubbed blocks for ``n_tokens`` tokens, per group."""
+        out = []
+        for g, group in enumerate(self.layout.groups):
+            n = -(-n_tokens // group.tokens_per_block)
+            assert len(self._free[g]) >= n, "the stand ran out of blocks"
+            ids = [self._free[g].pop() for _ in range(n)]
+            for kv in self.kv:
+                for layer in group.layer_names:
+                    for b in ids:
+                        page(kv, layer, b).fill_(SCRUB)
+            out.append(ids)
+        return out
+
+    def free(self, req: Req) -> None:
+        for g, ids in enumerate(req.blocks):
+            self._free[g] += [b for b in ids if b != NULL_BLOCK]
+        req.blocks = []
+
+    def write(self, req: Req, start: int, stop: int) -> None:
+        """The forward pass: KV of tokens ``[start, stop)`` into every non-null block they touch."""
+        for g, group in enumerate(self.layout.groups):
+            tpb = group.tokens_per_block
+            for b in range(start // tpb, -(-stop // tpb)):
+                block = req.blocks[g][b]
+                if block == NULL_BLOCK:
+                    continue
+                end = min((b + 1) * tpb, len(req.tokens))
+                for kv in self.kv:
+                    for layer in group.layer_names:
+                        page(kv, layer, block).copy_(expected_page(layer, req.tokens, end))
+
+    def load_blocks(self, req: Req) -> dict[int, list[int]]:
+        """Per group, the (non-null) blocks a load of ``req``'s hit must fill."""
+        out = {}
+        for g, group in enumerate(self.layout.groups):
+            tpb = group.tokens_per_block
+            first = first_token(group, req.local_hit, req.hit) // tpb
+            ids = [b for b in req.blocks[g][first : req.hit // tpb] if b != NULL_BLOCK]
+            if ids:
+                out[g] = ids
+        return out
+
+    def block_state(self, req: Req, g: int, b: int, rank: int = 0) -> str:
+        """``"exact"``, ``"scrub"`` (never written) or ``"wrong"`` for block index ``b``."""
+        group, block = self.layout.groups[g], req.blocks[g][b]
+        end = min((b + 1) * group.tokens_per_block, len(req.tokens))
+        states = set()
+        for layer in group.layer_names:
+            got = page(self.kv[rank], layer, block)
+            if torch.equal(got, expected_page(layer, req.tokens, end)):
+                states.add("exact")
+            elif bool((got == SCRUB).all()):
+                states.add("scrub")
+            else:
+                states.add("wrong")
+        return states.pop() if len(states) == 1 else "wrong"
+
+    # -- vLLM's calls ----------------------------------------------------------------
+    def ask(self, req_id: str, tokens: Sequence[int], local_hit: int = 0) -> Req:
+        """``get_num_new_matched_tokens``."""
+        return Req(
+            req_id, list(tokens), local_hit, self.scheduler.lookup(req_id, tokens, local_hit)
+        )
+
+    def allocate(self, req: Req) -> Req:
+        """vLLM allocates the request's blocks, then ``update_state_after_alloc``."""
+        assert req.offered is not None, "a deferred request is not allocated"
+        req.blocks = self.alloc(len(req.tokens))
+        if self.null_window:
+            for g, group in enumerate(self.layout.groups):
+                if group.sliding_window is not None:
+                    before = max(0, req.hit - group.sliding_window + 1) // group.tokens_per_block
+                    self._free[g] += req.blocks[g][:before]
+                    req.blocks[g][:before] = [NULL_BLOCK] * before
+        self.write(req, 0, req.local_hit)  # vLLM's own prefix-cache blocks
+        req.load = self.scheduler.plan_load(req.req_id, req.blocks, req.offered)
+        req.computed = req.hit
+        req.load_ids = self.load_blocks(req)
+        if req.load is not None:  # the order covers exactly the blocks the hit needs
+            got: dict[int, list[int]] = {}
+            for span in req.load.spans:
+                got.setdefault(span.group, []).extend(span.blocks.block_ids)
+            for g, ids in req.load.unloadable.items():
+                got.setdefault(g, []).extend(ids)
+            assert {g: sorted(ids) for g, ids in got.items()} == {
+                g: sorted(ids) for g, ids in self.load_blocks(req).items()
+            }
+        return req
+
+    def admit(self, req_id: str, tokens: Sequence[int], local_hit: int = 0) -> Req:
+        return self.allocate(self.ask(req_id, tokens, local_hit))
+
+    def step(
+        self,
+        compute: Sequence[Req] = (),
+        *,
+        until: int | None = None,
+        wait: bool = True,
+        held: Sequence[TransferOrder] = (),
+        deliver: bool = True,
+    ) -> Step:
+        """One engine step: plan stores, loads, forward, stores, poll, reports.
+
+        ``compute`` are the requests scheduled to run (up to ``until`` tokens);
+        ``held`` orders taken earlier join this step's. ``wait`` waits for
+        every job before polling, so the step is deterministic.
+        """
+        stops = {}
+        for req in compute:
+            stop = len(req.tokens) if until is None else min(until, len(req.tokens))
+            stops[req.req_id] = stop
+            self.scheduler.plan_store(
+                req.req_id,
+                req.tokens,
+                computed=req.computed,
+                scheduled=stop - req.computed,
+                block_ids=req.blocks,
+                num_prompt_tokens=len(req.tokens),
+            )
+        orders = [*held, *self.scheduler.take_orders()]
+        for worker in self.workers:
+            worker.submit(orders, JobKind.LOAD)
+        for worker in self.workers:
+            worker.before_forward()
+        for req in compute:
+            self.write(req, req.computed, stops[req.req_id])
+            req.computed = stops[req.req_id]
+        for worker in self.workers:
+            worker.submit(orders, JobKind.STORE)
+        out = Step(orders)
+        for worker in self.workers:
+            if wait:
+                assert worker.engine.wait(timeout=60)
+            polled = worker.poll()
+            out.finished |= polled.finished_recving
+            out.failed_recving |= polled.failed_recving
+            out.failed_blocks |= worker.take_failed_blocks()
+            out.reports.append(worker.take_reports())
+        if deliver:
+            self.deliver(out)
+        return out
+
+    def deliver(self, out: Step) -> None:
+        for reports in out.reports:
+            for report in reports:
+                self.scheduler.on_report(report)
+
+    def check_load(self, req: Req, out: Step) -> None:
+        """Loaded blocks are exact; failed ones were never written (never wrong KV)."""
+        failed_request = req.req_id in out.failed_recving
+        req.verified = 0
+        for rank in range(len(self.kv)):
+            for g, ids in self.load_blocks(req).items():
+                for block in ids:
+                    state = self.block_state(req, g, req.blocks[g].index(block), rank)
+                    if block in out.failed_blocks and len(self.layout.groups) == 1:
+                        assert state == "scrub", (g, block)
+                    elif failed_request:
+                        assert state in ("exact", "scrub"), (g, block)
+                    else:
+                        assert state == "exact", (g, block)
+                    req.verified += state == "exact" and rank == 0
+
+    def recover(self, req: Req, out: Step) -> None:
+        """What vLLM does with a failed load: recompute from the first block that failed."""
+        if req.req_id in out.failed_recving:
+            req.computed = min(req.computed, req.local_hit)
+        elif len(self.layout.groups) == 1:
+            bad = [i for i, b in enumerate(req.blocks[0]) if b in out.failed_blocks]
+            if bad:
+                req.computed = min(req.computed, bad[0] * self.layout.groups[0].tokens_per_block)
+
+    def finish(self, req: Req) -> None:
+        self.scheduler.request_finished(req.req_id)
+        self.free(req)
+
+    def serve(self, req_id: str, tokens: Sequence[int], local_hit: int = 0) -> tuple[Req, Step]:
+        """A whole request: lookup, its load (one step), the rest computed and stored, finished."""
+        req = self.admit(req_id, tokens, local_hit)
+        out = Step([])
+        if req.load is not None:
+            out = self.step()
+            assert req_id in out.finished
+            self.check_load(req, out)
+            self.recover(req, out)
+        self.step([req])
+        self.finish(req)
+        return req, out
+
+    def check_integrity(self) -> None:
+        stats = self.index.stats()
+        assert (stats["pinned"], stats["storing"]) == (0, 0)
+        assert self.scheduler.figures()["jobs_in_flight"] == 0
+        self.index.check_integrity()
+        for rank, worker in enumerate(self.workers):
+            if rank not in self._down:
+                worker.engine.cascade.check_integrity()
+
+
+@pytest.fixture
+def stand(tmp_path: Path) -> Iterator[Callable[..., Stand]]:
+    """Build stands over ``tmp_path``; all are closed at teardown."""
+    made: list[Stand] = []
+
+    def make(model: Model, **kwargs: object) -> Stand:
+        made.append(Stand(model, tmp_path, **kwargs))  # type: ignore[arg-type]
+        return made[-1]
+
+    yield make
+    for s in made:
+        s.close()
+
+
+def needed_chunks(stand: Stand, req: Req) -> int:
+    assert req.load is not None
+    return len(req.load.keys) + sum(
+        -(-len(ids) // stand.model.bpc) for ids in req.load.unloadable.values()
+    )
+
+
+# -- hits and loads ------------------------------------------------------------------------
+@MODELS
+@pytest.mark.parametrize(("chunks", "extra"), [(1, 8), (3, 0), (3, 5)])
+@pytest.mark.parametrize("with_local", [False, True], ids=["no-local", "local"])
+def test_a_stored_prefix_is_offered_aligned_and_loads_bit_exact(
+    stand: Callable[..., Stand], model: Model, chunks: int, extra: int, with_local: bool
+) -> None:
+    s = stand(model)
+    spans = [g.tokens_per_block * model.bpc for g in model.layout.groups]
+    align = math.lcm(*spans)
+    assert s.scheduler.alignment == align
+    tokens = make_tokens(1, chunks * align + extra)
+    first, _ = s.serve("a", tokens)
+    assert first.offered == 0 and first.load is None  # an empty index offers nothing
+    keys = s.keys(tokens)
+    assert all(all(s.ready(k)) for k in keys)  # every full chunk of every group stored
+
+    local = math.lcm(*(g.tokens_per_block for g in model.layout.groups)) if with_local else 0
+    want = (len(tokens) - 1) // align * align  # leaves at least one token to compute
+    second, out = s.serve("b", tokens, local_hit=local)
+    assert 0 < want < len(tokens) and second.hit == want
+    assert second.offered == want - local
+    blocks = sum(len(ids) for ids in second.load_ids.values())
+    assert blocks > 0 and second.verified == blocks
+    assert out.failed_blocks == set() and out.failed_recving == set()
+    fig = s.scheduler.figures()
+    assert fig["loaded_tokens"] == fig["hit_tokens"] == want - local
+    assert (fig["loads"], fig["failed_loads"], fig["hit_requests"]) == (1, 0, 1)
+    assert fig["cpu_hit_chunks"] == needed_chunks(s, second) and fig["lower_hit_chunks"] == 0
+    s.check_integrity()
+
+
+@MODELS
+def test_lookup_is_free_of_side_effects(stand: Callable[..., Stand], model: Model) -> None:
+    ta, tb, tc = make_tokens(1, 100), make_tokens(2, 100), make_tokens(3, 40)
+    capacity = sum(len(k) for k in [*make_keys(model, ta), *make_keys(model, tb)])
+    s = stand(model, cpu_chunks=capacity, policy="lru")
+    s.serve("a", ta)
+    s.serve("b", tb)
+    assert s.index.stats()["free"] == 0
+    s.scheduler.take_events()
+    before = s.index.stats()
+    answers = [s.scheduler.lookup("x", ta, 0) for _ in range(2)]
+    assert answers[0] == answers[1] == reference_hit(model, len(ta), 0, lambda g, c: True) > 0
+    assert s.index.stats() == before and before["pinned"] == 0
+    assert s.scheduler.take_events() == [] and s.scheduler.take_orders() == []
+    assert s.scheduler.figures()["jobs_in_flight"] == 0
+    s.scheduler.request_finished("x")
+    # Nor was the policy told: a's chunks are still the least recent, so c evicts them.
+    s.serve("c", tc)
+    a_keys, b_keys = make_keys(model, ta), make_keys(model, tb)
+    assert all(all(s.ready(k)) for k in b_keys)
+    assert not all(all(s.ready(k)) for k in a_keys)
+
+
+def make_keys(model: Model, tokens: Sequence[int]) -> list[list[bytes]]:
+    spans = [g.tokens_per_block * model.bpc for g in model.layout.groups]
+    return prefix_keys_for_layout(
+        tokens, spans, namespace_of("kvoffload-test", "bfloat16", model.layout)
+    )
+
+
+SLIDING = [0, 1, 2]
+FULL = 3
+
+
+@pytest.mark.parametrize(
+    "nulled",
+    [
+        pytest.param({(g, c) for g in SLIDING for c in (0, 1)}, id="sliding-before-window"),
+        pytest.param({(1, 2)}, id="sliding-inside-window"),
+        pytest.param({(FULL, 5)}, id="full-in-the-middle"),
+    ],
+)
+def test_hybrid_hits_need_the_window_before_the_hit_and_every_full_chunk(
+    stand: Callable[..., Stand], nulled: set[tuple[int, int]]
+) -> None:
+    s = stand(GEMMA)
+    tokens = make_tokens(7, 100)
+    a = s.admit("a", tokens)
+    assert a.offered == 0
+    for g, c in nulled:  # the engine holds no KV for these chunks: they must not be stored
+        lo, hi = c * GEMMA.bpc, (c + 1) * GEMMA.bpc
+        s._free[g] += a.blocks[g][lo:hi]
+        a.blocks[g][lo:hi] = [NULL_BLOCK] * (hi - lo)
+    s.step([a])
+    s.finish(a)
+    keys = s.keys(tokens)
+    for g, group_keys in enumerate(keys):
+        assert s.ready(group_keys) == [(g, c) not in nulled for c in range(len(group_keys))]
+    assert s.scheduler.figures()["skipped_store_chunks"] == len(nulled)
+
+    want = reference_hit(GEMMA, len(tokens), 0, lambda g, c: (g, c) not in nulled)
+    assert want > 0
+    b, _ = s.serve("b", tokens)
+    assert b.offered == want
+    assert b.verified == sum(len(ids) for ids in b.load_ids.values())
+    s.check_integrity()
+
+
+def test_reference_hit_follows_the_window_rule() -> None:
+    """The reference the hybrid test trusts, worked by hand for 100 tokens (hits on 32s).
+
+    A hit at 96 needs sliding tokens [73, 96), i.e. only chunk 2 of each sliding group,
+    so losing chunks 0 and 1 there costs nothing; a lost full chunk 5 (tokens [40, 48))
+    leaves 32 as the longest hit that does not need it.
+    """
+    assert reference_hit(GEMMA, 100, 0, lambda g, c: g == FULL or c >= 2) == 96
+    assert reference_hit(GEMMA, 100, 0, lambda g, c: (g, c) != (FULL, 5)) == 32
+
+
+# -- what may be stored ----------------------------------------------------------------------
+@pytest.mark.parametrize("local", [0, 16])
+def test_stores_skip_sliding_blocks_a_load_did_not_fill(
+    stand: Callable[..., Stand], local: int
+) -> None:
+    s = stand(GEMMA, null_window=False)
+    tokens = make_tokens(8, 100)
+    a = s.admit("a", tokens)
+    early = {(g, c) for g in SLIDING for c in (0, 1)}
+    for g, c in early:
+        lo, hi = c * GEMMA.bpc, (c + 1) * GEMMA.bpc
+        s._free[g] += a.blocks[g][lo:hi]
+        a.blocks[g][lo:hi] = [NULL_BLOCK] * (hi - lo)
+    s.step([a])
+    s.finish(a)
+    skipped = s.scheduler.figures()["skipped_store_chunks"]
+    assert skipped == len(early)
+
+    b = s.admit("b", tokens, local_hit=local)
+    assert b.hit == reference_hit(GEMMA, 100, local, lambda g, c: (g, c) not in early)
+    out = s.step()
+    s.check_load(b, out)
+    # b's sliding blocks between its local hit and the window are real, but hold nothing.
+    for g in SLIDING:
+        tpb = GEMMA.layout.groups[g].tokens_per_block
+        first = first_token(GEMMA.layout.groups[g], local, b.hit) // tpb
+        for blk in range(local // tpb, first):
+            assert b.blocks[g][blk] != NULL_BLOCK and s.block_state(b, g, blk) == "scrub"
+    s.step([b])
+    s.finish(b)
+    keys = s.keys(tokens)
+    # Chunks not wholly inside a known-valid range were skipped, never stored.
+    not_valid = 0
+    for g in SLIDING:
+        group = GEMMA.layout.groups[g]
+        span = group.tokens_per_block * GEMMA.bpc
+        valid_from = first_token(group, local, b.hit) // group.tokens_per_block
+        valid_from *= group.tokens_per_block
+        bad = [c for c in range(len(keys[g])) if c * span < valid_from and (c + 1) * span > local]
+        not_valid += len(bad)
+        assert not any(s.ready([keys[g][c] for c in bad]))
+    assert not_valid > 0
+    assert s.scheduler.figures()["skipped_store_chunks"] - skipped == not_valid
+    s.check_integrity()
+
+
+@MODELS
+def test_preempted_forgets_what_its_blocks_held(stand: Callable[..., Stand], model: Model) -> None:
+    s = stand(model)
+    groups = model.layout.groups
+    span = max(g.tokens_per_block for g in groups) * model.bpc
+    cut = 2 * span + min(g.tokens_per_block for g in groups)  # inside some group's chunk
+    tokens = make_tokens(9, 100)
+    p = s.admit("p", tokens)
+    s.step([p], until=cut)
+    keys = s.keys(tokens)
+    # The chunk that straddles ``cut`` in each group is not stored yet.
+    straddling = [(g, cut // (grp.tokens_per_block * model.bpc)) for g, grp in enumerate(groups)]
+    assert not any(s.ready([keys[g][c]])[0] for g, c in straddling)
+
+    s.scheduler.preempted("p")
+    s.free(p)
+    p.blocks = s.alloc(len(tokens))  # new blocks, nothing recomputed into them
+    skipped = s.scheduler.figures()["skipped_store_chunks"]
+    nxt = min(-(-cut // (g.tokens_per_block * model.bpc)) * g.tokens_per_block * model.bpc
+              for g in groups)  # fmt: skip
+    order = s.scheduler.plan_store(
+        "p", tokens, computed=cut, scheduled=nxt - cut, block_ids=p.blocks,
+        num_prompt_tokens=len(tokens),
+    )  # fmt: skip
+    assert order is None and s.scheduler.take_orders() == []
+    assert not any(s.ready([keys[g][c]])[0] for g, c in straddling)
+    assert s.scheduler.figures()["skipped_store_chunks"] > skipped
+
+    # Recomputed (re-admitted the way vLLM does after a preemption), it is stored again.
+    s.scheduler.preempted("p")
+    s.free(p)
+    again, _ = s.serve("p", tokens)
+    assert again.offered == reference_hit(
+        model, len(tokens), 0, lambda g, c: (c + 1) * groups[g].tokens_per_block * model.bpc <= cut
+    )
+    assert all(all(s.ready(k)) for k in keys)
+    q, _ = s.serve("q", tokens)
+    assert q.verified == sum(len(ids) for ids in q.load_ids.values()) > 0
+    s.check_integrity()
+
+
+# -- lower tiers -------------------------------------------------------------------------------
+def serve_and_close(stand: Callable[..., Stand], model: Model, *prompts: list[int]) -> Stand:
+    """Pair A: serve ``prompts`` with a disk tier, then shut down (files stay)."""
+    a = stand(model, disk=True)
+    for i, tokens in enumerate(prompts):
+        a.serve(f"a{i}", tokens)
+    a.check_integrity()
+    a.close()
+    return a
+
+
+@MODELS
+def test_warm_restart_serves_hits_from_disk(
+    stand: Callable[..., Stand], model: Model, tmp_path: Path
+) -> None:
+    tokens = make_tokens(11, 100)
+    a = serve_and_close(stand, model, tokens)
+    assert any((tmp_path / "disk").rglob("*.kv"))
+    blind = OffloadScheduler(a.config, a.namespace)  # no probe: the fresh CPU index knows nothing
+    assert blind.lookup("x", tokens, 0) == 0
+
+    b = stand(model, disk=True, probe=True)
+    req, out = b.serve("b", tokens)
+    want = reference_hit(model, len(tokens), 0, lambda g, c: True)
+    assert req.offered == want > 0 and out.failed_blocks == set() and not out.failed_recving
+    assert req.verified == sum(len(ids) for ids in req.load_ids.values())
+    fig = b.scheduler.figures()
+    n = needed_chunks(b, req)
+    assert (fig["lower_hit_chunks"], fig["cpu_hit_chunks"], fig["loaded_tokens"]) == (n, 0, want)
+    assert b.workers[0].engine.traffic()["disk"].loads == n
+    # Promoted into B's CPU tier: the next request is a CPU hit.
+    again, _ = b.serve("c", tokens)
+    assert again.offered == want and b.scheduler.figures()["cpu_hit_chunks"] == n
+    b.check_integrity()
+
+
+def corrupt(path: Path) -> None:
+    data = bytearray(path.read_bytes())
+    mid = len(data) // 2
+    data[mid : mid + 16] = bytes(x ^ 0xFF for x in data[mid : mid + 16])
+    path.write_bytes(bytes(data))
+
+
+@MODELS
+def test_corrupt_disk_chunks_fail_the_load_and_are_recomputed(
+    stand: Callable[..., Stand], model: Model, tmp_path: Path
+) -> None:
+    tokens = make_tokens(12, 100)
+    a = serve_and_close(stand, model, tokens)
+    keys = a.keys(tokens)
+    hit = reference_hit(model, len(tokens), 0, lambda g, c: True)
+    corrupted: dict[int, list[int]] = {}  # group -> chunk indices
+    for g, group in enumerate(model.layout.groups):
+        span = group.tokens_per_block * model.bpc
+        for c in range(first_token(group, 0, hit) // span, hit // span):
+            if c % 2:
+                [path] = (tmp_path / "disk").rglob(f"{keys[g][c].hex()}.kv")
+                corrupt(path)
+                corrupted.setdefault(g, []).append(c)
+    assert corrupted
+
+    b = stand(model, disk=True, probe=True)
+    req = b.admit("b", tokens)
+    assert req.offered == hit
+    out = b.step()
+    assert "b" in out.finished
+    b.check_load(req, out)  # good chunks exact, corrupt ones never written
+    bpc = model.bpc
+    if len(model.layout.groups) == 1:
+        want = {req.blocks[0][i] for c in corrupted[0] for i in range(c * bpc, (c + 1) * bpc)}
+        assert out.failed_blocks == want and out.failed_recving == set()
+    else:
+        assert out.failed_recving == {"b"} and out.failed_blocks == set()
+    fig = b.scheduler.figures()
+    assert (fig["failed_loads"], fig["failed_load_tokens"], fig["loaded_tokens"]) == (1, hit, 0)
+    disk = b.workers[0].engine.stats()["tiers"]["disk"]
+    assert disk["corrupt_chunks"] == sum(len(c) for c in corrupted.values())
+    b.check_integrity()  # pins released, corrupt files dropped
+
+    b.recover(req, out)
+    b.step([req])
+    b.finish(req)
+    again, out2 = b.serve("c", tokens)
+    assert again.offered == hit and out2.failed_blocks == set() and not out2.failed_recving
+    assert again.verified == sum(len(ids) for ids in again.load_ids.values())
+    assert b.scheduler.figures()["failed_loads"] == 1
+    b.check_integrity()
+
+
+@MODELS
+def test_chunks_with_no_promotion_slot_are_unloadable(
+    stand: Callable[..., Stand], model: Model
+) -> None:
+    t1, t2 = make_tokens(21, 100), make_tokens(22, 100)
+    serve_and_close(stand, model, t1, t2)
+    probe_only = stand(model, disk=True, probe=True)
+    r = probe_only.admit("sizing", t1)
+    room = needed_chunks(probe_only, r)
+    probe_only.close()
+
+    b = stand(model, disk=True, probe=True, cpu_chunks=room)
+    r1, r2 = b.ask("r1", t1), b.ask("r2", t2)  # both offered: the CPU tier has room for one
+    assert r1.offered == r2.offered == reference_hit(model, 100, 0, lambda g, c: True)
+    b.allocate(r1)
+    b.allocate(r2)  # r1's promotions took every slot
+    assert r1.load is not None and r2.load is not None
+    assert not r1.load.unloadable and r2.load.spans == ()
+    assert {g: list(ids) for g, ids in r2.load.unloadable.items()} == r2.load_ids
+    assert b.scheduler.figures()["unloadable_chunks"] == room
+
+    first = b.step(wait=False)  # r2 fails at once, whatever r1's load is doing
+    assert "r2" in first.finished
+    if len(model.layout.groups) == 1:
+        assert first.failed_blocks == set(r2.load_ids[0])
+    else:
+        assert first.failed_recving == {"r2"}
+    out = first.merge(b.step())
+    assert {"r1", "r2"} <= out.finished
+    b.check_load(r1, out)
+    assert r1.verified == sum(len(ids) for ids in r1.load_ids.values())
+    b.check_load(r2, out)
+    fig = b.scheduler.figures()
+    assert (fig["loads"], fig["failed_loads"]) == (2, 1)
+    for req in (r1, r2):
+        b.recover(req, out)
+    assert r2.computed == 0
+    b.step([r1, r2])
+    b.finish(r1)
+    b.finish(r2)
+    b.check_integrity()
+
+
+def chunks_needed(model: Model, local: int, hit: int) -> int:
+    """Chunks of every group a hit at ``hit`` needs beyond ``local``."""
+    count = 0
+    for group in model.layout.groups:
+        span = group.tokens_per_block * model.bpc
+        count += len(range(first_token(group, local, hit) // span, hit // span))
+    return count
+
+
+@MODELS
+def test_lookup_offers_only_what_the_cpu_tier_can_stage(
+    stand: Callable[..., Stand], model: Model
+) -> None:
+    tokens = make_tokens(23, 100)
+    serve_and_close(stand, model, tokens)
+    full = reference_hit(model, len(tokens), 0, lambda g, c: True)
+    room = chunks_needed(model, 0, full) - 1  # one slot short of the longest hit
+    b = stand(model, disk=True, probe=True, cpu_chunks=room)
+    align = b.scheduler.alignment
+    want = max(h for h in range(0, full, align) if chunks_needed(model, 0, h) <= room)
+    assert 0 < want < full
+    req, out = b.serve("b", tokens)
+    assert req.offered == want and not out.failed_blocks and not out.failed_recving
+    assert req.verified == sum(len(ids) for ids in req.load_ids.values())
+    assert b.scheduler.figures()["unloadable_chunks"] == 0
+    b.check_integrity()
+
+
+# -- tensor parallel ---------------------------------------------------------------------------
+def test_a_job_completes_once_every_rank_reported(stand: Callable[..., Stand]) -> None:
+    s = stand(LLAMA, world_size=2)
+    tokens = make_tokens(31, 37)
+    a = s.admit("a", tokens)
+    out = s.step([a], deliver=False)
+    [[r0], [r1]] = out.reports
+    keys = [k for group in s.keys(tokens) for k in group]
+    assert r0.job_id == r1.job_id and r0.ok and r1.ok
+    s.scheduler.on_report(r0)
+    assert not any(s.ready(keys)) and s.index.stats()["storing"] == len(keys)
+    assert s.scheduler.figures()["jobs_in_flight"] == 1
+    s.scheduler.on_report(r1)
+    assert all(s.ready(keys)) and s.scheduler.figures()["stored_chunks"] == len(keys)
+    s.finish(a)
+    b, _ = s.serve("b", tokens)  # check_load verifies both ranks' tensors
+    assert b.verified == sum(len(ids) for ids in b.load_ids.values()) > 0
+    s.check_integrity()
+
+
+def test_a_key_failed_on_one_rank_is_failed(stand: Callable[..., Stand]) -> None:
+    s = stand(LLAMA, world_size=2)
+    s.close_rank(1)  # rank 1 refuses every order
+    tokens = make_tokens(32, 37)
+    a = s.admit("a", tokens)
+    out = s.step([a], deliver=False)
+    [[r0], [r1]] = out.reports
+    keys = [k for group in s.keys(tokens) for k in group]
+    assert r0.ok and r1.failed_keys == frozenset(keys)
+    merged = merge_reports(r0, r1)
+    assert merged.workers == 2 and merged.failed_keys == frozenset(keys) and not merged.ok
+    s.scheduler.on_report(r0)
+    assert s.scheduler.figures()["jobs_in_flight"] == 1
+    s.scheduler.on_report(r1)
+    fig = s.scheduler.figures()
+    assert (fig["stored_chunks"], fig["failed_store_chunks"]) == (0, len(keys))
+    assert not any(s.ready(keys)) and s.scheduler.lookup("b", tokens, 0) == 0
+    s.finish(a)
+    s.scheduler.request_finished("b")
+    s.check_integrity()
+
+
+def test_merge_reports_unions_failures_and_counts_promotions() -> None:
+    a = JobReport(7, 1, frozenset({b"k1"}), {b"p": 1, b"q": 1}, {0: frozenset({3})}, ("x",))
+    b = JobReport(7, 1, frozenset({b"k2"}), {b"p": 1}, {0: frozenset({4}), 1: frozenset({5})})
+    m = merge_reports(a, b)
+    assert (m.job_id, m.workers, m.failed_keys) == (7, 2, frozenset({b"k1", b"k2"}))
+    assert dict(m.promoted) == {b"p": 2, b"q": 1}
+    assert dict(m.failed_blocks) == {0: frozenset({3, 4}), 1: frozenset({5})}
+    assert m.errors == ("x",) and not m.ok
+
+
+@pytest.mark.parametrize("model", [LLAMA, GEMMA], ids=lambda m: m.name)
+def test_a_refused_load_reports_its_blocks(stand: Callable[..., Stand], model: Model) -> None:
+    """Invariant 3: a load order the engine refuses still names its blocks (or its request)."""
+    s = stand(model)
+    tokens = make_tokens(33, 100)
+    s.serve("a", tokens)
+    b = s.admit("b", tokens)
+    assert b.load is not None and b.load.spans
+    s.close_rank(0)  # the next load order is refused
+    out = s.step()
+    assert "b" in out.finished
+    if len(model.layout.groups) == 1:
+        assert out.failed_blocks == set(b.load_ids[0])
+    else:
+        assert out.failed_recving == {"b"}
+    assert s.scheduler.figures()["failed_loads"] == 1
+
+
+# -- lifecycle --------------------------------------------------------------------------------
+@MODELS
+def test_reset_drops_unpinned_chunks_and_keeps_pinned_ones(
+    stand: Callable[..., Stand], model: Model
+) -> None:
+    s = stand(model)
+    ta, tc, td = make_tokens(41, 100), make_tokens(42, 100), make_tokens(43, 100)
+    s.serve("a", ta)
+    s.serve("c", tc)
+    b = s.admit("b", ta)  # pins what its hit needs
+    assert b.load is not None
+    held = s.scheduler.take_orders()
+    pinned = set(b.load.keys)
+    assert s.index.stats()["pinned"] == len(pinned) > 0
+    s.scheduler.take_events()
+    assert s.scheduler.reset()
+    all_a = {k for group in s.keys(ta) for k in group}
+    all_c = {k for group in s.keys(tc) for k in group}
+    assert all(s.ready(sorted(pinned))) and not any(s.ready(sorted(all_c)))
+    assert not any(s.ready(sorted(all_a - pinned)))
+    removed = {e.key for e in s.scheduler.take_events()}
+    assert removed == (all_a | all_c) - pinned
+    assert s.scheduler.lookup("x", tc, 0) == 0  # no lower tier to fall back on
+    s.scheduler.request_finished("x")
+
+    # A store reuses the freed slots before b's load runs; b's pinned slots are not among them.
+    d = s.admit("d", td)
+    d_orders = s.step([d]).orders
+    s.finish(d)
+    d_slots = {slot for order in d_orders for span in order.spans for slot in span.slots}
+    b_slots = {slot for span in b.load.spans for slot in span.slots}
+    assert d_slots and not d_slots & b_slots
+    out = s.step(held=held)
+    assert "b" in out.finished
+    s.check_load(b, out)
+    assert b.verified == sum(len(ids) for ids in b.load_ids.values())
+    s.step([b])
+    s.finish(b)
+    assert s.index.stats()["pinned"] == 0 and all(s.ready(sorted(pinned)))
+    s.scheduler.reset()  # nothing pinned now: everything goes
+    assert s.index.stats()["ready"] == 0 and s.scheduler.lookup("y", ta, 0) == 0
+    s.scheduler.request_finished("y")
+    s.check_integrity()
+
+
+def test_lookup_defers_while_a_needed_store_is_in_flight(stand: Callable[..., Stand]) -> None:
+    s = stand(LLAMA)
+    tokens = make_tokens(51, 37)
+    a = s.admit("a", tokens)
+    out = s.step([a], deliver=False)  # stored by the worker, not yet reported
+    assert s.scheduler.lookup("b", tokens, 0) is None
+    assert s.scheduler.figures()["deferred_lookups"] == 1
+    s.deliver(out)
+    s.finish(a)
+    assert s.scheduler.lookup("b", tokens, 0) == reference_hit(LLAMA, 37, 0, lambda g, c: True)
+    s.scheduler.request_finished("b")
+    s.check_integrity()
+
+
+# -- engine blocks are free once the store read them ------------------------------------------
+def test_wait_for_sources_frees_engine_blocks_before_the_store_ends(tmp_path: Path) -> None:
+    layout = LLAMA.layout
+    config = build_offloading_config(
+        {"cpu_bytes_to_use": 16 * 1024, "blocks_per_chunk": 2, "disk_path": str(tmp_path),
+         "disk_bytes_to_use": 1 << 20}, layout)  # fmt: skip
+    namespace = namespace_of("kvoffload-test", "bfloat16", layout)
+    kv = allocate_kv_caches(layout, 16)
+    tokens = make_tokens(61, 16)
+    source = [3, 9, 4, 1]
+    for b, block in enumerate(source):
+        for layer in ("l0", "l1"):
+            page(kv, layer, block).copy_(expected_page(layer, tokens, (b + 1) * 4))
+    original = {(layer, b): page(kv, layer, b).clone() for layer in ("l0", "l1") for b in source}
+    keys = (b"chunk-zero", b"chunk-one")
+    engine = OffloadEngine.from_config(config, kv, namespace)
+    assert engine.wait_for_sources(timeout=60)  # nothing submitted: nothing to wait for
+    engine.submit_store([ChunkSpan(0, keys, (0, 1), BlockSpan(tuple(source)))])
+    assert engine.wait_for_sources(timeout=60)
+    for layer, b in original:
+        page(kv, layer, b).fill_(0x5A)  # the engine reuses the blocks at once
+    assert engine.wait(timeout=60)
+    [stored] = engine.get_finished()
+    assert stored.status is JobStatus.SUCCESS and stored.done_keys == keys
+    target = [11, 12, 13, 14]
+    engine.submit_load([ChunkSpan(0, keys, (0, 1), BlockSpan(tuple(target)))])
+    assert engine.wait(timeout=60)
+    [loaded] = engine.get_finished()
+    assert loaded.status is JobStatus.SUCCESS
+    for layer in ("l0", "l1"):
+        for src, dst in zip(source, target, strict=True):
+            assert torch.equal(page(kv, layer, dst), original[(layer, src)])
+    engine.close()
+    # The disk copy was written from the CPU slot, not the reused blocks: a restart reads it.
+    kv2 = allocate_kv_caches(layout, 16)
+    engine2 = OffloadEngine.from_config(config, kv2, namespace)
+    engine2.submit_load([ChunkSpan(0, keys, (5, 6), BlockSpan(tuple(target)))])
+    assert engine2.wait(timeout=60)
+    [promoted] = engine2.get_finished()
+    assert promoted.status is JobStatus.SUCCESS and set(promoted.promoted_keys) == set(keys)
+    for layer in ("l0", "l1"):
+        for src, dst in zip(source, target, strict=True):
+            assert torch.equal(page(kv2, layer, dst), original[(layer, src)])
+    engine2.close()
+
+
+@MODELS
+def test_blocks_are_reusable_once_the_step_polled(
+    stand: Callable[..., Stand], model: Model
+) -> None:
+    s = stand(model)
+    tokens = make_tokens(62, 100)
+    a = s.admit("a", tokens)
+    out = s.step([a], wait=False, deliver=False)  # poll waited for the copies only
+    used = [set(ids) for ids in a.blocks]
+    s.finish(a)
+    other = s.alloc(len(tokens) * 4)  # vLLM hands the freed blocks on: scrubbed at once
+    assert all(used[g] <= set(ids) for g, ids in enumerate(other))
+    rest = s.step(deliver=False)  # the stores' reports
+    s.deliver(out.merge(rest))
+    b, _ = s.serve("b", tokens)
+    assert b.verified == sum(len(ids) for ids in b.load_ids.values()) > 0
+    s.check_integrity()
