@@ -1,8 +1,9 @@
 """The tier cascade: the CPU slab first, then lower tiers (disk, a shared store).
 
-**Write-through.** A store lands in its CPU slot and is then written, from
-that same slot, to every lower tier before the store job finishes. Why not
-write-back (write a chunk down only when the index evicts it from CPU)?
+**Write-through to local tiers.** A store lands in its CPU slot and is then
+written, from that same slot, to every local lower tier (disk) before the
+store job finishes. Why not write-back (write a chunk down only when the
+index evicts it from CPU)?
 
 * The index evicts inside ``prepare_store``, on the scheduler's critical
   path, and the evicted slot is overwritten right away by the new store; a
@@ -21,6 +22,19 @@ never be evicted; both are off the forward pass. A failed lower-tier write
 does not fail the store (the chunk is in CPU, invariant 1 holds); it is
 counted and returned so the job result names it.
 
+**Write-behind to network tiers.** A tier with ``write_behind`` (the remote
+tier) is not written inside the job: a server that is slow would hold the
+engine's few worker threads, and loads queue behind them. The job copies the
+chunk out of its slot instead (``Tier.stage_put``; once the job is done the
+slot may be evicted and reused, so nothing reads it afterwards) into a
+bounded queue that one thread per tier drains (:mod:`kvoffload._write_behind`).
+A store the queue refuses (full at ``write_behind_bytes``, or the server known
+to be down) fails in the job: counted, and named in the job's errors. A write
+that fails later is counted in that tier's figures and the traffic here, and
+logged once per run of failures; it can no longer be named by a job, which has
+finished. Either way the chunk stays in CPU and nothing blocks. :meth:`drain`
+waits for the queues (tests, shutdown); :meth:`close` drains before it closes.
+
 **Promotion.** A load whose chunk is not in its CPU slot reads it from the
 first lower tier that has it *into that slot* (verified by the tier), binds
 it there and scatters from it: the slot given by the index's
@@ -31,9 +45,10 @@ chunk's new CPU home, so a disk hit costs one disk read and one scatter.
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from kvoffload._write_behind import DEFAULT_QUEUE_BYTES, WriteBehind
 from kvoffload.errors import ConfigError, KVOffloadError, TierError
 from kvoffload.tiers.base import Tier
 from kvoffload.tiers.cpu import CPUTier
@@ -83,7 +98,13 @@ class TierCascade:
     after the jobs they describe finished.
     """
 
-    def __init__(self, cpu: CPUTier, lower: Sequence[Tier] = ()) -> None:
+    def __init__(
+        self,
+        cpu: CPUTier,
+        lower: Sequence[Tier] = (),
+        *,
+        write_behind_bytes: int = DEFAULT_QUEUE_BYTES,
+    ) -> None:
         self.cpu = cpu
         self.lower = tuple(lower)
         names = [tier.name for tier in self.tiers]
@@ -91,16 +112,35 @@ class TierCascade:
             # Traffic and stats are keyed by name: an empty or repeated one would merge counters.
             raise ConfigError(f"every tier of a cascade needs its own non-empty name, got {names}")
         self.traffic = {name: TierTraffic() for name in names}
+        self._behind = {
+            tier.name: WriteBehind(tier, write_behind_bytes, self._reporter(tier.name))
+            for tier in self.lower
+            if tier.write_behind
+        }
+
+    def _reporter(self, name: str) -> Callable[[bool, int, float], None]:
+        traffic = self.traffic[name]
+        return lambda ok, nbytes, seconds: traffic.add(True, nbytes, seconds, ok=ok)
 
     @property
     def tiers(self) -> tuple[Tier, ...]:
         return (self.cpu, *self.lower)
 
     def write_through(self, key: bytes, slot: int, nbytes: int) -> list[str]:
-        """Copy the chunk in ``slot`` to every lower tier; return one message per failure."""
+        """Copy the chunk in ``slot`` to every lower tier (write-behind ones: queue it).
+
+        Returns one message per failure known now; see the module docstring.
+        """
         errors = []
         data = self.cpu.slot_array(slot, nbytes)
         for tier in self.lower:
+            behind = self._behind.get(tier.name)
+            if behind is not None:
+                try:
+                    behind.submit(key, data)  # counted in traffic by the queue, refusals too
+                except KVOffloadError as exc:
+                    errors.append(f"{tier.name}: {exc}")
+                continue
             start = time.perf_counter()
             try:
                 tier.put(key, data)
@@ -155,14 +195,29 @@ class TierCascade:
             wanted = [i for i, yes in zip(wanted, answers, strict=True) if not yes]
         return next((i for i, yes in enumerate(found) if not yes), len(keys))
 
+    def drain(self, timeout: float | None = None) -> bool:
+        """Wait until every queued write-behind store finished; ``False`` on timeout."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        for behind in self._behind.values():
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            if not behind.drain(left):
+                return False
+        return True
+
     def stats(self) -> dict[str, dict[str, object]]:
-        """Per tier: the tier's own counters."""
-        return {tier.name: tier.stats() for tier in self.tiers}
+        """Per tier: the tier's own counters (plus ``write_behind``, its queue's, if it has one)."""
+        stats = {tier.name: tier.stats() for tier in self.tiers}
+        for name, behind in self._behind.items():
+            stats[name]["write_behind"] = behind.stats()
+        return stats
 
     def check_integrity(self) -> None:
         for tier in self.tiers:
             tier.check_integrity()
 
     def close(self) -> None:
+        """Finish queued write-behind stores (bounded by their timeouts), then close every tier."""
+        for behind in self._behind.values():
+            behind.close()
         for tier in self.tiers:
             tier.close()

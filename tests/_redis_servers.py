@@ -60,6 +60,7 @@ class RedisServer:
     password: str | None = None
     cluster: bool = False
     process: subprocess.Popen[bytes] | None = None
+    _client: object = field(default=None, repr=False)
 
     @property
     def url(self) -> str:
@@ -78,9 +79,17 @@ class RedisServer:
         return self
 
     def client(self):  # type: ignore[no-untyped-def]
+        """One client per server, closed when the server stops, so no socket outlives a test."""
         import redis
 
-        return redis.Redis(host="127.0.0.1", port=self.port, password=self.password)
+        if self._client is None:
+            self._client = redis.Redis(host="127.0.0.1", port=self.port, password=self.password)
+        return self._client
+
+    def _close_client(self) -> None:
+        if self._client is not None:
+            self._client.close()  # type: ignore[attr-defined]
+            self._client = None
 
     def wait_until_ready(self, timeout: float = 20.0) -> None:
         deadline = time.monotonic() + timeout
@@ -99,12 +108,14 @@ class RedisServer:
 
     def kill(self) -> None:
         """SIGKILL, the way a crashed server goes."""
+        self._close_client()
         if self.process is not None:
             self.process.kill()
             self.process.wait(timeout=10)
             self.process = None
 
     def stop(self) -> None:
+        self._close_client()
         if self.process is not None:
             self.process.terminate()
             self.process.wait(timeout=10)
@@ -116,6 +127,12 @@ def redis_server(tmp_path: Path) -> Iterator[RedisServer]:
     server = RedisServer(tmp_path / "redis").start()
     yield server
     server.stop()
+
+
+def _cluster_ok(node: RedisServer) -> bool:
+    """Whether ``node`` reports cluster_state:ok and knows all 16384 slots."""
+    info = node.client().execute_command("CLUSTER INFO")
+    return bool(info.get("cluster_state") == "ok" and int(info.get("cluster_slots_ok", 0)) == 16384)
 
 
 @pytest.fixture
@@ -131,7 +148,8 @@ def redis_cluster(tmp_path: Path) -> Iterator[list[RedisServer]]:
             check=True, capture_output=True, timeout=60,
         )  # fmt: skip
         deadline = time.monotonic() + 30
-        while nodes[0].client().execute_command("CLUSTER INFO").get("cluster_state") != "ok":
+        # Every node must agree: one node says ok while another still reports CLUSTERDOWN.
+        while not all(_cluster_ok(node) for node in nodes):
             assert time.monotonic() < deadline, "the cluster did not reach cluster_state:ok"
             time.sleep(0.1)
         yield nodes

@@ -60,6 +60,7 @@ def build_offloading_config(
         remote_password_env=parsed.get("remote_password_env"),
         remote_timeout_ms=_value(parsed, "remote_timeout_ms"),
         remote_retry_ms=_value(parsed, "remote_retry_ms"),
+        remote_queue_bytes=_value(parsed, "remote_queue_bytes"),
     )
     _check_budgets(config)
     _check_password_env(config)
@@ -181,6 +182,11 @@ def _check_budgets(config: OffloadConfig) -> None:
             f"{config.world_size} worker(s) need at least {minimum} bytes "
             f"({format_bytes(minimum)}); "
             f"raise 'cpu_bytes_to_use' or lower 'blocks_per_chunk'"
+        )
+    if config.remote_url is not None and config.remote_queue_bytes < largest:
+        raise ConfigError(
+            f"'remote_queue_bytes'={config.remote_queue_bytes} holds no chunk: {chunk}; "
+            f"set 'remote_queue_bytes' to at least {largest}"
         )
     if config.disk_path is not None and config.num_disk_chunks < 1:
         footprint = disk_footprint(largest)

@@ -70,6 +70,8 @@ class Key:
             return "required"
         if self.name == "eviction_policy":
             return f"`{POLICIES.default}`"
+        if self.type is KeyType.SIZE and isinstance(self.default, int):
+            return f"`{values.format_bytes(self.default).replace(' ', '')}`"
         return "unset" if self.default is None else f"`{self.default}`"
 
 
@@ -116,6 +118,11 @@ KEYS: tuple[Key, ...] = (
         "Longest wait between reconnection attempts while the remote tier is down, in "
         "milliseconds (the wait doubles from 100 ms up to this). Needs `remote_url`.",
         minimum=1),
+    Key("remote_queue_bytes", KeyType.SIZE, 256 << 20,
+        "Bytes of stores waiting for the remote tier: stores are written behind the store "
+        "job from a queue this big; when it is full a store skips the remote tier (counted, "
+        "named in the job's errors) and stays in CPU and disk. Needs `remote_url`.",
+        minimum=1),
     *(
         Key(name, KeyType.IGNORED, None, _VLLM_ONLY)
         for name in (
@@ -144,6 +151,7 @@ REQUIRES: dict[str, tuple[str, ...]] = {
     "remote_password_env": ("remote_url",),
     "remote_timeout_ms": ("remote_url",),
     "remote_retry_ms": ("remote_url",),
+    "remote_queue_bytes": ("remote_url",),
 }
 
 

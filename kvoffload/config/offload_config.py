@@ -53,6 +53,8 @@ class OffloadConfig:
     #: Timeout of each remote call, and the longest wait between reconnection attempts.
     remote_timeout_ms: int = 100
     remote_retry_ms: int = 10000
+    #: Bytes of stores the remote tier's write-behind queue holds before it drops stores.
+    remote_queue_bytes: int = 256 << 20
 
     @property
     def tokens_per_block(self) -> tuple[int, ...]:
@@ -128,4 +130,7 @@ class OffloadConfig:
         password = (
             f", password from ${self.remote_password_env}" if self.remote_password_env else ""
         )
-        return f"{self.remote_url} (timeout {self.remote_timeout_ms} ms{password})"
+        return (
+            f"{self.remote_url} (timeout {self.remote_timeout_ms} ms, write-behind queue "
+            f"{format_bytes(self.remote_queue_bytes)}{password})"
+        )

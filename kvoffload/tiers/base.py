@@ -26,7 +26,7 @@ Contract, for every tier (cpu, disk, and a remote store such as Redis):
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 import numpy as np
@@ -46,6 +46,10 @@ class Tier(ABC):
     #: Whether ``contains`` is cheap (an in-memory lookup). When it is not (a round
     #: trip to a server), a load asks for the chunk directly and a miss raises.
     cheap_contains: bool = True
+    #: Whether the cascade writes this tier behind the store job (a network tier): the job
+    #: only stages a copy (``stage_put``) and a background writer stores it later, so a slow
+    #: server never holds the engine's workers (see :mod:`kvoffload.cascade`).
+    write_behind: bool = False
 
     @abstractmethod
     def put(self, key: bytes, data: ChunkBuffer) -> None:
@@ -66,6 +70,16 @@ class Tier(ABC):
     def contains_many(self, keys: Sequence[bytes]) -> list[bool]:
         """``contains`` for each key; tiers behind a network answer in one round trip."""
         return [self.contains(key) for key in keys]
+
+    def stage_put(self, key: bytes, data: ChunkBuffer) -> Callable[[], None]:
+        """Copy ``data`` now; return the call that stores the copy later (may raise ``TierError``).
+
+        For write-behind: ``data`` may be overwritten as soon as this returns.
+        A tier may raise ``TierError`` here already, when it knows the store
+        cannot succeed (a server known to be down). Default: a numpy copy, then ``put``.
+        """
+        copy = data.copy()
+        return lambda: self.put(key, copy)
 
     def take_evicted(self) -> list[bytes]:
         """Keys the tier dropped on its own since the last call (budget, corruption).

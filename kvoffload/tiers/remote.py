@@ -30,10 +30,14 @@ tier resumes, and says so. A wrong password is not an outage: it fails at
 start with ``ConfigError``. The password comes from the environment variable
 ``remote_password_env`` names and appears in no message, ``repr`` or stat.
 
-**Asynchronous stores.** Stores reach this tier inside the engine's store
-job, on its worker threads, after the job has released the engine's blocks
-(:meth:`kvoffload.engine.OffloadEngine.wait_for_sources`); neither the
-forward pass nor the scheduler waits for the network.
+**Asynchronous stores.** The cascade writes this tier behind the store job
+(:mod:`kvoffload._write_behind`): the job packs the record (the one copy out
+of the CPU slot, which may be reused once the job is done) and queues it; one
+writer thread ``SET``s it. A full queue (``remote_queue_bytes``) or a server
+known to be down refuses the store in the job itself (counted, named in the
+job's errors); a write that fails later is counted here, in the queue's
+figures and in the cascade's traffic, and logged once per run of failures.
+:meth:`RedisTier.put` is the same ``SET``, synchronous, for direct use.
 """
 
 from __future__ import annotations
@@ -107,6 +111,8 @@ class RedisTier(Tier):
     name = "redis"
     #: ``contains`` costs a round trip: loads ask for the value directly.
     cheap_contains = False
+    #: Stores reach the server from the cascade's write-behind queue, never in a store job.
+    write_behind = True
 
     def __init__(
         self,
@@ -258,13 +264,36 @@ class RedisTier(Tier):
 
     def put(self, key: bytes, data: ChunkBuffer) -> None:
         """``SET`` the chunk's record; ``TierError`` (counted) if the server is down or refuses."""
+        self._store(key, self._record(key, data), data.nbytes)
+
+    def stage_put(self, key: bytes, data: ChunkBuffer) -> Callable[[], None]:
+        """Pack the record now (the one copy out of ``data``); the returned call ``SET``s it.
+
+        Raises ``TierError`` (counted) at once while the server is known to be
+        down and the next reconnection attempt is not due, so a store job
+        reports the failure itself and no memory is queued for it.
+        """
+        with self._lock:
+            waiting = self._down_since is not None and time.monotonic() < self._retry_at
+            if waiting:
+                self._counters.store_failures += 1
+        if waiting:
+            raise TierError(f"remote tier {self._url} is down; store not queued")
+        record = self._record(key, data)
+        return lambda: self._store(key, record, data.nbytes)
+
+    def _record(self, key: bytes, data: ChunkBuffer) -> ChunkBuffer:
         payload = checked_buffer("data", data)
         if not valid_key(key):
+            with self._lock:
+                self._counters.store_failures += 1
             raise TierError(f"RedisTier: key must be 1 to 120 bytes, got {key!r:.80}")
-        record = pack_record(self._namespace, key, payload)
+        return pack_record(self._namespace, key, payload)
+
+    def _store(self, key: bytes, record: ChunkBuffer, nbytes: int) -> None:
         start = time.perf_counter()
         try:
-            self._call(lambda client: client.set(self._name(key), record))
+            self._call(lambda client: client.set(self._name(key), record.data))
         except TierError:
             with self._lock:
                 self._counters.store_failures += 1
@@ -272,7 +301,7 @@ class RedisTier(Tier):
         with self._lock:
             c = self._counters
             c.stores += 1
-            c.store_bytes += payload.nbytes
+            c.store_bytes += nbytes
             c.store_seconds += time.perf_counter() - start
 
     def get_into(self, key: bytes, out: ChunkBuffer) -> None:
