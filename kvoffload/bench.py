@@ -13,6 +13,17 @@ machine while the ratio says how much the tier's path costs:
   Both sides bypass the page cache (O_DIRECT); where the file system refuses
   O_DIRECT both fall back to buffered I/O, drop the written pages with
   ``posix_fadvise(DONTNEED)`` before reading, and the row says so.
+* **redis**: ``RedisTier`` stores (write-behind) / ``get_into`` / ``contains_many`` against
+  plain redis-py ``SET`` / ``GET`` of values of the chunk's size and one
+  pipelined ``EXISTS`` of the same keys, on the server ``--remote-url`` names.
+  Only these rows fill ``lookups_per_s`` / ``ref_lookups_per_s``: keys asked
+  per second, all of a row's keys in one round trip as a request's lookup
+  is, repeated to at least 1024 keys; the cpu and disk rows leave them
+  ``None`` (JSON ``null``). Stores take the engine's path: the write-behind
+  queue packs each record in the caller and a writer thread ``SET``s it; a
+  row's store time runs until the queue has drained. The bench
+  writes under a namespace of its own (a random run id) and deletes every key
+  it wrote, so a shared server keeps nothing of it.
 
 Each measurement is repeated and the best rate kept, tier and reference
 interleaved, so a noisy neighbour hurts both alike.
@@ -32,18 +43,24 @@ from typing import Any
 
 import numpy as np
 
+from kvoffload._write_behind import WriteBehind
+from kvoffload.config.remote_url import RemoteURL, parse_remote_url
 from kvoffload.errors import ConfigError, TierError
 from kvoffload.layout import CacheGroup, KVLayout
 from kvoffload.tiers._direct_io import ALIGN, O_DIRECT, aligned_empty, round_up
 from kvoffload.tiers.base import ChunkBuffer
 from kvoffload.tiers.cpu import CPUTier
 from kvoffload.tiers.disk import DiskTier
+from kvoffload.tiers.remote import RedisTier
 from kvoffload.transfer import BlockSpan, KVTransfer, allocate_kv_caches, fill_blocks
 
-__all__ = ["BENCH_TIERS", "BenchRow", "bench_cpu", "bench_disk", "run_bench"]
+__all__ = ["BENCH_TIERS", "LOCAL_TIERS", "BenchRow", "bench_cpu", "bench_disk", "bench_redis",
+           "run_bench"]  # fmt: skip
 
 #: Tiers ``kvoffload bench`` can measure.
-BENCH_TIERS = ("cpu", "disk")
+BENCH_TIERS = ("cpu", "disk", "redis")
+#: What ``--tier all`` means without ``--remote-url`` (the tiers that need no server).
+LOCAL_TIERS = ("cpu", "disk")
 
 #: Shape of the synthetic model behind the cpu rows: a chunk is this many layers x blocks.
 _LAYERS, _BLOCKS_PER_CHUNK, _TOKENS_PER_BLOCK = 8, 4, 16
@@ -53,7 +70,12 @@ _CHUNKS_PER_JOB = 8
 
 @dataclass(frozen=True, slots=True)
 class BenchRow:
-    """One tier at one chunk size; ``ref_*`` is the same-run reference (GB/s = 1e9 B/s)."""
+    """One tier at one chunk size; ``ref_*`` is the same-run reference (GB/s = 1e9 B/s).
+
+    ``lookups_per_s`` and ``ref_lookups_per_s`` (keys per second) are
+    measured for tiers whose lookup is a round trip (redis) and ``None``
+    for the others.
+    """
 
     tier: str
     chunk_bytes: int
@@ -62,6 +84,8 @@ class BenchRow:
     ref_store_gbps: float
     ref_load_gbps: float
     direct_io: bool
+    lookups_per_s: float | None = None
+    ref_lookups_per_s: float | None = None
 
     @property
     def store_ratio(self) -> float:
@@ -71,15 +95,22 @@ class BenchRow:
     def load_ratio(self) -> float:
         return self.load_gbps / self.ref_load_gbps
 
+    @property
+    def lookup_ratio(self) -> float | None:
+        if self.lookups_per_s is None or not self.ref_lookups_per_s:
+            return None
+        return self.lookups_per_s / self.ref_lookups_per_s
+
     def as_json(self) -> dict[str, Any]:
         return asdict(self)
 
 
-def _best_rate(nbytes: int, fn: Callable[[], None], best: float) -> float:
+def _best_rate(amount: int, fn: Callable[[], None], best: float, unit: float = 1e9) -> float:
+    """The larger of ``best`` and ``amount / unit`` per second of one call of ``fn``."""
     start = time.perf_counter()
     fn()
     elapsed = time.perf_counter() - start
-    return max(best, nbytes / max(elapsed, 1e-9) / 1e9)
+    return max(best, amount / max(elapsed, 1e-9) / unit)
 
 
 # -- cpu ---------------------------------------------------------------------
@@ -260,16 +291,169 @@ def _measure_disk(
     return rates
 
 
+# -- redis -------------------------------------------------------------------
+
+#: Socket timeout of the bench's clients: a busy machine must not turn a slow SET into an outage.
+_REDIS_TIMEOUT_MS = 30_000
+#: Keys one lookup measurement asks at least, in round trips of all the row's keys: the first
+#: round trip after a burst of large loads costs ~0.3 ms more, which would swamp a row of 16 keys.
+_MIN_LOOKUPS = 1024
+
+
+def _reference_client(url: RemoteURL) -> Any:
+    """A plain redis-py client of ``url``, checked with a ``PING``; ``TierError`` if unreachable."""
+    try:
+        import redis
+        from redis.cluster import RedisCluster
+    except ImportError:  # pragma: no cover - installed wherever the tests run
+        raise ConfigError("bench --tier redis needs the redis package: "
+                          "pip install 'kvoffload[redis]'") from None  # fmt: skip
+    timeout = _REDIS_TIMEOUT_MS / 1000
+    options: dict[str, Any] = {"username": url.username, "ssl": url.tls,
+                               "socket_timeout": timeout,
+                               "socket_connect_timeout": timeout}  # fmt: skip
+    client: Any
+    try:
+        if url.cluster:
+            client = RedisCluster(host=url.host, port=url.port, **options)
+        else:
+            client = redis.Redis(host=url.host, port=url.port, db=url.db, **options)
+        client.ping()
+    except (redis.RedisError, redis.exceptions.RedisClusterException, OSError) as exc:
+        raise TierError(
+            f"--remote-url {url}: cannot reach the server ({type(exc).__name__}: {exc}); "
+            "start one there (e.g. redis-server --port 6390 --save '' --appendonly no) "
+            "or point --remote-url at a running one"
+        ) from exc
+    return client
+
+
+def bench_redis(
+    remote_url: str | RemoteURL, chunk_bytes: int, total_bytes: int, repeat: int = 3
+) -> BenchRow:
+    """``RedisTier`` put/get_into/contains_many vs redis-py SET/GET/pipelined EXISTS.
+
+    Tier and reference write the same number of values of the chunk's size
+    to the same server under names of this run's own, and every one is
+    deleted before this returns, whatever happens.
+    """
+    url = remote_url
+    if isinstance(url, str):
+        url = parse_remote_url("--remote-url", url)
+    chunks = max(1, total_bytes // chunk_bytes)
+    run_id = os.urandom(8).hex()
+    client = _reference_client(url)
+    tier = RedisTier(url, f"kvoffload-bench:{run_id}".encode(), timeout_ms=_REDIS_TIMEOUT_MS)
+    keys = [i.to_bytes(16, "little") for i in range(chunks)]
+    names = [f"kvoffload-bench:{run_id}:ref:{i}".encode() for i in range(chunks)]
+    try:
+        rates = _measure_redis(tier, client, keys, names, chunk_bytes, repeat=repeat)
+    finally:
+        _delete(tier, client, keys, names)
+        tier.close()
+        client.close()
+    return BenchRow("redis", chunk_bytes, rates[1], rates[3], rates[0], rates[2], direct_io=False,
+                    lookups_per_s=rates[5], ref_lookups_per_s=rates[4])  # fmt: skip
+
+
+def _delete(tier: RedisTier, client: Any, keys: list[bytes], names: list[bytes]) -> None:
+    """Remove this run's values: the tier's through the tier, the reference's in one pipeline."""
+    for key in keys:
+        tier.discard(key)
+    pipe = client.pipeline(transaction=False)
+    for name in names:
+        pipe.delete(name)
+    pipe.execute()
+
+
+def _measure_redis(
+    tier: RedisTier,
+    client: Any,
+    keys: list[bytes],
+    names: list[bytes],
+    chunk_bytes: int,
+    *,
+    repeat: int,
+) -> list[float]:
+    data = np.random.default_rng(3).integers(0, 256, chunk_bytes, dtype=np.uint8)
+    value = data.tobytes()
+    out = np.empty_like(data)
+    nbytes = len(keys) * chunk_bytes
+    trips = -(-_MIN_LOOKUPS // len(keys))
+    found: dict[str, list[Any]] = {}
+
+    def ref_store() -> None:
+        for name in names:
+            client.set(name, value)
+
+    failed: list[int] = []
+
+    def report(ok: bool, nbytes: int, seconds: float) -> None:
+        if not ok:
+            failed.append(nbytes)
+
+    queue = WriteBehind(tier, nbytes + chunk_bytes, report)
+
+    def store() -> None:  # the engine's path: pack in the store job, SET from the writer thread
+        for key in keys:
+            queue.submit(key, data)
+        queue.drain()
+
+    def ref_load() -> None:
+        for name in names:
+            client.get(name)
+
+    def load() -> None:
+        for key in keys:
+            tier.get_into(key, out)
+
+    def ref_lookup() -> None:
+        for _ in range(trips):
+            pipe = client.pipeline(transaction=False)
+            for name in names:
+                pipe.exists(name)
+            found["ref"] = pipe.execute()
+
+    def lookup() -> None:
+        for _ in range(trips):
+            found["tier"] = tier.contains_many(keys)
+
+    lookups = trips * len(keys)
+    pairs = ((ref_store, store, nbytes, 1e9), (ref_load, load, nbytes, 1e9),
+             (ref_lookup, lookup, lookups, 1.0))  # fmt: skip
+    rates = [0.0] * 6  # ref store, store, ref load, load, ref lookups, lookups
+    for round_ in range(repeat):
+        _delete(tier, client, keys, names)  # every round stores fresh values
+        for step, (ref_fn, tier_fn, amount, unit) in enumerate(pairs):
+            # Whichever side stores first in a round was up to 1.5x faster here, so the
+            # sides take turns going first (and the best of each is kept).
+            sides = ((0, ref_fn), (1, tier_fn))
+            for side, fn in sides if round_ % 2 == 0 else sides[::-1]:
+                rates[2 * step + side] = _best_rate(amount, fn, rates[2 * step + side], unit)
+    queue.close()
+    if failed or not np.array_equal(out, data) or not all(found["ref"] + found["tier"]):
+        raise TierError("redis bench: a stored value was not found or loaded back intact")
+    return rates
+
+
 def run_bench(
     tiers: Sequence[str],
     chunk_sizes: Sequence[int],
     total_bytes: int,
     *,
     disk_path: str | None = None,
+    remote_url: str | RemoteURL | None = None,
     repeat: int = 3,
     progress: Callable[[str], None] | None = None,
 ) -> list[BenchRow]:
-    """Measure every tier at every chunk size, in that order."""
+    """Measure every tier at every chunk size, in that order; redis needs ``remote_url``."""
+    if "redis" in tiers:
+        if remote_url is None:
+            raise ConfigError("bench --tier redis needs --remote-url, e.g. "
+                              "--remote-url redis://127.0.0.1:6379/0")  # fmt: skip
+        if isinstance(remote_url, str):
+            remote_url = parse_remote_url("--remote-url", remote_url)
+        _reference_client(remote_url).close()  # unreachable: fail before measuring anything
     rows = []
     for tier in tiers:
         for size in chunk_sizes:
@@ -277,6 +461,10 @@ def run_bench(
                 progress(f"{tier} {size} B")
             if tier == "cpu":
                 rows.append(bench_cpu(size, total_bytes, repeat))
-            else:
+            elif tier == "disk":
                 rows.append(bench_disk(size, total_bytes, disk_path, repeat))
+            elif tier == "redis" and remote_url is not None:
+                rows.append(bench_redis(remote_url, size, total_bytes, repeat))
+            else:
+                raise ConfigError(f"bench: unknown tier {tier!r}; use one of {BENCH_TIERS}")
     return rows

@@ -2,7 +2,13 @@
 
 See :mod:`kvoffload.bench` for what is measured. The human output is a table
 with the tier/reference ratios; ``--json`` prints one JSON list with a row per
-tier and chunk size.
+tier and chunk size (:class:`kvoffload.bench.BenchRow`: ``tier``,
+``chunk_bytes``, ``store_gbps``, ``load_gbps``, ``ref_store_gbps``,
+``ref_load_gbps``, ``direct_io``, and ``lookups_per_s`` / ``ref_lookups_per_s``,
+numbers for redis rows and ``null`` for cpu and disk).
+
+``--tier all`` means cpu and disk, plus redis when ``--remote-url`` is given;
+``--tier redis`` needs ``--remote-url``.
 """
 
 from __future__ import annotations
@@ -13,7 +19,8 @@ import sys
 from fractions import Fraction
 from typing import Any
 
-from kvoffload.bench import BENCH_TIERS, BenchRow, run_bench
+from kvoffload.bench import BENCH_TIERS, LOCAL_TIERS, BenchRow, run_bench
+from kvoffload.config.remote_url import RemoteURL, parse_remote_url
 from kvoffload.errors import ConfigError
 
 __all__ = ["parse_chunk_mib", "register", "run"]
@@ -24,9 +31,10 @@ _MIB = 1 << 20
 def register(subparsers: Any) -> None:
     parser = subparsers.add_parser(
         "bench",
-        help="measure tier store/load GB/s against memcpy and sequential O_DIRECT",
+        help="measure tier store/load GB/s against memcpy, sequential O_DIRECT and redis-py",
         description="Measure each tier's store and load GB/s per chunk size, next to a "
-        "reference run on the same bytes: memcpy for cpu, sequential O_DIRECT for disk.",
+        "reference run on the same bytes: memcpy for cpu, sequential O_DIRECT for disk, "
+        "plain redis-py SET/GET (and pipelined EXISTS for lookups) for redis.",
     )
     parser.add_argument("--tier", choices=(*BENCH_TIERS, "all"), default="all")
     parser.add_argument(
@@ -39,6 +47,12 @@ def register(subparsers: Any) -> None:
     )
     parser.add_argument(
         "--disk-path", default=None, help="directory for the disk rows (default: TMPDIR)"
+    )
+    parser.add_argument(
+        "--remote-url",
+        default=None,
+        help="server for the redis rows, e.g. redis://127.0.0.1:6379/0; its keys are deleted "
+        "afterwards (--tier all includes redis only with it)",
     )
     parser.add_argument("--repeat", type=int, default=3, help="rounds per row; the best is kept")
     parser.add_argument("--json", action="store_true", help="print one JSON list of rows")
@@ -59,6 +73,18 @@ def parse_chunk_mib(text: str) -> list[int]:
     return sizes
 
 
+def _check_remote(args: argparse.Namespace) -> RemoteURL | None:
+    """The parsed ``--remote-url``, if the chosen tiers use one."""
+    if args.remote_url is None:
+        if args.tier == "redis":
+            raise ConfigError("--tier redis needs --remote-url naming a server, e.g. "
+                              "--remote-url redis://127.0.0.1:6379/0")  # fmt: skip
+        return None
+    if args.tier not in ("redis", "all"):
+        raise ConfigError(f"--remote-url is for --tier redis or all, not --tier {args.tier}")
+    return parse_remote_url("--remote-url", args.remote_url)
+
+
 def _check_args(args: argparse.Namespace) -> tuple[list[str], list[int], int]:
     sizes = parse_chunk_mib(args.chunk_mib)
     total = int(args.total_mib * _MIB)
@@ -66,35 +92,68 @@ def _check_args(args: argparse.Namespace) -> tuple[list[str], list[int], int]:
         raise ConfigError(f"--total-mib {args.total_mib} is smaller than the largest chunk")
     if args.repeat <= 0:
         raise ConfigError(f"--repeat must be a positive int, got {args.repeat}")
-    tiers = list(BENCH_TIERS) if args.tier == "all" else [args.tier]
+    if args.tier != "all":
+        tiers = [args.tier]
+    else:
+        tiers = list(LOCAL_TIERS) + (["redis"] if args.remote_url is not None else [])
     return tiers, sizes, total
 
 
+#: The reference each tier is measured against, as the table's last column names it.
+_REFERENCE = {"cpu": "memcpy", "redis": "redis-py"}
+
+
+def _reference(row: BenchRow) -> str:
+    if row.tier == "disk":
+        return "O_DIRECT" if row.direct_io else "buffered"
+    return _REFERENCE.get(row.tier, "?")
+
+
+def _lookups(row: BenchRow) -> str:
+    if row.lookups_per_s is None or row.ref_lookups_per_s is None:
+        return f" {'-':>9} {'-':>9} {'-':>6} |"
+    return (
+        f" {row.lookups_per_s:>9,.0f} {row.ref_lookups_per_s:>9,.0f} "
+        f"{row.lookup_ratio or 0:>6.0%} |"
+    )
+
+
 def format_table(rows: list[BenchRow]) -> str:
-    """The human table: GB/s of tier and reference with their ratio, store then load."""
+    """The human table: GB/s of tier and reference with their ratio, store then load.
+
+    With a redis row, lookups per second of tier and reference (pipelined
+    ``EXISTS``) follow, ``-`` for tiers that do not measure them.
+    """
+    lookups = any(r.lookups_per_s is not None for r in rows)
+    extra = f" {'lookup/s':>9} {'ref':>9} {'ratio':>6} |" if lookups else ""
     head = (
         f"{'tier':<5} {'chunk':>9} | {'store':>6} {'ref':>6} {'ratio':>6} | "
-        f"{'load':>6} {'ref':>6} {'ratio':>6} | io"
+        f"{'load':>6} {'ref':>6} {'ratio':>6} |{extra} io"
     )
     lines = [head, "-" * len(head)]
     for r in rows:
-        io = "memcpy" if r.tier == "cpu" else ("O_DIRECT" if r.direct_io else "buffered")
         lines.append(
             f"{r.tier:<5} {r.chunk_bytes / _MIB:>5.2f} MiB | {r.store_gbps:>6.2f} "
             f"{r.ref_store_gbps:>6.2f} {r.store_ratio:>6.0%} | {r.load_gbps:>6.2f} "
-            f"{r.ref_load_gbps:>6.2f} {r.load_ratio:>6.0%} | {io}"
+            f"{r.ref_load_gbps:>6.2f} {r.load_ratio:>6.0%} |{_lookups(r) if lookups else ''} "
+            f"{_reference(r)}"
         )
-    lines.append("GB/s = 1e9 bytes/s; ref: same-run memcpy (cpu) or sequential file I/O (disk)")
+    lines.append(
+        "GB/s = 1e9 bytes/s; ref: same-run memcpy (cpu), sequential file I/O (disk) or "
+        "redis-py SET/GET/pipelined EXISTS (redis)"
+    )
     return "\n".join(lines)
 
 
 def run(args: argparse.Namespace) -> int:
     tiers, sizes, total = _check_args(args)
+    remote_url = _check_remote(args)
     rows = run_bench(
         tiers,
         sizes,
         total,
         disk_path=args.disk_path,
+        remote_url=remote_url,
         repeat=args.repeat,
         progress=None if args.json else lambda what: print(f"measuring {what}", file=sys.stderr),
     )
