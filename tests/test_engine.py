@@ -186,6 +186,16 @@ def test_concurrent_stores_and_loads_of_one_chunk_never_mix() -> None:
     cpu.check_integrity()
 
 
+def test_wait_for_any_returns_when_a_result_waits_or_nothing_is_pending(
+    engine: OffloadEngine,
+) -> None:
+    assert engine.wait_for_any(timeout=0)  # nothing pending
+    engine.submit_store([ChunkSpan(0, (b"a",), (0,), BlockSpan((1, 2)))])
+    assert engine.wait_for_any(timeout=60)
+    [result] = engine.get_finished()
+    assert result.status is JobStatus.SUCCESS
+
+
 def test_close_finishes_jobs_and_refuses_new_ones(engine: OffloadEngine) -> None:
     engine.submit_store([ChunkSpan(0, (b"a",), (0,), BlockSpan((1, 2)))])
     engine.close()

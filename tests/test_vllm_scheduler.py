@@ -12,6 +12,7 @@ Everything else is real: the index, the engine, CPU and disk tiers, files.
 from __future__ import annotations
 
 import hashlib
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -25,6 +26,7 @@ from kvoffload.keys import namespace_of
 from kvoffload.layout import CacheGroup, KVLayout
 from kvoffload.tiers.disk import DiskProbe
 from kvoffload.transfer import allocate_kv_caches
+from kvoffload.vllm import worker as worker_module
 from kvoffload.vllm._protocol import JobReport
 from kvoffload.vllm.scheduler import NULL_BLOCK, OffloadScheduler
 from kvoffload.vllm.worker import OffloadWorker
@@ -194,6 +196,32 @@ def test_a_stored_prefix_comes_back_bit_exact(layout: KVLayout) -> None:
     assert figures["loaded_tokens"] == figures["hit_tokens"] == again.offered
     assert figures["index_pinned"] == 0 and figures["jobs_in_flight"] == 0
     engine.scheduler.index.check_integrity()
+    engine.close()
+
+
+def test_an_idle_step_waits_for_its_load_and_reports_it(
+    layout: KVLayout, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With no forward pass to run, the step's poll waits for the load instead of spinning."""
+    monkeypatch.setattr(worker_module, "IDLE_WAIT_S", 60.0)  # longer than any load here
+    engine = Engine(layout)
+    ids = tokens(70)
+    engine.serve("r1", ids)
+    offered = engine.scheduler.lookup("r2", ids, 0)
+    assert offered
+    engine.scheduler.plan_load("r2", engine.allocate(len(ids), offered), offered)
+    transfer = engine.worker.engine.transfer
+    scatter = transfer.scatter
+
+    def slow_scatter(*args: Any) -> None:  # a slow copy: done long after poll() is called
+        time.sleep(0.2)
+        scatter(*args)
+
+    monkeypatch.setattr(transfer, "scatter", slow_scatter)
+    engine.worker.submit(engine.scheduler.take_orders(), JobKind.LOAD)
+    polled = engine.worker.poll(idle=True)  # no engine.wait() first: the poll itself waits
+    assert polled.finished_recving == {"r2"} and not polled.failed_recving
+    assert engine.worker.poll(idle=True).finished_recving == set()  # nothing in flight: no wait
     engine.close()
 
 

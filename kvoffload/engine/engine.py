@@ -105,10 +105,14 @@ class OffloadEngine:
 
         ``namespace`` fingerprints model, dtype and layout
         (:func:`kvoffload.keys.namespace_of`); the disk tier keeps its files under it.
+        The remote tier is written behind the store jobs, from a queue of at most
+        ``remote_queue_bytes`` (see :mod:`kvoffload.cascade`).
         """
         transfer = KVTransfer(config.layout, kv_caches, config.blocks_per_chunk)
         cpu = CPUTier(config.num_cpu_chunks, config.max_chunk_bytes)
-        return cls.create(transfer, cpu, lower_tiers(config, namespace), max_workers=max_workers)
+        lower = lower_tiers(config, namespace)
+        cascade = TierCascade(cpu, lower, write_behind_bytes=config.remote_queue_bytes)
+        return cls(transfer, cascade, max_workers=max_workers)
 
     # -- the worker-side interface -------------------------------------------------
     def submit_store(self, spans: Sequence[ChunkSpan]) -> int:
@@ -146,6 +150,15 @@ class OffloadEngine:
         """
         with self._cond:
             return self._cond.wait_for(lambda: self._reading == 0, timeout)
+
+    def wait_for_any(self, timeout: float | None = None) -> bool:
+        """Block until a finished job waits in ``get_finished`` or none is pending.
+
+        ``False`` on timeout. For a caller with nothing else to do until some
+        job ends: sleeping here leaves the GIL to the job threads.
+        """
+        with self._cond:
+            return self._cond.wait_for(lambda: bool(self._finished) or self._pending == 0, timeout)
 
     def wait(self, timeout: float | None = None) -> bool:
         """Block until no job is pending; ``False`` on timeout. Results wait in ``get_finished``."""

@@ -60,8 +60,8 @@ class JobReport:
         if result is None:  # nothing ran: a load lost every block it was to fill
             if order.kind is JobKind.LOAD:
                 for span in order.spans:
-                    ids = failed_blocks.get(span.group, frozenset())
-                    failed_blocks[span.group] = ids | frozenset(span.blocks.block_ids)
+                    known = failed_blocks.get(span.group, frozenset())
+                    failed_blocks[span.group] = known | frozenset(span.blocks.block_ids)
             return cls(order.job_id, 1, frozenset(order.keys), {}, failed_blocks)
         for group, ids in result.failed_blocks.items():
             failed_blocks[group] = failed_blocks.get(group, frozenset()) | frozenset(ids)

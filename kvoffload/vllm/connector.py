@@ -70,9 +70,15 @@ def active_connectors() -> list[KVOffloadConnector]:
 
 @dataclass
 class KVOffloadMetadata(KVConnectorMetadata):
-    """Scheduler -> worker, once per step: the orders to run."""
+    """Scheduler -> worker, once per step: the orders to run.
+
+    ``idle``: the step runs no forward pass (every scheduled request waits for
+    its loads), so the worker may wait for those loads instead of returning
+    at once (see :meth:`kvoffload.vllm.worker.OffloadWorker.poll`).
+    """
 
     orders: tuple[TransferOrder, ...] = ()
+    idle: bool = False
 
 
 @dataclass
@@ -240,7 +246,8 @@ class KVOffloadConnector(KVConnectorBase_V1, SupportsHMA):
                 block_ids=manager.get_block_ids(req_id),
                 num_prompt_tokens=request.num_prompt_tokens,
             )
-        return KVOffloadMetadata(tuple(scheduler.take_orders()))
+        idle = scheduler_output.total_num_scheduled_tokens == 0
+        return KVOffloadMetadata(tuple(scheduler.take_orders()), idle=idle)
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         meta = connector_output.kv_connector_worker_meta
@@ -328,7 +335,8 @@ class KVOffloadConnector(KVConnectorBase_V1, SupportsHMA):
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
         worker = self._worker_side()
         worker.drain_lower_evictions()
-        polled = worker.poll()
+        meta = self._get_connector_metadata()
+        polled = worker.poll(idle=isinstance(meta, KVOffloadMetadata) and meta.idle)
         return KVConnectorTransferResults(
             finished_recving=polled.finished_recving,
             failed_recving=polled.failed_recving,
