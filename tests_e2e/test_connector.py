@@ -1,0 +1,246 @@
+"""KVOffloadConnector on a real vLLM engine: offloaded KV comes back right and saves prefill.
+
+Each test generates greedily from prompts with shared prefixes, resets vLLM's
+prefix cache, and generates again. After the reset only the connector can
+serve the first prompt of the second pass, so its ``num_cached_tokens`` is
+the connector's hit: 0 without the connector (the reference checks that),
+> 0 with it, and the tokens must be those of the run without the connector.
+When all prompts of a pass are looked up in one scheduler step, before any
+of them runs, every cached token of the pass after the reset is a token the
+connector loaded: ``loaded_tokens`` of the pass equals the sum of
+``num_cached_tokens`` exactly. When the connector defers a lookup (a chunk it
+is still bringing up from disk: ``deferred_lookups``), the request is looked
+up again at a later step and vLLM's own cache may serve part of it by then,
+so only bounds hold.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+from _harness import (
+    GEMMA_ENGINE,
+    GEMMA_GROUPS,
+    GEMMA_PROMPTS,
+    LLAMA_ENGINE,
+    LLAMA_PROMPTS,
+    TWO_PASSES,
+    Engine,
+    Reference,
+    assert_loaded_tokens_match,
+    assert_same_tokens,
+    connector_hit,
+    delta,
+    needs_connector,
+    random_prompts,
+    run_storing_engine,
+    with_disk,
+)
+from _models import LLAMA, kv_bytes_per_token
+
+pytestmark = needs_connector
+
+#: KV bytes of one 32-token block of the Llama (2 layers, 2 KV heads of 32): 16 KiB.
+LLAMA_BLOCK_BYTES = 32 * kv_bytes_per_token(LLAMA)
+
+
+def assert_served_by_connector(result: dict[str, Any], reference: dict[str, Any]) -> None:
+    """Same tokens as without the connector; pass 1 stored, pass 2 loaded, nothing failed."""
+    assert_same_tokens(result, reference)
+    first, second = result["passes"]
+    assert delta(result, 0, "scheduler", "loaded_tokens") == 0  # nothing stored yet
+    assert first["figures"]["scheduler"]["stored_chunks"] > 0
+    assert second["cached"][0] > 0, second["cached"]
+    assert_loaded_tokens_match(result, 1)
+    scheduler, worker = result["figures"]["scheduler"], result["figures"]["worker"]
+    assert scheduler["hit_tokens"] == scheduler["loaded_tokens"]
+    assert scheduler["failed_loads"] == 0
+    assert scheduler["failed_load_tokens"] == 0
+    assert worker["load_chunks"] > 0
+    assert worker.get("failed_load_chunks", 0) == 0
+    assert worker.get("failed_load_blocks", 0) == 0
+    assert worker.get("load_errors", 0) == 0
+
+
+@pytest.mark.parametrize(
+    ("extra", "chunk_tokens"),
+    [({"blocks_per_chunk": 1}, 32), ({"blocks_per_chunk": 4}, 128), ({"block_size": 64}, 64)],
+    ids=["blocks_per_chunk=1", "blocks_per_chunk=4", "block_size=64"],
+)
+def test_llama_round_trip(
+    engine: Engine, reference: Reference, llama: str, extra: dict[str, Any], chunk_tokens: int
+) -> None:
+    expected = reference(llama, LLAMA_ENGINE, LLAMA_PROMPTS)
+    result = engine(
+        model=llama,
+        engine=LLAMA_ENGINE,
+        prompts=LLAMA_PROMPTS,
+        passes=TWO_PASSES,
+        connector={**extra, "cpu_bytes_to_use": "64MiB"},
+    )
+    assert_served_by_connector(result, expected)
+    hits = result["passes"][1]["cached"]
+    assert hits == [connector_hit(p, chunk_tokens) for p in LLAMA_PROMPTS]
+
+
+@pytest.mark.parametrize("blocks_per_chunk", [1, 2])
+def test_gemma4_hybrid_round_trip(
+    engine: Engine, reference: Reference, gemma4: str, blocks_per_chunk: int
+) -> None:
+    expected = reference(gemma4, GEMMA_ENGINE, GEMMA_PROMPTS)
+    result = engine(
+        model=gemma4,
+        engine=GEMMA_ENGINE,
+        prompts=GEMMA_PROMPTS,
+        passes=TWO_PASSES,
+        connector={"blocks_per_chunk": blocks_per_chunk, "cpu_bytes_to_use": "256MiB"},
+    )
+    assert result["kv_cache_groups"] == GEMMA_GROUPS
+    assert_served_by_connector(result, expected)
+    # A hit must end on a chunk boundary of every group: multiples of 512 * blocks_per_chunk
+    # (the sliding groups' chunks), 1024 of the 1120 tokens either way.
+    assert result["passes"][1]["cached"][0] == 1024
+
+
+def test_gemma4_block_size_key_is_refused_at_start(engine: Engine, gemma4: str) -> None:
+    """The older key means tokens per chunk, which a hybrid layout cannot have."""
+    result = engine(
+        model=gemma4,
+        engine=GEMMA_ENGINE,
+        prompts=GEMMA_PROMPTS[:1],
+        connector={"block_size": 64, "cpu_bytes_to_use": "64MiB"},
+    )
+    assert result["error"] is not None, "the engine started"
+    message = result["error"]
+    assert "ConfigError" in message
+    assert "'block_size'" in message
+    assert "blocks_per_chunk" in message
+    assert str(GEMMA_GROUPS) in message  # the groups' tokens_per_block, as vLLM built them
+
+
+def test_reset_connector_forgets_the_offloaded_kv(
+    engine: Engine, reference: Reference, llama: str
+) -> None:
+    """``reset_prefix_cache(reset_connector=True)`` empties the connector's cache too."""
+    expected = reference(llama, LLAMA_ENGINE, LLAMA_PROMPTS)
+    result = engine(
+        model=llama,
+        engine=LLAMA_ENGINE,
+        prompts=LLAMA_PROMPTS,
+        passes=[{}, {"reset_connector": True}],
+        connector={"blocks_per_chunk": 1, "cpu_bytes_to_use": "64MiB"},
+    )
+    assert_same_tokens(result, expected)
+    assert result["passes"][1]["cached"][0] == 0
+    assert result["figures"]["scheduler"]["loaded_tokens"] == 0
+
+
+def test_small_cpu_tier_loads_from_disk(
+    engine: Engine, reference: Reference, llama: str, tmp_path: Path
+) -> None:
+    """The working set is three times the CPU tier: the first prompt's chunks come from disk."""
+    prompts = random_prompts(4, 320, 512, seed=1)  # 10 full blocks each, nothing shared
+    expected = reference(llama, LLAMA_ENGINE, prompts)
+    connector = with_disk(
+        tmp_path / "kv", "64MiB", blocks_per_chunk=1, cpu_bytes_to_use=12 * LLAMA_BLOCK_BYTES
+    )  # 12 chunks; the passes store 40
+    result = engine(
+        model=llama, engine=LLAMA_ENGINE, prompts=prompts, passes=TWO_PASSES, connector=connector
+    )
+    assert_same_tokens(result, expected)
+    second = result["passes"][1]
+    assert second["cached"][0] == connector_hit(prompts[0], 32)
+    assert_loaded_tokens_match(result, 1)
+    scheduler, worker = result["figures"]["scheduler"], result["figures"]["worker"]
+    assert scheduler["index_evictions"] > 0  # the working set did not fit
+    assert scheduler["lower_hit_chunks"] >= 9  # at least the first prompt's came from disk
+    assert worker["traffic"]["disk"]["loads"] >= 9
+    assert scheduler["failed_loads"] == 0
+    assert worker.get("failed_load_chunks", 0) == 0
+
+
+def test_restart_loads_what_the_previous_process_stored(
+    engine: Engine, reference: Reference, llama: str, tmp_path: Path
+) -> None:
+    expected = reference(llama, LLAMA_ENGINE, LLAMA_PROMPTS)
+    connector = with_disk(tmp_path / "kv", "64MiB", blocks_per_chunk=2, cpu_bytes_to_use="64MiB")
+    run_storing_engine(
+        engine, expected, model=llama, engine=LLAMA_ENGINE, prompts=LLAMA_PROMPTS,
+        connector=connector,
+    )  # fmt: skip
+    assert list((tmp_path / "kv").rglob("*.kv")), "nothing was written to disk"
+    # A fresh process: vLLM's cache and the CPU tier are empty, only the disk has the chunks.
+    second = engine(model=llama, engine=LLAMA_ENGINE, prompts=LLAMA_PROMPTS, connector=connector)
+    assert_same_tokens(second, expected)
+    cached = second["passes"][0]["cached"]
+    assert cached == [connector_hit(p, 64) for p in LLAMA_PROMPTS]
+    scheduler, worker = second["figures"]["scheduler"], second["figures"]["worker"]
+    assert_loaded_tokens_match(second, 0)
+    assert scheduler["lower_hit_chunks"] > 0
+    assert worker["traffic"]["disk"]["loads"] > 0
+    assert scheduler["failed_loads"] == 0
+
+
+def assert_recomputed_after_corruption(result: dict[str, Any], expected: dict[str, Any]) -> None:
+    """Right tokens, no crash, and the connector saw the damage and handed nothing over."""
+    assert_same_tokens(result, expected)
+    scheduler, worker = result["figures"]["scheduler"], result["figures"]["worker"]
+    assert scheduler["failed_loads"] > 0
+    assert scheduler["failed_load_tokens"] > 0
+    assert worker["failed_load_blocks"] > 0
+    assert worker["engine"]["tiers"]["disk"]["corrupt_chunks"] > 0
+
+
+@pytest.mark.parametrize("model_name", ["llama", "gemma4"])
+def test_corrupt_chunks_after_restart_are_recomputed(
+    engine: Engine,
+    reference: Reference,
+    request: pytest.FixtureRequest,
+    model_name: str,
+    tmp_path: Path,
+) -> None:
+    model = request.getfixturevalue(model_name)
+    engine_args, prompts = {
+        "llama": (LLAMA_ENGINE, LLAMA_PROMPTS),
+        "gemma4": (GEMMA_ENGINE, GEMMA_PROMPTS),
+    }[model_name]
+    expected = reference(model, engine_args, prompts)
+    connector = with_disk(tmp_path / "kv", "256MiB", blocks_per_chunk=1, cpu_bytes_to_use="256MiB")
+    run_storing_engine(
+        engine, expected, model=model, engine=engine_args, prompts=prompts, connector=connector
+    )
+    # The second process damages every chunk file before its (only) pass.
+    result = engine(
+        model=model,
+        engine=engine_args,
+        prompts=prompts,
+        passes=[{"corrupt": str(tmp_path / "kv")}],
+        connector=connector,
+        failure_policy="recompute",
+    )
+    assert result["passes"][0]["acted"]["corrupted_files"] > 0
+    assert_recomputed_after_corruption(result, expected)
+    assert result["figures"]["scheduler"]["loaded_tokens"] == 0  # every file was damaged
+
+
+def test_corrupt_chunks_in_one_process_are_recomputed(
+    engine: Engine, reference: Reference, llama: str, tmp_path: Path
+) -> None:
+    """The CPU tier is too small to keep the first prompt, so the damaged disk copy is read."""
+    prompts = random_prompts(4, 320, 512, seed=1)
+    expected = reference(llama, LLAMA_ENGINE, prompts)
+    connector = with_disk(
+        tmp_path / "kv", "64MiB", blocks_per_chunk=1, cpu_bytes_to_use=12 * LLAMA_BLOCK_BYTES
+    )
+    result = engine(
+        model=llama,
+        engine=LLAMA_ENGINE,
+        prompts=prompts,
+        passes=[{}, {"reset": True, "corrupt": str(tmp_path / "kv")}],
+        connector=connector,
+        failure_policy="recompute",
+    )
+    assert result["passes"][1]["acted"]["corrupted_files"] > 0
+    assert_recomputed_after_corruption(result, expected)
