@@ -90,9 +90,9 @@ def assert_same_tokens(result: dict[str, Any], reference: dict[str, Any]) -> Non
         assert all(f == "length" for f in done["finish"]), done["finish"]
 
 
-def run_storing_engine(engine: Engine, expected: dict[str, Any], **spec: Any) -> dict[str, Any]:
+def run_storing_engine(run: Engine, expected: dict[str, Any], /, **spec: Any) -> dict[str, Any]:
     """The first of two engine processes: right tokens, a cold start, chunks stored."""
-    first = engine(**spec)
+    first = run(**spec)
     assert_same_tokens(first, expected)
     assert first["passes"][0]["cached"][0] == 0
     assert first["figures"]["scheduler"]["stored_chunks"] > 0
