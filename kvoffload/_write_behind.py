@@ -108,7 +108,10 @@ class WriteBehind:
             self._cond.notify_all()
 
     def drain(self, timeout: float | None = None) -> bool:
-        """Wait until every queued write finished (written or failed); ``False`` on timeout."""
+        """Wait until every queued write finished (written or failed) and was reported.
+
+        ``False`` on timeout.
+        """
         with self._cond:
             return self._cond.wait_for(lambda: not self._queue and not self._writing, timeout)
 
@@ -197,14 +200,17 @@ class WriteBehind:
                 c.failed += 1
             first_failure = not ok and not self._failing
             self._failing = not ok
-            self._writing -= 1
-            self._cond.notify_all()
-        self._report(ok, nbytes, seconds)
-        if first_failure:
-            logger.warning(
-                "kvoffload: background write of chunk %s to the %s tier failed (%s); further "
-                "failures are counted in stats until a write succeeds",
-                key.hex()[:16],
-                self.tier.name,
-                error,
-            )
+        try:
+            self._report(ok, nbytes, seconds)
+            if first_failure:
+                logger.warning(
+                    "kvoffload: background write of chunk %s to the %s tier failed (%s); "
+                    "further failures are counted in stats until a write succeeds",
+                    key.hex()[:16],
+                    self.tier.name,
+                    error,
+                )
+        finally:
+            with self._cond:  # only now is the write done for drain(): counted, reported, logged
+                self._writing -= 1
+                self._cond.notify_all()

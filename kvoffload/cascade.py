@@ -151,12 +151,15 @@ class TierCascade:
                 self.traffic[tier.name].add(True, nbytes, time.perf_counter() - start)
         return errors
 
-    def fill(self, key: bytes, slot: int, nbytes: int) -> Tier | None:
+    def fill(
+        self, key: bytes, slot: int, nbytes: int, errors: list[str] | None = None
+    ) -> Tier | None:
         """Make ``slot`` hold ``key``: return the tier it came from, ``None`` if none has it.
 
         Already in the slot: the CPU tier. Otherwise the first lower tier that
         loads it (verified) into the slot, which is then bound (promotion).
-        A lower tier that fails is counted and the next one is tried.
+        A lower tier that fails is counted, its message appended to
+        ``errors`` (``"disk: ..."``), and the next one is tried.
         """
         if self.cpu.holds(key, slot):
             return self.cpu
@@ -168,8 +171,10 @@ class TierCascade:
             start = time.perf_counter()
             try:
                 tier.get_into(key, out)
-            except TierError:
+            except TierError as exc:
                 self.traffic[tier.name].add(False, nbytes, time.perf_counter() - start, ok=False)
+                if errors is not None:
+                    errors.append(f"{tier.name}: {exc}")
                 continue
             self.traffic[tier.name].add(False, nbytes, time.perf_counter() - start)
             self.cpu.bind(key, slot, nbytes)

@@ -117,6 +117,9 @@ def test_corrupt_disk_chunk_is_reported_by_block_and_never_scattered(
     result = one(engine)
     assert result.status is JobStatus.FAILED
     assert dict(result.failed_blocks) == {1: (20, 21)}
+    [error] = result.errors  # names the chunk, the tier and what was wrong
+    assert error.startswith(f"no tier could load chunk {b'f'.hex()} (disk: ")
+    assert "checksum" in error
     assert torch.equal(as_bytes(kv["f0"][[20, 21]]), before)
     assert not disk_of(engine).contains(b"f")  # dropped by the disk tier
     assert engine.traffic()["disk"].load_failures == 1

@@ -225,6 +225,35 @@ def test_an_idle_step_waits_for_its_load_and_reports_it(
     engine.close()
 
 
+def test_an_idle_step_waits_for_a_store_in_flight(
+    layout: KVLayout, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """A lookup deferred on a chunk being stored: the idle step waits for that store."""
+    monkeypatch.setattr(worker_module, "IDLE_WAIT_S", 60.0)
+    engine = Engine(layout, tmp_path)
+    [disk] = engine.worker.engine.cascade.lower
+    put = disk.put
+
+    def slow_put(*args: Any) -> None:  # a slow disk: the job runs on after its blocks are read
+        time.sleep(0.2)
+        put(*args)
+
+    monkeypatch.setattr(disk, "put", slow_put)
+    ids = tokens(70)
+    engine.scheduler.lookup("r1", ids, 0)
+    table = engine.allocate(len(ids), 0)
+    engine.compute(table, ids, 0, len(ids))
+    engine.scheduler.plan_store("r1", ids, computed=0, scheduled=len(ids), block_ids=table,
+                                num_prompt_tokens=len(ids))  # fmt: skip
+    engine.worker.submit(engine.scheduler.take_orders(), JobKind.STORE)
+    assert engine.scheduler.lookup("r2", ids, 0) is None  # its chunks are being stored
+    engine.worker.poll(idle=True)
+    for report in engine.worker.take_reports():
+        engine.scheduler.on_report(report)
+    assert engine.scheduler.lookup("r2", ids, 0) == top_hit(engine, 70)
+    engine.close()
+
+
 def test_lookup_has_no_side_effects(layout: KVLayout) -> None:
     engine = Engine(layout)
     ids = tokens(70)

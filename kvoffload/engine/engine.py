@@ -319,12 +319,14 @@ class OffloadEngine:
         ranges = span.blocks.chunk_ranges(self.transfer.blocks_per_chunk)
         ok = []
         for key, slot in zip(span.keys, span.slots, strict=True):
-            source = self.cascade.fill(key, slot, nbytes)
+            why: list[str] = []
+            source = self.cascade.fill(key, slot, nbytes, why)
             ok.append(source is not None)
             if source is not None and source is not self.cascade.cpu:
                 outcome.promoted.append(key)
             if source is None:
-                outcome.errors.append(f"no tier could load chunk {key.hex()[:16]}")
+                detail = "; ".join(why) or "no tier holds it"
+                outcome.errors.append(f"no tier could load chunk {key.hex()[:16]} ({detail})")
         start = 0
         while start < len(ok):  # scatter each run of verified chunks with one call
             stop = start + 1

@@ -72,9 +72,9 @@ def active_connectors() -> list[KVOffloadConnector]:
 class KVOffloadMetadata(KVConnectorMetadata):
     """Scheduler -> worker, once per step: the orders to run.
 
-    ``idle``: the step runs no forward pass (every scheduled request waits for
-    its loads), so the worker may wait for those loads instead of returning
-    at once (see :meth:`kvoffload.vllm.worker.OffloadWorker.poll`).
+    ``idle``: the step runs no forward pass (every request waits for a load
+    or a chunk in flight), so the worker may wait for its jobs instead of
+    returning at once (see :meth:`kvoffload.vllm.worker.OffloadWorker.poll`).
     """
 
     orders: tuple[TransferOrder, ...] = ()

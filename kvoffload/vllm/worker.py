@@ -104,14 +104,15 @@ class OffloadWorker:
     def poll(self, *, idle: bool = False) -> PollResult:
         """Wait for this step's stores to read their blocks, then collect finished jobs.
 
-        On an ``idle`` step (no forward pass: the scheduled requests all wait
-        for loads) with loads in flight, first wait up to ``IDLE_WAIT_S`` for
-        one to finish. Returning at once would send vLLM round its loop of
-        empty steps, which holds the GIL so tightly that the load threads
-        crawl: a 24 MiB load from the CPU tier took 150-400 ms that way,
-        against a few ms while this thread sleeps.
+        On an ``idle`` step (no forward pass: every request waits for a load,
+        or its lookup for a chunk a job is storing or promoting) with jobs in
+        flight, first wait up to ``IDLE_WAIT_S`` for one to finish. Returning
+        at once would send vLLM round its loop of empty steps, which holds the
+        GIL so tightly that the job threads crawl: a 24 MiB load from the CPU
+        tier took 150-400 ms that way, against a few ms while this thread
+        sleeps.
         """
-        if idle and self._loads:
+        if idle and self._orders:
             self.engine.wait_for_any(IDLE_WAIT_S)
         self.engine.wait_for_sources()
         out = PollResult()
