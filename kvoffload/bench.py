@@ -51,7 +51,7 @@ from kvoffload.tiers._direct_io import ALIGN, O_DIRECT, aligned_empty, round_up
 from kvoffload.tiers.base import ChunkBuffer
 from kvoffload.tiers.cpu import CPUTier
 from kvoffload.tiers.disk import DiskTier
-from kvoffload.tiers.remote import RedisTier
+from kvoffload.tiers.remote import RedisTier, client_factory
 from kvoffload.transfer import BlockSpan, KVTransfer, allocate_kv_caches, fill_blocks
 
 __all__ = ["BENCH_TIERS", "LOCAL_TIERS", "BenchRow", "bench_cpu", "bench_disk", "bench_redis",
@@ -302,22 +302,11 @@ _MIN_LOOKUPS = 1024
 
 def _reference_client(url: RemoteURL) -> Any:
     """A plain redis-py client of ``url``, checked with a ``PING``; ``TierError`` if unreachable."""
+    connect = client_factory(url, None, _REDIS_TIMEOUT_MS / 1000)  # ConfigError without redis
+    import redis
+
     try:
-        import redis
-        from redis.cluster import RedisCluster
-    except ImportError:  # pragma: no cover - installed wherever the tests run
-        raise ConfigError("bench --tier redis needs the redis package: "
-                          "pip install 'kvoffload[redis]'") from None  # fmt: skip
-    timeout = _REDIS_TIMEOUT_MS / 1000
-    options: dict[str, Any] = {"username": url.username, "ssl": url.tls,
-                               "socket_timeout": timeout,
-                               "socket_connect_timeout": timeout}  # fmt: skip
-    client: Any
-    try:
-        if url.cluster:
-            client = RedisCluster(host=url.host, port=url.port, **options)
-        else:
-            client = redis.Redis(host=url.host, port=url.port, db=url.db, **options)
+        client = connect()
         client.ping()
     except (redis.RedisError, redis.exceptions.RedisClusterException, OSError) as exc:
         raise TierError(

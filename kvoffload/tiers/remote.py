@@ -100,6 +100,29 @@ def _redis() -> Any:
     return redis
 
 
+def client_factory(url: RemoteURL, password: str | None, timeout_s: float) -> Callable[[], Any]:
+    """A function that opens a redis-py client of ``url`` (a cluster client for a cluster).
+
+    The password lives only in its closure. Every call times out after
+    ``timeout_s`` and is never retried by redis-py: the tier decides what a
+    failure means. ``ConfigError`` if the redis package is missing.
+    """
+    redis = _redis()
+    options: dict[str, Any] = {
+        "username": url.username,
+        "password": password,
+        "ssl": url.tls,
+        "socket_timeout": timeout_s,
+        "socket_connect_timeout": timeout_s,
+        "retry": redis.retry.Retry(redis.backoff.NoBackoff(), 0),
+    }
+    if url.cluster:
+        from redis.cluster import RedisCluster
+
+        return lambda: RedisCluster(host=url.host, port=url.port, **options)
+    return lambda: redis.Redis(host=url.host, port=url.port, db=url.db, **options)
+
+
 class RedisTier(Tier):
     """Chunks as checksummed values on a Redis / Valkey server or cluster; see the module docstring.
 
@@ -150,21 +173,7 @@ class RedisTier(Tier):
 
     # -- connection ---------------------------------------------------------
     def _client_factory(self, password: str | None) -> Callable[[], Any]:
-        """A function that opens a client; the password lives only in its closure."""
-        redis, url = self._redis, self._url
-        options: dict[str, Any] = {
-            "username": url.username,
-            "password": password,
-            "ssl": url.tls,
-            "socket_timeout": self._timeout,
-            "socket_connect_timeout": self._timeout,
-            "retry": redis.retry.Retry(redis.backoff.NoBackoff(), 0),
-        }
-        if url.cluster:
-            from redis.cluster import RedisCluster
-
-            return lambda: RedisCluster(host=url.host, port=url.port, **options)
-        return lambda: redis.Redis(host=url.host, port=url.port, db=url.db, **options)
+        return client_factory(self._url, password, self._timeout)
 
     def _call(self, op: Callable[[Any], _T], *, starting: bool = False) -> _T:
         """Run ``op`` on a live client; any failure becomes ``TierError`` (and maybe an outage).
