@@ -36,12 +36,9 @@ from typing import Any, NoReturn
 from kvoffload.errors import TierError
 from kvoffload.tiers.base import ChunkBuffer, Tier
 
-__all__ = ["DEFAULT_QUEUE_BYTES", "WriteBehind"]
+__all__ = ["WriteBehind"]
 
 logger = logging.getLogger("kvoffload")
-
-#: Staged bytes a write-behind queue holds before it drops stores (remote_queue_bytes).
-DEFAULT_QUEUE_BYTES = 256 << 20
 
 #: Called after every write: (ok, payload bytes, seconds). The cascade counts traffic with it.
 Report = Callable[[bool, int, float], None]

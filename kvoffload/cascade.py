@@ -48,7 +48,8 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from kvoffload._write_behind import DEFAULT_QUEUE_BYTES, WriteBehind
+from kvoffload._write_behind import WriteBehind
+from kvoffload.config.offload_config import OffloadConfig
 from kvoffload.errors import ConfigError, KVOffloadError, TierError
 from kvoffload.tiers.base import Tier
 from kvoffload.tiers.cpu import CPUTier
@@ -103,7 +104,7 @@ class TierCascade:
         cpu: CPUTier,
         lower: Sequence[Tier] = (),
         *,
-        write_behind_bytes: int = DEFAULT_QUEUE_BYTES,
+        write_behind_bytes: int = OffloadConfig.remote_queue_bytes,
     ) -> None:
         self.cpu = cpu
         self.lower = tuple(lower)

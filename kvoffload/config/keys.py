@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from enum import Enum
 
 from kvoffload.config import values
+from kvoffload.config.offload_config import OffloadConfig
 from kvoffload.registry import POLICIES
 
 __all__ = [
@@ -118,7 +119,7 @@ KEYS: tuple[Key, ...] = (
         "Longest wait between reconnection attempts while the remote tier is down, in "
         "milliseconds (the wait doubles from 100 ms up to this). Needs `remote_url`.",
         minimum=1),
-    Key("remote_queue_bytes", KeyType.SIZE, 256 << 20,
+    Key("remote_queue_bytes", KeyType.SIZE, OffloadConfig.remote_queue_bytes,
         "Bytes of stores waiting for the remote tier: stores are written behind the store "
         "job from a queue this big; when it is full a store skips the remote tier (counted, "
         "named in the job's errors) and stays in CPU and disk. Needs `remote_url`.",

@@ -44,8 +44,8 @@ __all__ = ["IDLE_WAIT_S", "OffloadWorker", "PollResult"]
 
 logger = logging.getLogger("kvoffload")
 
-#: Longest wait of an idle step for a load to finish: short, so a request that arrives
-#: meanwhile is scheduled soon, yet long enough to hand the load threads the GIL.
+#: Longest wait of an idle step for a job to finish: short, so a request that arrives
+#: meanwhile is scheduled soon, yet long enough to hand the job threads the GIL.
 IDLE_WAIT_S = 0.02
 
 
