@@ -47,6 +47,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests_e2e"))  # the random-weight model builders live there
 
 from _models import BIG_LLAMA, build  # noqa: E402
+from _runner import figure_delta  # noqa: E402
 
 RUNNER = ROOT / "tests_e2e" / "_runner.py"
 
@@ -89,13 +90,6 @@ def run_engine(spec: dict[str, Any], work: Path, name: str) -> dict[str, Any]:
     return result
 
 
-def _delta(passes: list[dict[str, Any]], n: int, side: str, key: str) -> int:
-    def get(p: dict[str, Any]) -> int:
-        return int(p.get("figures", {}).get(side, {}).get(key, 0))
-
-    return get(passes[n]) - (get(passes[n - 1]) if n else 0)
-
-
 def row(name: str, passes: list[dict[str, Any]], n: int) -> dict[str, Any]:
     """The figures of timed pass ``n`` of one mode."""
     p = passes[n]
@@ -108,10 +102,10 @@ def row(name: str, passes: list[dict[str, Any]], n: int) -> dict[str, Any]:
         "tokens": p["tokens"],
     }
     if p.get("figures"):
-        out["loaded_tokens"] = _delta(passes, n, "scheduler", "loaded_tokens")
-        out["cpu_hit_chunks"] = _delta(passes, n, "scheduler", "cpu_hit_chunks")
-        out["lower_hit_chunks"] = _delta(passes, n, "scheduler", "lower_hit_chunks")
-        out["failed_loads"] = _delta(passes, n, "scheduler", "failed_loads")
+        out["loaded_tokens"] = figure_delta(passes, n, "scheduler", "loaded_tokens")
+        out["cpu_hit_chunks"] = figure_delta(passes, n, "scheduler", "cpu_hit_chunks")
+        out["lower_hit_chunks"] = figure_delta(passes, n, "scheduler", "lower_hit_chunks")
+        out["failed_loads"] = figure_delta(passes, n, "scheduler", "failed_loads")
     return out
 
 

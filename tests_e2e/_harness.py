@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from _runner import figure_delta
 
 #: Runs one engine process on a spec (see ``_runner.py``) and returns its result.
 Engine = Callable[..., dict[str, Any]]
@@ -55,10 +56,8 @@ GEMMA_GROUPS = [512, 512, 512, 32]
 
 
 def delta(result: dict[str, Any], n: int, side: str, name: str) -> int:
-    """How much figure ``name`` of ``side`` grew during pass ``n``."""
-    passes = result["passes"]
-    before = passes[n - 1]["figures"][side].get(name, 0) if n else 0
-    return int(passes[n]["figures"][side].get(name, 0)) - int(before)
+    """How much figure ``name`` of ``side`` grew during pass ``n`` of ``result``."""
+    return figure_delta(result["passes"], n, side, name)
 
 
 def assert_loaded_tokens_match(result: dict[str, Any], n: int) -> None:

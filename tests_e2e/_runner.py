@@ -60,10 +60,6 @@ import traceback
 from pathlib import Path
 from typing import Any
 
-# Before vLLM is imported: CPU KV cache of 1 GiB, the engine in this process.
-os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-
 RESULT_MARK = "=== kvoffload-e2e result ==="
 
 
@@ -100,6 +96,15 @@ def delete_chunk_files(directory: str | Path) -> int:
     for path in files:
         path.unlink()
     return len(files)
+
+
+def figure_delta(passes: list[dict[str, Any]], n: int, side: str, name: str) -> int:
+    """How much connector figure ``name`` of ``side`` grew during pass ``n`` (absent: 0)."""
+
+    def get(p: dict[str, Any]) -> int:
+        return int(p.get("figures", {}).get(side, {}).get(name, 0))
+
+    return get(passes[n]) - (get(passes[n - 1]) if n else 0)
 
 
 def _figures() -> dict[str, Any]:
@@ -150,6 +155,9 @@ def _record(outputs: list[Any]) -> dict[str, Any]:
 
 
 def run(spec: dict[str, Any]) -> dict[str, Any]:
+    # Before vLLM is imported: CPU KV cache of 1 GiB, the engine in this process.
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     from vllm import LLM, SamplingParams
 
     engine = {
