@@ -33,9 +33,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 
 import torch
 
-from kvoffload.layout import CacheGroup, KVLayout
+from kvoffload.config.layout import CacheGroup, KVLayout
+from kvoffload.messages import BlockSpan
 from kvoffload.tiers.cpu import CPUTier
-from kvoffload.transfer import BlockSpan, KVTransfer, allocate_kv_caches, fill_blocks
+from kvoffload.transfer import KVTransfer, allocate_kv_caches, fill_blocks
 from kvoffload.transfer.synthetic import EngineLayout
 
 BLOCKS_PER_CHUNK, TOKENS_PER_BLOCK, CHUNKS_PER_JOB = 4, 16, 8

@@ -7,7 +7,15 @@ package unless documented.
 
 from typing import TYPE_CHECKING
 
-from kvoffload.config import IgnoredKeysWarning, OffloadConfig, build_offloading_config
+from kvoffload.config import (
+    GROUP_KINDS,
+    CacheGroup,
+    IgnoredKeysWarning,
+    KVLayout,
+    OffloadConfig,
+    build_offloading_config,
+    layout_from_hf_config,
+)
 from kvoffload.errors import (
     ConfigError,
     CorruptChunkError,
@@ -17,8 +25,8 @@ from kvoffload.errors import (
     TransferError,
 )
 from kvoffload.keys import namespace_of, prefix_keys, prefix_keys_for_layout
-from kvoffload.layout import GROUP_KINDS, CacheGroup, KVLayout
 from kvoffload.manager import (
+    AdaptivePolicy,
     AdmissionFilter,
     ARCPolicy,
     EventKind,
@@ -30,30 +38,34 @@ from kvoffload.manager import (
     S3FIFOPolicy,
     StoreResult,
 )
+from kvoffload.messages import (
+    BlockSpan,
+    ChunkSpan,
+    JobKind,
+    JobReport,
+    JobResult,
+    JobStatus,
+    TransferOrder,
+)
 from kvoffload.registry import POLICIES, TIERS
 
 if TYPE_CHECKING:  # the lazy names below, for type checkers
-    from kvoffload.cascade import TierCascade
-    from kvoffload.engine import ChunkSpan, JobKind, JobResult, JobStatus, OffloadEngine
+    from kvoffload.engine import OffloadEngine
     from kvoffload.tiers.base import Tier
+    from kvoffload.tiers.cascade import TierCascade
     from kvoffload.tiers.cpu import CPUTier
     from kvoffload.tiers.disk import DiskTier
-    from kvoffload.transfer import BlockSpan, KVTransfer
+    from kvoffload.transfer import KVTransfer
 
 # The data plane needs torch; it is imported on first use, so that the scheduler
 # side and `kvoffload plan` start without paying for torch.
 _LAZY = {
     "OffloadEngine": "kvoffload.engine",
-    "JobKind": "kvoffload.engine",
-    "JobResult": "kvoffload.engine",
-    "JobStatus": "kvoffload.engine",
-    "ChunkSpan": "kvoffload.engine",
     "KVTransfer": "kvoffload.transfer",
-    "BlockSpan": "kvoffload.transfer",
     "Tier": "kvoffload.tiers.base",
     "CPUTier": "kvoffload.tiers.cpu",
     "DiskTier": "kvoffload.tiers.disk",
-    "TierCascade": "kvoffload.cascade",
+    "TierCascade": "kvoffload.tiers.cascade",
 }
 
 
@@ -70,6 +82,7 @@ __version__ = "0.1.0"
 __all__ = [
     "GROUP_KINDS",
     "ARCPolicy",
+    "AdaptivePolicy",
     "AdmissionFilter",
     "BlockSpan",
     "CPUTier",
@@ -79,6 +92,7 @@ __all__ = [
     "EvictionPolicy",
     "IndexEvent",
     "JobKind",
+    "JobReport",
     "JobResult",
     "JobStatus",
     "KVTransfer",
@@ -89,6 +103,7 @@ __all__ = [
     "S3FIFOPolicy",
     "StoreResult",
     "Tier",
+    "TransferOrder",
     "TierCascade",
     "namespace_of",
     "prefix_keys",
@@ -107,4 +122,5 @@ __all__ = [
     "TransferError",
     "__version__",
     "build_offloading_config",
+    "layout_from_hf_config",
 ]

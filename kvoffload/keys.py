@@ -48,7 +48,7 @@ _INT64 = np.dtype("<i8")
 
 
 class _Group(Protocol):
-    """What :func:`namespace_of` reads of a ``kvoffload.layout.CacheGroup``."""
+    """What :func:`namespace_of` reads of a ``kvoffload.config.layout.CacheGroup``."""
 
     @property
     def kind(self) -> str: ...
@@ -63,7 +63,7 @@ class _Group(Protocol):
 
 
 class _Layout(Protocol):
-    """What :func:`namespace_of` reads of a ``kvoffload.layout.KVLayout``."""
+    """What :func:`namespace_of` reads of a ``kvoffload.config.layout.KVLayout``."""
 
     @property
     def groups(self) -> Sequence[_Group]: ...

@@ -14,16 +14,15 @@ from typing import Any
 
 from kvoffload.errors import ConfigError
 
-__all__ = ["POLICIES", "TIERS", "Registry"]
+__all__ = ["DEFAULT_POLICY", "POLICIES", "TIERS", "Registry"]
 
 
 class Registry:
     """An ordered mapping of names to lazily imported factories."""
 
-    def __init__(self, kind: str, targets: dict[str, str], default: str) -> None:
+    def __init__(self, kind: str, targets: dict[str, str]) -> None:
         self.kind = kind
         self._targets = dict(targets)
-        self.default = self.check(default)
 
     def names(self) -> tuple[str, ...]:
         """The registered names, in registration order."""
@@ -57,7 +56,7 @@ class Registry:
         return name
 
 
-#: Eviction policies of the offload index; ``default`` is the best one measured.
+#: Eviction policies of the offload index.
 POLICIES = Registry(
     "eviction policy",
     {
@@ -66,8 +65,9 @@ POLICIES = Registry(
         "s3fifo": "kvoffload.manager.policies.s3fifo:S3FIFOPolicy",
         "adaptive": "kvoffload.manager.policies.adaptive:AdaptivePolicy",
     },
-    default="adaptive",
 )
+#: The policy the index uses unless told otherwise: the best one measured (README, replay).
+DEFAULT_POLICY = POLICIES.check("adaptive")
 
 #: Storage tiers of the data plane, in cascade order.
 TIERS = Registry(
@@ -77,5 +77,4 @@ TIERS = Registry(
         "disk": "kvoffload.tiers.disk:DiskTier",
         "redis": "kvoffload.tiers.remote:RedisTier",
     },
-    default="cpu",
 )

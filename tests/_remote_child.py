@@ -11,8 +11,8 @@ import sys
 
 import torch
 
-from kvoffload.cascade import TierCascade
 from kvoffload.engine import OffloadEngine
+from kvoffload.tiers.cascade import TierCascade
 from kvoffload.tiers.cpu import CPUTier
 from kvoffload.tiers.remote import RedisTier
 from kvoffload.transfer import KVTransfer, allocate_kv_caches, fill_blocks

@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from kvoffload import ConfigError
-from kvoffload.bench import BenchRow, bench_disk
+from kvoffload.bench import BenchRow
+from kvoffload.bench.local import bench_disk
 from kvoffload.cli import bench
 
 FIELDS = {"tier", "chunk_bytes", "store_gbps", "load_gbps", "ref_store_gbps", "ref_load_gbps"}

@@ -11,14 +11,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvoffload.cascade import TierCascade
+from kvoffload.config.layout import CacheGroup, KVLayout
 from kvoffload.engine import ChunkSpan, JobResult, JobStatus, OffloadEngine
 from kvoffload.errors import ConfigError
-from kvoffload.layout import CacheGroup, KVLayout
-from kvoffload.manager.index import OffloadManager
+from kvoffload.manager.offload_manager import OffloadManager
+from kvoffload.messages import BlockSpan
+from kvoffload.tiers.cascade import TierCascade
 from kvoffload.tiers.cpu import CPUTier
 from kvoffload.tiers.disk import DiskTier
-from kvoffload.transfer import BlockSpan, KVTransfer, allocate_kv_caches, fill_blocks
+from kvoffload.transfer import KVTransfer, allocate_kv_caches, fill_blocks
 
 NUM_BLOCKS = 32
 BPC = 2

@@ -20,6 +20,7 @@ from kvoffload import (
 )
 from kvoffload.config import KEYS
 from kvoffload.config.keys import IGNORED_KEYS
+from kvoffload.registry import DEFAULT_POLICY
 
 MIB = 1 << 20
 
@@ -177,7 +178,7 @@ def test_eviction_policy_must_be_registered_and_the_error_lists_them(
 ) -> None:
     for name in POLICIES.names():
         assert build(hetero_layout, eviction_policy=name).eviction_policy == name
-    assert build(hetero_layout).eviction_policy == POLICIES.default
+    assert build(hetero_layout).eviction_policy == DEFAULT_POLICY
     with pytest.raises(ConfigError, match="'lru', 'arc', 's3fifo'"):
         build(hetero_layout, eviction_policy="fifo")
 

@@ -9,11 +9,12 @@ import pytest
 import torch
 
 from kvoffload import build_offloading_config
+from kvoffload.config.layout import CacheGroup, KVLayout
 from kvoffload.engine import ChunkSpan, JobKind, JobResult, JobStatus, OffloadEngine
 from kvoffload.errors import TransferError
-from kvoffload.layout import CacheGroup, KVLayout
+from kvoffload.messages import BlockSpan
 from kvoffload.tiers.cpu import CPUTier
-from kvoffload.transfer import BlockSpan, KVTransfer, allocate_kv_caches, fill_blocks
+from kvoffload.transfer import KVTransfer, allocate_kv_caches, fill_blocks
 
 NUM_BLOCKS = 32
 BPC = 2

@@ -14,6 +14,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from kvoffload.config.layout import CacheGroup, KVLayout
 from kvoffload.errors import ConfigError
 from kvoffload.keys import (
     KEY_BYTES,
@@ -23,7 +24,6 @@ from kvoffload.keys import (
     prefix_keys_for_layout,
     short_key,
 )
-from kvoffload.layout import CacheGroup, KVLayout
 
 #: Computed once with the v1 encoding; a change here breaks every stored chunk.
 GOLDEN_RANGE40 = ["99c5d58d842b2c8d5e944fae21de1c4d", "7fede66959daeb2b76ba33fd2b52b9e6"]

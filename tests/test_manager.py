@@ -17,7 +17,7 @@ from kvoffload.manager import (
     OffloadManager,
     StoreResult,
 )
-from kvoffload.registry import POLICIES
+from kvoffload.registry import DEFAULT_POLICY, POLICIES
 
 POLICY_NAMES = POLICIES.names()
 
@@ -280,7 +280,7 @@ def test_constructor_validation() -> None:
         OffloadManager(4, "nope")
     with pytest.raises(KVOffloadError, match="capacity 3"):
         OffloadManager(4, LRUPolicy(3))
-    assert OffloadManager(4).policy.name == POLICIES.default
+    assert OffloadManager(4).policy.name == DEFAULT_POLICY
     instance = LRUPolicy(4)
     assert OffloadManager(4, instance).policy is instance
 

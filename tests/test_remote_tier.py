@@ -15,15 +15,16 @@ import torch
 from _redis_servers import RedisServer
 
 from kvoffload import build_offloading_config
-from kvoffload.cascade import TierCascade
+from kvoffload.config.layout import CacheGroup, KVLayout
 from kvoffload.engine import ChunkSpan, JobResult, OffloadEngine
 from kvoffload.errors import ConfigError, CorruptChunkError, TierError
 from kvoffload.keys import namespace_of
-from kvoffload.layout import CacheGroup, KVLayout
+from kvoffload.messages import BlockSpan
+from kvoffload.tiers.cascade import TierCascade
 from kvoffload.tiers.cpu import CPUTier
 from kvoffload.tiers.disk import DiskTier
 from kvoffload.tiers.remote import RedisTier
-from kvoffload.transfer import BlockSpan, KVTransfer, allocate_kv_caches, fill_blocks
+from kvoffload.transfer import KVTransfer, allocate_kv_caches, fill_blocks
 
 NUM_BLOCKS = 32
 BPC = 2

@@ -28,11 +28,8 @@ from kvoffload.replay import (
     sweep,
 )
 
-TRACES = Path(__file__).resolve().parents[1].parent / "shared" / "traces"
-CONVERSATION = TRACES / "mooncake_conversation_trace.jsonl"
-needs_trace = pytest.mark.skipif(
-    not CONVERSATION.is_file(), reason=f"real trace not found at {CONVERSATION}"
-)
+#: The first 3,000 requests of the Mooncake conversation trace (see tests/data/README.md).
+CONVERSATION = Path(__file__).resolve().parent / "data" / "mooncake_conversation_3000.jsonl"
 
 
 def write_trace(path: Path, requests: Sequence[Sequence[int]]) -> Path:
@@ -151,7 +148,6 @@ def test_belady_bounds_every_policy_on_small_traces(policy: str, capacity: int) 
     assert replay(Trace("s", requests), capacity, policy).hit_blocks <= bound
 
 
-@needs_trace
 def test_belady_bounds_every_policy_on_the_real_trace() -> None:
     trace = load_trace(CONVERSATION, limit=2000)
     for capacity in (300, 1500):
@@ -160,7 +156,6 @@ def test_belady_bounds_every_policy_on_the_real_trace() -> None:
             assert replay(trace, capacity, policy).hit_blocks <= bound, (policy, capacity)
 
 
-@needs_trace
 def test_lru_replay_matches_vllm_on_a_real_trace_slice() -> None:
     # Measured with vLLM 0.32's CPUOffloadingManager (cache_policy="lru") through
     # benchmarks/replay_vs_vllm.py's loop on the first 3000 requests (80,619 blocks).
@@ -269,7 +264,6 @@ def test_cli_bad_input_is_one_line_and_exit_2(
     assert fragment in err
 
 
-@needs_trace
 @pytest.mark.usefixtures("replay_cli")
 def test_cli_replays_a_real_trace_slice(capsys: pytest.CaptureFixture[str]) -> None:
     code = cli.main(["replay", str(CONVERSATION), "--limit", "500", "--capacity", "1000", "--json"])

@@ -7,9 +7,10 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from kvoffload.config.layout import CacheGroup, KVLayout
 from kvoffload.errors import TransferError
-from kvoffload.layout import CacheGroup, KVLayout
-from kvoffload.transfer import BlockSpan, KVSplit, KVTransfer, allocate_kv_caches, fill_blocks
+from kvoffload.messages import BlockSpan
+from kvoffload.transfer import KVSplit, KVTransfer, allocate_kv_caches, fill_blocks
 from kvoffload.transfer.synthetic import EngineLayout
 
 DTYPES = [torch.bfloat16, torch.float16, torch.float32, torch.uint8]

@@ -23,13 +23,13 @@ import pytest
 import torch
 
 from kvoffload import build_offloading_config
+from kvoffload.config.layout import CacheGroup, KVLayout
 from kvoffload.engine import ChunkSpan, JobKind, JobStatus, OffloadEngine
 from kvoffload.keys import namespace_of, prefix_keys_for_layout
-from kvoffload.layout import CacheGroup, KVLayout
-from kvoffload.manager.index import OffloadManager
+from kvoffload.manager.offload_manager import OffloadManager
+from kvoffload.messages import BlockSpan, JobReport, TransferOrder, merge_reports
 from kvoffload.tiers.disk import DiskProbe
-from kvoffload.transfer import BlockSpan, allocate_kv_caches
-from kvoffload.vllm._protocol import JobReport, TransferOrder, merge_reports
+from kvoffload.transfer import allocate_kv_caches
 from kvoffload.vllm.scheduler import NULL_BLOCK, OffloadScheduler
 from kvoffload.vllm.worker import OffloadWorker
 

@@ -21,13 +21,13 @@ import pytest
 import torch
 
 from kvoffload import build_offloading_config
+from kvoffload.config.layout import CacheGroup, KVLayout
 from kvoffload.engine import JobKind, OffloadEngine
 from kvoffload.keys import namespace_of
-from kvoffload.layout import CacheGroup, KVLayout
+from kvoffload.messages import JobReport
 from kvoffload.tiers.disk import DiskProbe
 from kvoffload.transfer import allocate_kv_caches
 from kvoffload.vllm import worker as worker_module
-from kvoffload.vllm._protocol import JobReport
 from kvoffload.vllm.scheduler import NULL_BLOCK, OffloadScheduler
 from kvoffload.vllm.worker import OffloadWorker
 

@@ -18,13 +18,14 @@ import test_remote_tier as rt
 import torch
 from _redis_servers import RedisServer
 
-from kvoffload._write_behind import WriteBehind
-from kvoffload.cascade import TierCascade
 from kvoffload.engine import ChunkSpan, OffloadEngine
 from kvoffload.errors import ConfigError, TierError
+from kvoffload.messages import BlockSpan
+from kvoffload.tiers._write_behind import WriteBehind
+from kvoffload.tiers.cascade import TierCascade
 from kvoffload.tiers.cpu import CPUTier
 from kvoffload.tiers.remote import RedisTier
-from kvoffload.transfer import BlockSpan, KVTransfer, allocate_kv_caches
+from kvoffload.transfer import KVTransfer, allocate_kv_caches
 
 CHUNK = max(g.chunk_bytes(rt.BPC) for g in rt.layout().groups)
 

@@ -24,12 +24,13 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
-from kvoffload.cascade import TierTraffic
 from kvoffload.config import OffloadConfig
 from kvoffload.engine import ChunkSpan, JobResult, OffloadEngine
 from kvoffload.keys import namespace_of, prefix_keys_for_layout
-from kvoffload.manager.index import OffloadManager
-from kvoffload.transfer import BlockSpan, allocate_kv_caches
+from kvoffload.manager.offload_manager import OffloadManager
+from kvoffload.messages import BlockSpan
+from kvoffload.tiers.cascade import TierTraffic
+from kvoffload.transfer import allocate_kv_caches
 
 __all__ = ["DemoStats", "DemoReplay", "expected_chunk"]
 

@@ -27,9 +27,9 @@ from tqdm import tqdm
 from kvoffload.cli._demo_sim import DemoReplay, DemoStats
 from kvoffload.cli._demo_trace import TRACE_BLOCK_TOKENS
 from kvoffload.config import build_offloading_config
+from kvoffload.config.hf_layout import layout_from_hf_config
 from kvoffload.config.values import format_bytes
 from kvoffload.errors import ConfigError
-from kvoffload.layout import KVLayout
 
 __all__ = ["register", "run"]
 
@@ -97,7 +97,7 @@ def token_ids(hash_ids: list[int], length: int) -> npt.NDArray[np.int64]:
 def replay(args: argparse.Namespace, disk_path: str) -> DemoStats:
     if args.requests is not None and args.requests <= 0:
         raise ConfigError(f"--requests must be positive, got {args.requests}")
-    layout = KVLayout.from_hf_config(_bundled("tiny_gemma4.json"), "bfloat16", 16)
+    layout = layout_from_hf_config(_bundled("tiny_gemma4.json"), "bfloat16", 16)
     extra = {
         "cpu_bytes_to_use": args.cpu_bytes,
         "blocks_per_chunk": args.blocks_per_chunk,

@@ -13,10 +13,10 @@ from pathlib import Path
 from typing import Any
 
 from kvoffload.config import OffloadConfig, build_offloading_config
+from kvoffload.config.hf_layout import layout_from_hf_config
 from kvoffload.config.keys import KEYS
 from kvoffload.config.values import format_bytes
 from kvoffload.errors import ConfigError
-from kvoffload.layout import KVLayout
 
 __all__ = ["EXAMPLES", "example_path", "register", "run"]
 
@@ -110,7 +110,7 @@ def plan_summary(config: OffloadConfig) -> dict[str, Any]:
 
 
 def run(args: argparse.Namespace) -> int:
-    layout = KVLayout.from_hf_config(
+    layout = layout_from_hf_config(
         _model_source(args.model), dtype=args.dtype, block_size=args.block_size
     )
     config = build_offloading_config(

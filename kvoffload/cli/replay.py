@@ -13,7 +13,7 @@ import sys
 from typing import Any
 
 from kvoffload.errors import ConfigError
-from kvoffload.registry import POLICIES
+from kvoffload.registry import DEFAULT_POLICY, POLICIES
 
 __all__ = ["parse_capacities", "register", "run"]
 
@@ -57,7 +57,7 @@ def register(subparsers: Any) -> None:
         "--policy",
         choices=(*POLICIES.names(), "all"),
         default="all",
-        help=f"eviction policy, or all (default all; the index default is {POLICIES.default})",
+        help=f"eviction policy, or all (default all; the index default is {DEFAULT_POLICY})",
     )
     parser.add_argument("--limit", type=int, help="replay only the first N requests")
     parser.add_argument("--no-bound", action="store_true", help="skip the Belady bound")

@@ -15,11 +15,11 @@ from collections.abc import Mapping
 from typing import Any
 
 from kvoffload.config.keys import EXCLUSIVE, KEYS, KEYS_BY_NAME, REQUIRES, Key, KeyType
+from kvoffload.config.layout import KVLayout
 from kvoffload.config.offload_config import OffloadConfig, disk_footprint
 from kvoffload.config.values import format_bytes, safe_repr, to_int
 from kvoffload.errors import ConfigError
-from kvoffload.layout import KVLayout
-from kvoffload.registry import POLICIES
+from kvoffload.registry import DEFAULT_POLICY, POLICIES
 
 __all__ = ["IgnoredKeysWarning", "build_offloading_config"]
 
@@ -50,7 +50,7 @@ def build_offloading_config(
         layout=layout,
         blocks_per_chunk=blocks_per_chunk,
         cpu_bytes_to_use=parsed["cpu_bytes_to_use"],
-        eviction_policy=parsed.get("eviction_policy", POLICIES.default),
+        eviction_policy=parsed.get("eviction_policy", DEFAULT_POLICY),
         store_threshold=_value(parsed, "store_threshold"),
         offload_prompt_only=_value(parsed, "offload_prompt_only"),
         disk_path=parsed.get("disk_path"),

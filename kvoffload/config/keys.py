@@ -14,7 +14,7 @@ from enum import Enum
 
 from kvoffload.config import values
 from kvoffload.config.offload_config import OffloadConfig
-from kvoffload.registry import POLICIES
+from kvoffload.registry import DEFAULT_POLICY, POLICIES
 
 __all__ = [
     "EXCLUSIVE",
@@ -70,7 +70,7 @@ class Key:
         if self.required:
             return "required"
         if self.name == "eviction_policy":
-            return f"`{POLICIES.default}`"
+            return f"`{DEFAULT_POLICY}`"
         if self.type is KeyType.SIZE and isinstance(self.default, int):
             return f"`{values.format_bytes(self.default).replace(' ', '')}`"
         return "unset" if self.default is None else f"`{self.default}`"

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from kvoffload.config.layout import KVLayout
 from kvoffload.config.values import format_bytes
-from kvoffload.layout import KVLayout
 
 __all__ = ["DISK_ALIGN", "OffloadConfig", "disk_footprint"]
 

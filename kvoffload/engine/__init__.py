@@ -1,6 +1,6 @@
 """The worker side: asynchronous store and load jobs; see :mod:`.engine`."""
 
 from kvoffload.engine.engine import OffloadEngine
-from kvoffload.engine.results import ChunkSpan, JobKind, JobResult, JobStatus
+from kvoffload.messages import ChunkSpan, JobKind, JobResult, JobStatus
 
 __all__ = ["ChunkSpan", "JobKind", "JobResult", "JobStatus", "OffloadEngine"]

@@ -22,7 +22,7 @@ Guarantees:
   ``JobResult.failed_blocks``, so the engine recomputes exactly those.
 * **Failed stores are reported**, counted in :meth:`stats`, never swallowed.
   Stores cover whole chunks; lower-tier write failures are reported in
-  ``JobResult.errors`` without failing the store (see :mod:`kvoffload.cascade`).
+  ``JobResult.errors`` without failing the store (see :mod:`kvoffload.tiers.cascade`).
 * **Engine blocks are free again early.** A store job copies all its blocks
   into CPU slots first, then writes lower tiers; :meth:`wait_for_sources`
   returns once every submitted store is past the copy, so a connector can let
@@ -44,11 +44,12 @@ from typing import Any
 
 import torch
 
-from kvoffload.cascade import TierCascade, TierTraffic
 from kvoffload.config import OffloadConfig
-from kvoffload.engine.results import ChunkSpan, JobKind, JobResult, Outcome
+from kvoffload.engine._outcome import Outcome
 from kvoffload.errors import TransferError
+from kvoffload.messages import ChunkSpan, JobKind, JobResult
 from kvoffload.tiers.base import Tier
+from kvoffload.tiers.cascade import TierCascade, TierTraffic
 from kvoffload.tiers.cpu import CPUTier
 from kvoffload.tiers.from_config import lower_tiers
 from kvoffload.transfer import KVTransfer
@@ -106,7 +107,7 @@ class OffloadEngine:
         ``namespace`` fingerprints model, dtype and layout
         (:func:`kvoffload.keys.namespace_of`); the disk tier keeps its files under it.
         The remote tier is written behind the store jobs, from a queue of at most
-        ``remote_queue_bytes`` (see :mod:`kvoffload.cascade`).
+        ``remote_queue_bytes`` (see :mod:`kvoffload.tiers.cascade`).
         """
         transfer = KVTransfer(config.layout, kv_caches, config.blocks_per_chunk)
         cpu = CPUTier(config.num_cpu_chunks, config.max_chunk_bytes)

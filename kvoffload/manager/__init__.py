@@ -5,13 +5,20 @@ The manager never touches bytes; it hands out slot ids and reports events.
 
 from __future__ import annotations
 
-from kvoffload.manager.index import OffloadManager
-from kvoffload.manager.policies import AdmissionFilter, ARCPolicy, LRUPolicy, S3FIFOPolicy
+from kvoffload.manager.offload_manager import OffloadManager
+from kvoffload.manager.policies import (
+    AdaptivePolicy,
+    AdmissionFilter,
+    ARCPolicy,
+    LRUPolicy,
+    S3FIFOPolicy,
+)
 from kvoffload.manager.policy import EvictionPolicy
 from kvoffload.manager.results import EventKind, IndexEvent, LoadResult, StoreResult
 
 __all__ = [
     "ARCPolicy",
+    "AdaptivePolicy",
     "AdmissionFilter",
     "EventKind",
     "EvictionPolicy",

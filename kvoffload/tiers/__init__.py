@@ -1,0 +1,57 @@
+"""Where chunk bytes live: the CPU slab, the disk tier, the remote tier, and their cascade.
+
+* :class:`~kvoffload.tiers.cpu.CPUTier`: host slab of slots the index hands
+  out (pinned where CUDA is present); the first tier, never evicts on its own.
+* :class:`~kvoffload.tiers.disk.DiskTier`: checksummed chunk files under
+  ``<disk_path>/<namespace>/``, with its own byte budget.
+* :class:`~kvoffload.tiers.remote.RedisTier`: a Redis / Valkey server or a
+  Redis Cluster shared by a fleet; the server evicts.
+* :class:`~kvoffload.tiers.cascade.TierCascade`: the order they are written
+  and read in (write-through to disk, write-behind to the remote tier,
+  promotion into the CPU slot on a lower-tier hit).
+
+The contract every lower tier keeps is :class:`~kvoffload.tiers.base.Tier`;
+the scheduler side only ever sees a :class:`~kvoffload.tiers.base.TierProbe`.
+:mod:`kvoffload.tiers.from_config` builds both from an ``OffloadConfig``.
+The CPU slab needs torch, so the tier classes are imported on first use and
+the scheduler side imports this package without torch.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+from kvoffload.tiers.base import ChunkBuffer, Tier, TierProbe
+
+if TYPE_CHECKING:
+    from kvoffload.tiers.cascade import TierCascade
+    from kvoffload.tiers.cpu import CPUTier
+    from kvoffload.tiers.disk import DiskProbe, DiskTier
+    from kvoffload.tiers.remote import RedisTier
+
+_LAZY = {
+    "CPUTier": "kvoffload.tiers.cpu",
+    "DiskProbe": "kvoffload.tiers.disk",
+    "DiskTier": "kvoffload.tiers.disk",
+    "RedisTier": "kvoffload.tiers.remote",
+    "TierCascade": "kvoffload.tiers.cascade",
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+__all__ = [
+    "CPUTier",
+    "ChunkBuffer",
+    "DiskProbe",
+    "DiskTier",
+    "RedisTier",
+    "Tier",
+    "TierCascade",
+    "TierProbe",
+]

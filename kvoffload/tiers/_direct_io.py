@@ -115,9 +115,3 @@ class BufferPool:
             if self._held_bytes + buf.nbytes <= self._max_bytes:
                 self._free.setdefault(buf.nbytes, []).append(buf)
                 self._held_bytes += buf.nbytes
-
-    @property
-    def held_bytes(self) -> int:
-        """Bytes currently idle in the pool."""
-        with self._lock:
-            return self._held_bytes

@@ -48,7 +48,7 @@ class Tier(ABC):
     cheap_contains: bool = True
     #: Whether the cascade writes this tier behind the store job (a network tier): the job
     #: only stages a copy (``stage_put``) and a background writer stores it later, so a slow
-    #: server never holds the engine's workers (see :mod:`kvoffload.cascade`).
+    #: server never holds the engine's workers (see :mod:`kvoffload.tiers.cascade`).
     write_behind: bool = False
 
     @abstractmethod

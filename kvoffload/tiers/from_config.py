@@ -4,10 +4,13 @@ The worker side gets the tiers themselves (:func:`lower_tiers`, in cascade
 order: disk, then remote); the scheduler side gets probes of the same tiers
 (:func:`lower_probes`), which only answer which chunks are probably there:
 the disk tier's files, the remote server through a connection of its own.
+With tensor parallelism each rank holds its own shard of every chunk, so the
+scheduler side asks every rank's namespace (:func:`rank_probes`).
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from kvoffload.registry import TIERS
@@ -16,7 +19,7 @@ from kvoffload.tiers.base import Tier, TierProbe
 if TYPE_CHECKING:
     from kvoffload.config import OffloadConfig
 
-__all__ = ["lower_probes", "lower_tiers"]
+__all__ = ["AllRanksProbe", "lower_probes", "lower_tiers", "rank_probes"]
 
 
 def _remote(config: OffloadConfig, namespace: bytes) -> Tier:
@@ -51,3 +54,27 @@ def lower_probes(config: OffloadConfig, namespace: bytes) -> list[TierProbe]:
     if config.remote_url is not None:
         probes.append(_remote(config, namespace))
     return probes
+
+
+class AllRanksProbe:
+    """One tier on every tensor-parallel rank: a chunk is loadable only if each holds its shard."""
+
+    def __init__(self, probes: Sequence[TierProbe]) -> None:
+        self._probes = tuple(probes)
+        self.name = probes[0].name
+
+    def contains_many(self, keys: Sequence[bytes]) -> list[bool]:
+        answers = [probe.contains_many(keys) for probe in self._probes]
+        return [all(column) for column in zip(*answers, strict=True)]
+
+    def close(self) -> None:
+        for probe in self._probes:
+            probe.close()
+
+
+def rank_probes(config: OffloadConfig, namespaces: Sequence[bytes]) -> list[TierProbe]:
+    """The lower tiers as one scheduler sees them over ranks with ``namespaces``, in order."""
+    per_rank = [lower_probes(config, namespace) for namespace in namespaces]
+    if len(per_rank) == 1:
+        return per_rank[0]
+    return [AllRanksProbe(tier) for tier in zip(*per_rank, strict=True)]

@@ -31,7 +31,7 @@ start with ``ConfigError``. The password comes from the environment variable
 ``remote_password_env`` names and appears in no message, ``repr`` or stat.
 
 **Asynchronous stores.** The cascade writes this tier behind the store job
-(:mod:`kvoffload._write_behind`): the job packs the record (the one copy out
+(:mod:`kvoffload.tiers._write_behind`): the job packs the record (the one copy out
 of the CPU slot, which may be reused once the job is done) and queues it; one
 writer thread ``SET``s it. A full queue (``remote_queue_bytes``) or a server
 known to be down refuses the store in the job itself (counted, named in the
@@ -64,8 +64,6 @@ logger = logging.getLogger("kvoffload")
 
 _T = TypeVar("_T")
 _FIRST_RETRY_S = 0.1
-#: Replies of a server that refused the credentials.
-_REFUSED = ("WRONGPASS", "NOAUTH", "invalid password", "invalid username")
 
 
 @dataclass(slots=True)

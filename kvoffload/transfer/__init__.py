@@ -1,11 +1,10 @@
 """Gather and scatter between engine KV tensors and chunk buffers; see :mod:`.copy`."""
 
-from kvoffload.transfer.copy import BlockSpan, KVTransfer
+from kvoffload.transfer.copy import KVTransfer
 from kvoffload.transfer.synthetic import allocate_kv_caches, fill_blocks
 from kvoffload.transfer.views import KVSplit, LayerPages, layer_pages, register_layers
 
 __all__ = [
-    "BlockSpan",
     "KVSplit",
     "KVTransfer",
     "LayerPages",

@@ -30,73 +30,18 @@ the copy starts only once the forward pass has written the KV.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 
 import numpy as np
 import numpy.typing as npt
 import torch
 
+from kvoffload.config.layout import KVLayout
 from kvoffload.errors import TransferError
-from kvoffload.layout import KVLayout
+from kvoffload.messages import BlockSpan
 from kvoffload.transfer._moves import move_run
 from kvoffload.transfer.views import KVSplit, LayerPages, register_layers
 
-__all__ = ["BlockSpan", "KVTransfer"]
-
-
-def _nonnegative_int(name: str, value: object) -> int:
-    if isinstance(value, bool) or not isinstance(value, int | np.integer) or value < 0:
-        raise TransferError(f"{name} must be a non-negative int, got {value!r}")
-    return int(value)
-
-
-@dataclass(frozen=True, slots=True)
-class BlockSpan:
-    """Engine block ids of one group, moved to or from consecutive chunks.
-
-    ``first_offset`` is the index of ``block_ids[0]`` inside its chunk: 0 for
-    stores (which cover whole chunks), possibly more for a load that starts
-    inside a chunk because the engine already holds the chunk's first blocks.
-    """
-
-    block_ids: tuple[int, ...]
-    first_offset: int = 0
-
-    def __post_init__(self) -> None:
-        ids = tuple(_nonnegative_int("block id", b) for b in self.block_ids)
-        if not ids:
-            raise TransferError("a BlockSpan needs at least one block id")
-        object.__setattr__(self, "block_ids", ids)
-        _nonnegative_int("first_offset", self.first_offset)
-
-    def num_chunks(self, blocks_per_chunk: int) -> int:
-        """Chunks the span touches."""
-        return -(-(self.first_offset + len(self.block_ids)) // blocks_per_chunk)
-
-    def chunk_ranges(self, blocks_per_chunk: int) -> list[tuple[int, int, int]]:
-        """Per chunk ``(start, stop, position)``: ``block_ids[start:stop]`` go to ``position..``."""
-        if self.first_offset >= blocks_per_chunk:
-            raise TransferError(
-                f"first_offset {self.first_offset} must be < blocks_per_chunk {blocks_per_chunk}"
-            )
-        ranges = []
-        start, position, n = 0, self.first_offset, len(self.block_ids)
-        while start < n:
-            stop = min(n, start + blocks_per_chunk - position)
-            ranges.append((start, stop, position))
-            start, position = stop, 0
-        return ranges
-
-    def covers_whole_chunks(self, blocks_per_chunk: int) -> bool:
-        """Whether the span starts and ends on chunk boundaries (required to store)."""
-        return self.first_offset == 0 and len(self.block_ids) % blocks_per_chunk == 0
-
-    def sub(self, first_chunk: int, stop_chunk: int, blocks_per_chunk: int) -> BlockSpan:
-        """The part of the span inside chunks ``[first_chunk, stop_chunk)``."""
-        ranges = self.chunk_ranges(blocks_per_chunk)[first_chunk:stop_chunk]
-        if not ranges:
-            raise TransferError(f"chunks [{first_chunk}, {stop_chunk}) are outside the span")
-        return BlockSpan(self.block_ids[ranges[0][0] : ranges[-1][1]], ranges[0][2])
+__all__ = ["KVTransfer"]
 
 
 class KVTransfer:

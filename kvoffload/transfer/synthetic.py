@@ -10,8 +10,8 @@ from enum import Enum
 
 import torch
 
+from kvoffload.config.layout import CacheGroup, KVLayout
 from kvoffload.errors import TransferError
-from kvoffload.layout import CacheGroup, KVLayout
 
 __all__ = ["EngineLayout", "allocate_kv_caches", "fill_blocks"]
 

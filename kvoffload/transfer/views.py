@@ -30,8 +30,8 @@ from enum import Enum
 
 import torch
 
+from kvoffload.config.layout import CacheGroup, KVLayout
 from kvoffload.errors import TransferError
-from kvoffload.layout import CacheGroup, KVLayout
 
 __all__ = ["KVSplit", "LayerPages", "layer_pages", "register_layers"]
 

@@ -16,8 +16,8 @@ from vllm.v1.kv_cache_interface import (
     SlidingWindowSpec,
 )
 
+from kvoffload.config.layout import CacheGroup, KVLayout
 from kvoffload.errors import ConfigError
-from kvoffload.layout import CacheGroup, KVLayout
 
 if TYPE_CHECKING:
     from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheSpec

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import logging
 import weakref
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -34,15 +34,14 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStat
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from kvoffload.config import OffloadConfig, build_offloading_config
+from kvoffload.config.layout import KVLayout
 from kvoffload.engine import JobKind, OffloadEngine
 from kvoffload.errors import ConfigError
 from kvoffload.keys import namespace_of
-from kvoffload.layout import KVLayout
 from kvoffload.manager.results import EventKind
-from kvoffload.tiers.base import TierProbe
-from kvoffload.tiers.from_config import lower_probes
+from kvoffload.messages import JobReport, TransferOrder, merge_reports
+from kvoffload.tiers.from_config import rank_probes
 from kvoffload.vllm._layout import layout_from_kv_cache_config
-from kvoffload.vllm._protocol import JobReport, TransferOrder, merge_reports
 from kvoffload.vllm.scheduler import OffloadScheduler
 from kvoffload.vllm.worker import OffloadWorker
 
@@ -183,7 +182,10 @@ class KVOffloadConnector(KVConnectorBase_V1, SupportsHMA):
         if role is KVConnectorRole.SCHEDULER:
             namespaces = [self.namespace(rank) for rank in range(self.world_size)]
             self._scheduler = OffloadScheduler(
-                self.config, namespaces[0], self._probes(namespaces), world_size=self.world_size
+                self.config,
+                namespaces[0],
+                rank_probes(self.config, namespaces),
+                world_size=self.world_size,
             )
         _LIVE.add(self)
 
@@ -191,11 +193,6 @@ class KVOffloadConnector(KVConnectorBase_V1, SupportsHMA):
         """Rank ``rank``'s namespace: ranks hold different shards of the same chunk."""
         model = self._model_id if self.world_size == 1 else f"{self._model_id}#tp{rank}"
         return namespace_of(model, self._dtype, self.layout)
-
-    def _probes(self, namespaces: list[bytes]) -> list[TierProbe]:
-        """The lower tiers as the scheduler side sees them; a chunk must be on every rank."""
-        per_rank = [lower_probes(self.config, ns) for ns in namespaces]
-        return [_AllRanks(list(tier)) for tier in zip(*per_rank, strict=True)]
 
     def figures(self) -> dict[str, Any]:
         """This side's counters: offered and loaded tokens (scheduler), jobs and bytes (worker)."""
@@ -381,19 +378,3 @@ class KVOffloadConnector(KVConnectorBase_V1, SupportsHMA):
                 "(or on the scheduler-side connector)"
             )
         return self._worker
-
-
-class _AllRanks:
-    """One tier on every tensor-parallel rank: a chunk is loadable only if each holds its shard."""
-
-    def __init__(self, probes: Sequence[TierProbe]) -> None:
-        self._probes = tuple(probes)
-        self.name = probes[0].name
-
-    def contains_many(self, keys: Sequence[bytes]) -> list[bool]:
-        answers = [probe.contains_many(keys) for probe in self._probes]
-        return [all(column) for column in zip(*answers, strict=True)]
-
-    def close(self) -> None:
-        for probe in self._probes:
-            probe.close()

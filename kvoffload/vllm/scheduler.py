@@ -4,21 +4,9 @@ vLLM calls the connector with its own objects; :mod:`kvoffload.vllm.connector`
 turns them into token ids, block id lists and counts and calls this class,
 which knows nothing of vLLM and is tested without it.
 
-**Hits across groups.** A hit of ``H`` tokens must be servable by every
-group at once, and vLLM only resumes a hybrid request at a multiple of every
-group's block, so ``H`` is a multiple of the least common multiple of the
-groups' chunk spans. What a group must supply for ``H`` depends on its kind:
-
-* full attention (and MLA) attends to everything: every chunk from the
-  engine's own hit up to ``H``;
-* sliding window ``W`` attends to the last ``W - 1`` tokens only (vLLM frees
-  the blocks before them): only the chunks covering ``[H - W + 1, H)``.
-
-So a long prompt whose sliding-window chunks were evicted early still hits,
-as long as the window before the hit point is there. Availability is the
-CPU index (exact) or a lower-tier probe (a hint: disk files, the remote
-server, one batched query per tier and request). A hint that proves wrong is
-a failed load, which vLLM recomputes (invariant 3).
+**Hits** follow each group kind's rule (:mod:`kvoffload.vllm._hits`): full
+attention needs every chunk up to the hit point, a sliding window only the
+chunks inside the window before it.
 
 **What may be stored.** A chunk is stored once its tokens are computed and
 every one of its blocks holds real KV: computed by the engine, served by
@@ -38,61 +26,21 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from kvoffload.config import OffloadConfig
-from kvoffload.engine.results import ChunkSpan, JobKind
-from kvoffload.keys import extend_prefix_keys
-from kvoffload.manager.index import OffloadManager
+from kvoffload.manager.offload_manager import OffloadManager
 from kvoffload.manager.results import IndexEvent
+from kvoffload.messages import JobKind, JobReport, TransferOrder, merge_reports
 from kvoffload.tiers.base import TierProbe
-from kvoffload.transfer import BlockSpan
-from kvoffload.vllm._protocol import JobReport, TransferOrder, merge_reports
+from kvoffload.vllm._hits import HitFinder, needed_tokens
+from kvoffload.vllm._request import RequestState, covered
+from kvoffload.vllm._spans import LoadPiece, load_spans, store_spans
 
 __all__ = ["NULL_BLOCK", "OffloadScheduler", "TierProbe"]
 
 #: vLLM's placeholder block id for blocks a group does not hold (outside a window).
 NULL_BLOCK = 0
-
-#: A chunk whose store or promotion is in flight: available soon, not yet.
-_PENDING = object()
-
-
-def _add_range(ranges: list[tuple[int, int]], start: int, stop: int) -> None:
-    """Merge ``[start, stop)`` into a sorted list of disjoint ranges."""
-    if start >= stop:
-        return
-    merged: list[tuple[int, int]] = []
-    for lo, hi in ranges:
-        if hi < start or lo > stop:
-            merged.append((lo, hi))
-        else:
-            start, stop = min(start, lo), max(stop, hi)
-    merged.append((start, stop))
-    merged.sort()
-    ranges[:] = merged
-
-
-def _covered(ranges: list[tuple[int, int]], start: int, stop: int) -> bool:
-    return any(lo <= start and stop <= hi for lo, hi in ranges)
-
-
-@dataclass(slots=True)
-class _Request:
-    """What the scheduler side remembers of one request."""
-
-    keys: list[list[bytes]]
-    #: Per group: token ranges whose KV in the engine's blocks is valid.
-    valid: list[list[tuple[int, int]]]
-    #: Per group: chunks below this index were stored or skipped, except those
-    #: in ``retry`` (no CPU room at the time).
-    next_chunk: list[int]
-    retry: list[set[int]]
-    #: The engine's own hit at the last lookup, and the hit we offered.
-    local_hit: int = 0
-    offered: int = 0
-    jobs: set[int] = field(default_factory=set)
-    finished: bool = False
 
 
 @dataclass(slots=True)
@@ -131,10 +79,11 @@ class OffloadScheduler:
         self.world_size = world_size
         self.layout = config.layout
         self.bpc = config.blocks_per_chunk
-        self.spans = config.tokens_per_chunk
+        self.tokens_per_chunk = config.tokens_per_chunk
         #: Hits land on multiples of this many tokens (every group's chunk boundary).
-        self.alignment = math.lcm(*self.spans)
-        self._requests: dict[str, _Request] = {}
+        self.alignment = math.lcm(*self.tokens_per_chunk)
+        self.hits = HitFinder(self.layout, self.tokens_per_chunk, self.index, self.probes)
+        self._requests: dict[str, RequestState] = {}
         self._jobs: dict[int, _Job] = {}
         self._orders: list[TransferOrder] = []
         self._next_job = 1
@@ -160,65 +109,15 @@ class OffloadScheduler:
         req.local_hit, req.offered = local_hit, 0
         if top <= local_hit:
             return 0
-        self._extend_keys(req, token_ids, top)
-        available = self._availability(req, local_hit, top)
-        hit = top
-        while hit > local_hit and not self._servable(available, local_hit, hit):
-            hit -= self.alignment
-        if hit <= local_hit:
+        req.extend_keys(token_ids, top, self.tokens_per_chunk, self.namespace)
+        hit = self.hits.find(req.keys, local_hit, top, self.alignment)
+        if hit.tokens <= local_hit:
             return 0
-        if any(state is _PENDING for state in self._needed(available, local_hit, hit)):
+        if hit.pending:
             self._figures["deferred_lookups"] += 1
             return None
-        req.offered = hit
-        return hit - local_hit
-
-    def _first_needed(self, g: int, local_hit: int, hit: int) -> int:
-        """The first token of group ``g`` a hit at ``hit`` must load."""
-        window = self.layout.groups[g].sliding_window
-        return local_hit if window is None else max(local_hit, hit - window + 1)
-
-    def _availability(self, req: _Request, local_hit: int, top: int) -> list[dict[int, object]]:
-        """Per group: chunk index -> ``True`` (loadable), ``_PENDING`` (in flight) or ``False``.
-
-        Covers every chunk a hit up to ``top`` may need. The CPU index answers
-        first; each lower tier is asked once, in one batch, for what the
-        tiers above it lack.
-        """
-        out: list[dict[int, object]] = []
-        wanted: list[tuple[int, int, bytes]] = []
-        for g, span in enumerate(self.spans):
-            first, stop = local_hit // span, top // span
-            keys = req.keys[g][first:stop]
-            ready, storing = self.index.ready_mask(keys), self.index.storing_mask(keys)
-            states: dict[int, object] = {}
-            for c, key, yes, busy in zip(range(first, stop), keys, ready, storing, strict=True):
-                states[c] = True if yes else _PENDING if busy else False
-                if not yes and not busy:
-                    wanted.append((g, c, key))
-            out.append(states)
-        for probe in self.probes:
-            if not wanted:
-                break
-            answers = probe.contains_many([key for _, _, key in wanted])
-            for (g, c, _), yes in zip(wanted, answers, strict=True):
-                if yes:
-                    out[g][c] = True
-            wanted = [w for w, yes in zip(wanted, answers, strict=True) if not yes]
-        return out
-
-    def _needed(self, available: list[dict[int, object]], local_hit: int, hit: int) -> list[object]:
-        """The states of every chunk a hit at ``hit`` needs, all groups together."""
-        states: list[object] = []
-        for g, span in enumerate(self.spans):
-            first = self._first_needed(g, local_hit, hit) // span
-            states += [available[g].get(c, False) for c in range(first, hit // span)]
-        return states
-
-    def _servable(self, available: list[dict[int, object]], local_hit: int, hit: int) -> bool:
-        """Every chunk a hit at ``hit`` needs is there or on its way, and the CPU tier has room."""
-        states = self._needed(available, local_hit, hit)
-        return all(state is not False for state in states) and len(states) <= self.index.room()
+        req.offered = hit.tokens
+        return hit.tokens - local_hit
 
     # -- loads ----------------------------------------------------------------------
     def plan_load(
@@ -236,50 +135,27 @@ class OffloadScheduler:
         if req is None:
             return None
         if num_external <= 0 or not req.offered:
-            for ranges in req.valid:  # vLLM's own prefix-cache blocks (null ones are skipped later)
-                _add_range(ranges, 0, req.local_hit)
+            # vLLM's own prefix-cache blocks (null ones are skipped later).
+            req.mark_valid(0, req.local_hit)
             return None
         # The hit point is what lookup checked; vLLM may have moved the local/external split.
         hit = req.offered
         local = hit - num_external
-        for ranges in req.valid:
-            _add_range(ranges, 0, local)
-        pieces = []  # (group, first chunk, first block, stop block, keys)
-        for g, group in enumerate(self.layout.groups):
-            blocks, tpb = block_ids[g], group.tokens_per_block
-            first = self._first_needed(g, local, hit) // tpb
-            stop = min(-(-hit // tpb), len(blocks))
-            while first < stop and blocks[first] == NULL_BLOCK:
-                first += 1
-            if first < stop:
-                c0 = first // self.bpc
-                pieces.append((g, c0, first, stop, req.keys[g][c0 : -(-stop // self.bpc)]))
-        slots, lost, job = self._reserve([key for *_, keys in pieces for key in keys])
-        spans: list[ChunkSpan] = []
-        unloadable: dict[int, tuple[int, ...]] = {}
-        for g, c0, first, stop, keys in pieces:
-            blocks, start = block_ids[g], 0
-            while start < len(keys):  # one span per run of chunks that have slots, and per run lost
-                run = start + 1
-                while run < len(keys) and (keys[run] in lost) == (keys[start] in lost):
-                    run += 1
-                lo = max(first, (c0 + start) * self.bpc)
-                hi = min(stop, (c0 + run) * self.bpc)
-                if keys[start] in lost:
-                    unloadable[g] = unloadable.get(g, ()) + tuple(blocks[lo:hi])
-                else:
-                    block_span = BlockSpan(tuple(blocks[lo:hi]), lo - (c0 + start) * self.bpc)
-                    chunk_slots = tuple(slots[key] for key in keys[start:run])
-                    spans.append(ChunkSpan(g, tuple(keys[start:run]), chunk_slots, block_span))
-                start = run
+        req.mark_valid(0, local)
+        pieces = self._load_pieces(req, block_ids, local, hit)
+        slots, lost, job = self._reserve([key for piece in pieces for key in piece.keys])
+        spans, unloadable = load_spans(pieces, block_ids, slots, lost, self.bpc)
         # Every chunk of the hit was used, vLLM's own hits included; the tail first
         # so that the chain head, which every longer hit needs, is the most recent.
-        used = [k for g, span in enumerate(self.spans) for k in req.keys[g][: hit // span]]
+        used = [
+            k for g, span in enumerate(self.tokens_per_chunk) for k in req.keys[g][: hit // span]
+        ]
         self.index.touch(used[::-1])
-        order = TransferOrder(self._new_job_id(), req_id, JobKind.LOAD, tuple(spans), unloadable)
+        order = TransferOrder(self._new_job_id(), req_id, JobKind.LOAD, spans, unloadable)
         job.order, job.tokens = order, num_external
-        job.ranges = tuple((g, first * self.layout.groups[g].tokens_per_block, hit)
-                           for g, _, first, _, _ in pieces)  # fmt: skip
+        job.ranges = tuple(
+            (p.group, p.first * self.layout.groups[p.group].tokens_per_block, hit) for p in pieces
+        )
         self._queue(req, job)
         figures = self._figures
         figures["hit_requests"] += 1
@@ -288,6 +164,23 @@ class OffloadScheduler:
         figures["lower_hit_chunks"] += len(job.promoted)
         figures["unloadable_chunks"] += len(lost)
         return order
+
+    def _load_pieces(
+        self, req: RequestState, block_ids: Sequence[Sequence[int]], local: int, hit: int
+    ) -> list[LoadPiece]:
+        """Per group, the engine blocks a hit at ``hit`` fills and the chunks they lie in."""
+        pieces = []
+        for g, group in enumerate(self.layout.groups):
+            blocks, tpb = block_ids[g], group.tokens_per_block
+            first = needed_tokens(group, local, hit)[0] // tpb
+            stop = min(-(-hit // tpb), len(blocks))
+            while first < stop and blocks[first] == NULL_BLOCK:
+                first += 1
+            if first < stop:
+                c0 = first // self.bpc
+                keys = tuple(req.keys[g][c0 : -(-stop // self.bpc)])
+                pieces.append(LoadPiece(g, c0, first, stop, keys))
+        return pieces
 
     def _reserve(self, keys: list[bytes]) -> tuple[dict[bytes, int], set[bytes], _Job]:
         """Slots for ``keys``: pins for CPU-resident ones, promotion slots for the rest.
@@ -327,17 +220,16 @@ class OffloadScheduler:
         """
         req = self._request(req_id)
         end = min(computed + scheduled, len(token_ids))
-        for ranges in req.valid:
-            _add_range(ranges, computed, end)
+        req.mark_valid(computed, end)
         if self.config.offload_prompt_only:
             end = min(end, num_prompt_tokens)
-        self._extend_keys(req, token_ids, end)
+        req.extend_keys(token_ids, end, self.tokens_per_chunk, self.namespace)
         chosen = self._storable(req, block_ids, end)
         if not chosen:
             return None
         # Chunk ends in token order: if the CPU tier has room for only some of them,
         # the ones kept form a prefix in every group, which is what later hits need.
-        chosen.sort(key=lambda gc: ((gc[1] + 1) * self.spans[gc[0]], gc[0]))
+        chosen.sort(key=lambda gc: ((gc[1] + 1) * self.tokens_per_chunk[gc[0]], gc[0]))
         keys = [req.keys[g][c] for g, c in chosen]
         reserved, n = None, min(len(keys), self.index.room())
         while n > 0 and (reserved := self.index.prepare_store(keys[:n])) is None:
@@ -347,26 +239,18 @@ class OffloadScheduler:
         if reserved is None or not reserved.keys:
             return None
         where = {key: gc for key, gc in zip(keys, chosen, strict=True)}
-        pairs = sorted(zip(reserved.keys, reserved.slots, strict=True), key=lambda p: where[p[0]])
-        spans: list[ChunkSpan] = []
-        start = 0
-        while start < len(pairs):  # one span per run of consecutive chunks of one group
-            g, c = where[pairs[start][0]]
-            run = start + 1
-            while run < len(pairs) and where[pairs[run][0]] == (g, c + run - start):
-                run += 1
-            blocks = block_ids[g][c * self.bpc : (c + run - start) * self.bpc]
-            run_keys = tuple(key for key, _ in pairs[start:run])
-            run_slots = tuple(slot for _, slot in pairs[start:run])
-            spans.append(ChunkSpan(g, run_keys, run_slots, BlockSpan(tuple(blocks))))
-            start = run
-        order = TransferOrder(self._new_job_id(), req_id, JobKind.STORE, tuple(spans))
+        chunks = [
+            (*where[key], key, slot)
+            for key, slot in zip(reserved.keys, reserved.slots, strict=True)
+        ]
+        spans = store_spans(chunks, block_ids, self.bpc)
+        order = TransferOrder(self._new_job_id(), req_id, JobKind.STORE, spans)
         self._queue(req, _Job(order))
         self._figures["stores"] += 1
         return order
 
     def _storable(
-        self, req: _Request, block_ids: Sequence[Sequence[int]], end: int
+        self, req: RequestState, block_ids: Sequence[Sequence[int]], end: int
     ) -> list[tuple[int, int]]:
         """``(group, chunk)`` of every new or retried chunk below ``end`` whose KV is valid.
 
@@ -375,13 +259,13 @@ class OffloadScheduler:
         """
         chosen: list[tuple[int, int]] = []
         skipped = 0
-        for g, span in enumerate(self.spans):
+        for g, span in enumerate(self.tokens_per_chunk):
             blocks, stop = block_ids[g], end // span
             retry, req.retry[g] = sorted(req.retry[g]), set()
             for c in [*retry, *range(req.next_chunk[g], stop)]:
                 ids = blocks[c * self.bpc : (c + 1) * self.bpc]
                 if (len(ids) == self.bpc and NULL_BLOCK not in ids
-                        and _covered(req.valid[g], c * span, (c + 1) * span)):  # fmt: skip
+                        and covered(req.valid[g], c * span, (c + 1) * span)):  # fmt: skip
                     chosen.append((g, c))
                 else:
                     skipped += 1
@@ -420,7 +304,7 @@ class OffloadScheduler:
                 figures["loaded_tokens"] += job.tokens
                 if req is not None:
                     for g, lo, hi in job.ranges:
-                        _add_range(req.valid[g], lo, hi)
+                        req.mark_valid(lo, hi, group=g)
             else:
                 figures["failed_loads"] += 1
                 figures["failed_load_tokens"] += job.tokens
@@ -443,9 +327,7 @@ class OffloadScheduler:
         """The request lost its blocks: nothing in them is known valid any more."""
         req = self._requests.get(req_id)
         if req is not None:
-            req.valid = [[] for _ in self.spans]
-            req.next_chunk = [0] * len(self.spans)
-            req.retry = [set() for _ in self.spans]
+            req.forget_blocks()
 
     def reset(self) -> bool:
         """Drop every CPU chunk no job is using (vLLM's ``reset_prefix_cache`` with the connector).
@@ -473,27 +355,17 @@ class OffloadScheduler:
             probe.close()
 
     # -- internals ----------------------------------------------------------------------
-    def _request(self, req_id: str) -> _Request:
+    def _request(self, req_id: str) -> RequestState:
         req = self._requests.get(req_id)
         if req is None:
-            n = len(self.spans)
-            req = _Request([[] for _ in range(n)], [[] for _ in range(n)], [0] * n,
-                           [set() for _ in range(n)])  # fmt: skip
-            self._requests[req_id] = req
+            req = self._requests[req_id] = RequestState.empty(len(self.tokens_per_chunk))
         return req
-
-    def _extend_keys(self, req: _Request, token_ids: Sequence[int], tokens: int) -> None:
-        """Make ``req.keys[g]`` name every full chunk of the first ``tokens`` token ids."""
-        for g, span in enumerate(self.spans):
-            keys, want = req.keys[g], tokens // span
-            if len(keys) < want:
-                keys += extend_prefix_keys(keys, token_ids[: want * span], span, g, self.namespace)
 
     def _new_job_id(self) -> int:
         job_id, self._next_job = self._next_job, self._next_job + 1
         return job_id
 
-    def _queue(self, req: _Request, job: _Job) -> None:
+    def _queue(self, req: RequestState, job: _Job) -> None:
         self._jobs[job.order.job_id] = job
         req.jobs.add(job.order.job_id)
         self._orders.append(job.order)

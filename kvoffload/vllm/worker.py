@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvoffload.engine import JobKind, OffloadEngine
-from kvoffload.vllm._protocol import JobReport, TransferOrder, merge_reports
+from kvoffload.messages import JobReport, TransferOrder, merge_reports
 
 __all__ = ["IDLE_WAIT_S", "OffloadWorker", "PollResult"]
 

@@ -12,10 +12,7 @@ trust a ``KVLayout`` without re-checking it.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from dataclasses import dataclass
-from pathlib import Path
-from typing import Any
 
 from kvoffload.errors import ConfigError
 
@@ -127,19 +124,3 @@ class KVLayout:
             if layer_name in group.layer_names:
                 return i
         raise ConfigError(f"layer {layer_name!r} is in no group of this layout")
-
-    @classmethod
-    def from_hf_config(
-        cls,
-        path_or_dict: str | Path | Mapping[str, Any],
-        dtype: str = "bfloat16",
-        block_size: int = 16,
-    ) -> KVLayout:
-        """The groups vLLM's hybrid allocator forms for a Hugging Face ``config.json``.
-
-        ``path_or_dict`` is a model directory, a ``config.json`` path or the
-        parsed mapping. See :mod:`kvoffload.hf_layout` for the rules.
-        """
-        from kvoffload.hf_layout import layout_from_hf_config
-
-        return layout_from_hf_config(path_or_dict, dtype=dtype, block_size=block_size)

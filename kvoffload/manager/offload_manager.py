@@ -27,7 +27,7 @@ from kvoffload.keys import short_key
 from kvoffload.manager.policies.admission import AdmissionFilter
 from kvoffload.manager.policy import EvictionPolicy
 from kvoffload.manager.results import EventKind, IndexEvent, LoadResult, StoreResult
-from kvoffload.registry import POLICIES
+from kvoffload.registry import DEFAULT_POLICY, POLICIES
 
 if TYPE_CHECKING:
     from kvoffload.config import OffloadConfig
@@ -47,7 +47,7 @@ def _make_policy(policy: str | EvictionPolicy | None, capacity: int) -> Eviction
                 f"but the index has num_chunks={capacity}; build it with the same capacity"
             )
         return policy
-    name = POLICIES.check(POLICIES.default if policy is None else policy)
+    name = POLICIES.check(DEFAULT_POLICY if policy is None else policy)
     built = POLICIES.create(name, capacity)
     if not isinstance(built, EvictionPolicy):
         raise KVOffloadError(f"policy {name!r} did not build an EvictionPolicy: {built!r}")

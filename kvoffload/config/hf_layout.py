@@ -27,8 +27,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, NamedTuple
 
+from kvoffload.config.layout import CacheGroup, KVLayout
 from kvoffload.errors import ConfigError
-from kvoffload.layout import CacheGroup, KVLayout
 
 __all__ = ["DTYPE_BYTES", "layout_from_hf_config", "load_hf_config"]
 

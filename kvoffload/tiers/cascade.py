@@ -27,7 +27,7 @@ tier) is not written inside the job: a server that is slow would hold the
 engine's few worker threads, and loads queue behind them. The job copies the
 chunk out of its slot instead (``Tier.stage_put``; once the job is done the
 slot may be evicted and reused, so nothing reads it afterwards) into a
-bounded queue that one thread per tier drains (:mod:`kvoffload._write_behind`).
+bounded queue that one thread per tier drains (:mod:`kvoffload.tiers._write_behind`).
 A store the queue refuses (full at ``write_behind_bytes``, or the server known
 to be down) fails in the job: counted, and named in the job's errors. A write
 that fails later is counted in that tier's figures and the traffic here, and
@@ -48,9 +48,9 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from kvoffload._write_behind import WriteBehind
 from kvoffload.config.offload_config import OffloadConfig
 from kvoffload.errors import ConfigError, KVOffloadError, TierError
+from kvoffload.tiers._write_behind import WriteBehind
 from kvoffload.tiers.base import Tier
 from kvoffload.tiers.cpu import CPUTier
 

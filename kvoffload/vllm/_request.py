@@ -1,0 +1,87 @@
+"""What the connector's scheduler side remembers of one request between steps."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from kvoffload.keys import extend_prefix_keys
+
+__all__ = ["RequestState", "add_range", "covered"]
+
+
+def add_range(ranges: list[tuple[int, int]], start: int, stop: int) -> None:
+    """Merge ``[start, stop)`` into a sorted list of disjoint ranges."""
+    if start >= stop:
+        return
+    merged: list[tuple[int, int]] = []
+    for lo, hi in ranges:
+        if hi < start or lo > stop:
+            merged.append((lo, hi))
+        else:
+            start, stop = min(start, lo), max(stop, hi)
+    merged.append((start, stop))
+    merged.sort()
+    ranges[:] = merged
+
+
+def covered(ranges: list[tuple[int, int]], start: int, stop: int) -> bool:
+    """Whether ``[start, stop)`` lies inside one of ``ranges``."""
+    return any(lo <= start and stop <= hi for lo, hi in ranges)
+
+
+@dataclass(slots=True)
+class RequestState:
+    """Per group: chunk keys so far, token ranges whose KV is valid, store progress.
+
+    ``valid[g]`` holds the token ranges whose KV in the engine's blocks of
+    group ``g`` is known to be real (computed, served by vLLM's prefix cache,
+    or loaded by us); only chunks inside them may be stored. Chunks below
+    ``next_chunk[g]`` were stored or skipped, except those in ``retry[g]``
+    (no CPU room at the time).
+    """
+
+    keys: list[list[bytes]]
+    valid: list[list[tuple[int, int]]]
+    next_chunk: list[int]
+    retry: list[set[int]]
+    #: The engine's own hit at the last lookup, and the hit we offered.
+    local_hit: int = 0
+    offered: int = 0
+    jobs: set[int] = field(default_factory=set)
+    finished: bool = False
+
+    @classmethod
+    def empty(cls, num_groups: int) -> RequestState:
+        return cls(
+            [[] for _ in range(num_groups)],
+            [[] for _ in range(num_groups)],
+            [0] * num_groups,
+            [set() for _ in range(num_groups)],
+        )
+
+    def mark_valid(self, start: int, stop: int, group: int | None = None) -> None:
+        """Tokens ``[start, stop)`` of ``group`` (or of every group) now hold real KV."""
+        for g, ranges in enumerate(self.valid):
+            if group is None or g == group:
+                add_range(ranges, start, stop)
+
+    def forget_blocks(self) -> None:
+        """The request lost its blocks (preemption): nothing in them is known valid."""
+        n = len(self.valid)
+        self.valid = [[] for _ in range(n)]
+        self.next_chunk = [0] * n
+        self.retry = [set() for _ in range(n)]
+
+    def extend_keys(
+        self,
+        token_ids: Sequence[int],
+        tokens: int,
+        tokens_per_chunk: Sequence[int],
+        namespace: bytes,
+    ) -> None:
+        """Make ``keys[g]`` name every full chunk of group ``g`` in the first ``tokens`` tokens."""
+        for g, span in enumerate(tokens_per_chunk):
+            keys, want = self.keys[g], tokens // span
+            if len(keys) < want:
+                keys += extend_prefix_keys(keys, token_ids[: want * span], span, g, namespace)
