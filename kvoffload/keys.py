@@ -28,6 +28,7 @@ from typing import Protocol
 import numpy as np
 import numpy.typing as npt
 
+from kvoffload._checks import checked_int
 from kvoffload.errors import ConfigError
 
 __all__ = [
@@ -75,12 +76,6 @@ def short_key(key: bytes) -> str:
     return text if len(text) <= 16 else text[:16] + "..."
 
 
-def _positive_int(name: str, value: object) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise ConfigError(f"{name} must be a positive int, got {value!r}")
-    return value
-
-
 def _token_array(token_ids: object) -> npt.NDArray[np.int64]:
     """``token_ids`` as little-endian int64, refusing anything that would be truncated."""
     try:
@@ -99,8 +94,7 @@ def _token_array(token_ids: object) -> npt.NDArray[np.int64]:
 
 
 def _chain_seed(group_idx: int, tokens_per_chunk: int, namespace: bytes) -> bytes:
-    if isinstance(group_idx, bool) or not isinstance(group_idx, int) or not 0 <= group_idx < 2**32:
-        raise ConfigError(f"group_idx must be an int in [0, 2**32), got {group_idx!r}")
+    checked_int("group_idx", group_idx, minimum=0, maximum=2**32 - 1)
     if not isinstance(namespace, bytes):
         raise ConfigError(f"namespace must be bytes, got {type(namespace).__name__}")
     header = _SEED_TAG + struct.pack("<IQ", group_idx, tokens_per_chunk)
@@ -133,7 +127,7 @@ def prefix_keys(
     ``key[i]`` names tokens ``[0, (i + 1) * tokens_per_chunk)`` of group
     ``group_idx`` in ``namespace`` (see :func:`namespace_of`).
     """
-    tokens_per_chunk = _positive_int("tokens_per_chunk", tokens_per_chunk)
+    tokens_per_chunk = checked_int("tokens_per_chunk", tokens_per_chunk)
     seed = _chain_seed(group_idx, tokens_per_chunk, namespace)
     return _chain(seed, _token_array(token_ids), tokens_per_chunk)
 
@@ -151,7 +145,7 @@ def extend_prefix_keys(
     grew by some tokens hashes only its new full chunks:
     ``keys + extend_prefix_keys(keys, ...) == prefix_keys(...)``.
     """
-    tokens_per_chunk = _positive_int("tokens_per_chunk", tokens_per_chunk)
+    tokens_per_chunk = checked_int("tokens_per_chunk", tokens_per_chunk)
     seed = _chain_seed(group_idx, tokens_per_chunk, namespace)
     tokens = _token_array(token_ids)
     done = len(keys)
@@ -178,7 +172,7 @@ def prefix_keys_for_layout(
         raise ConfigError(
             f"tokens_per_chunk must be a sequence of ints (one per group), got {tokens_per_chunk!r}"
         )
-    spans = [_positive_int(f"tokens_per_chunk[{g}]", t) for g, t in enumerate(tokens_per_chunk)]
+    spans = [checked_int(f"tokens_per_chunk[{g}]", t) for g, t in enumerate(tokens_per_chunk)]
     tokens = _token_array(token_ids)
     return [_chain(_chain_seed(g, span, namespace), tokens, span) for g, span in enumerate(spans)]
 

@@ -24,8 +24,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from enum import Enum
 
-import numpy as np
-
+from kvoffload._checks import checked_int
 from kvoffload.errors import TransferError
 
 __all__ = [
@@ -38,12 +37,6 @@ __all__ = [
     "TransferOrder",
     "merge_reports",
 ]
-
-
-def _nonnegative_int(name: str, value: object) -> int:
-    if isinstance(value, bool) or not isinstance(value, int | np.integer) or value < 0:
-        raise TransferError(f"{name} must be a non-negative int, got {value!r}")
-    return int(value)
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,11 +52,13 @@ class BlockSpan:
     first_offset: int = 0
 
     def __post_init__(self) -> None:
-        ids = tuple(_nonnegative_int("block id", b) for b in self.block_ids)
+        ids = tuple(
+            checked_int("block id", b, minimum=0, error=TransferError) for b in self.block_ids
+        )
         if not ids:
             raise TransferError("a BlockSpan needs at least one block id")
         object.__setattr__(self, "block_ids", ids)
-        _nonnegative_int("first_offset", self.first_offset)
+        checked_int("first_offset", self.first_offset, minimum=0, error=TransferError)
 
     def num_chunks(self, blocks_per_chunk: int) -> int:
         """Chunks the span touches."""

@@ -27,6 +27,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, NamedTuple
 
+from kvoffload._checks import checked_int
 from kvoffload.config.layout import CacheGroup, KVLayout
 from kvoffload.errors import ConfigError
 
@@ -74,10 +75,7 @@ def load_hf_config(path_or_dict: str | Path | Mapping[str, Any]) -> dict[str, An
 
 
 def _int_field(config: Mapping[str, Any], name: str, default: int | None = None) -> int:
-    value = config.get(name, default)
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise ConfigError(f"model config field {name!r} must be a positive int, got {value!r}")
-    return value
+    return checked_int(f"model config field {name!r}", config.get(name, default))
 
 
 def _layer_types(config: Mapping[str, Any], num_layers: int) -> list[str]:
@@ -156,10 +154,7 @@ def layout_from_hf_config(
         raise ConfigError(
             f"unknown KV cache dtype {dtype!r}; choose one of {', '.join(DTYPE_BYTES)}"
         )
-    if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size <= 0:
-        raise ConfigError(
-            f"block_size must be a positive int (tokens per block), got {block_size!r}"
-        )
+    checked_int("block_size (tokens per block)", block_size)
     config = load_hf_config(path_or_dict)
     num_layers = _int_field(config, "num_hidden_layers")
     shared = config.get("num_kv_shared_layers") or 0

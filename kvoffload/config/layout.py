@@ -14,18 +14,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from kvoffload._checks import checked_int
 from kvoffload.errors import ConfigError
 
 __all__ = ["GROUP_KINDS", "CacheGroup", "KVLayout"]
 
 #: Attention kinds a group can have. "sliding" is the only one with a window.
 GROUP_KINDS = ("full", "sliding", "mla", "mamba")
-
-
-def _positive_int(owner: str, name: str, value: object) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise ConfigError(f"{owner}: {name} must be a positive int, got {value!r}")
-    return value
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,8 +43,8 @@ class CacheGroup:
             raise ConfigError(
                 f"CacheGroup: kind must be one of {', '.join(GROUP_KINDS)}, got {self.kind!r}"
             )
-        _positive_int(owner, "tokens_per_block", self.tokens_per_block)
-        _positive_int(owner, "page_bytes", self.page_bytes)
+        checked_int(f"{owner}: tokens_per_block", self.tokens_per_block)
+        checked_int(f"{owner}: page_bytes", self.page_bytes)
         names: object = self.layer_names
         if isinstance(names, str) or not isinstance(names, tuple | list):
             raise ConfigError(f"{owner}: layer_names must be a tuple of str, got {names!r}")
@@ -61,7 +56,7 @@ class CacheGroup:
             raise ConfigError(f"{owner}: duplicate layer names in {names!r}")
         object.__setattr__(self, "layer_names", tuple(names))
         if self.kind == "sliding":
-            _positive_int(owner, "sliding_window", self.sliding_window)
+            checked_int(f"{owner}: sliding_window", self.sliding_window)
         elif self.sliding_window is not None:
             raise ConfigError(
                 f"{owner}: sliding_window is only for kind 'sliding', got {self.sliding_window!r}"

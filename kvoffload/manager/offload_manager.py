@@ -22,7 +22,8 @@ from collections import Counter
 from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING
 
-from kvoffload.errors import ConfigError, KVOffloadError, ProtocolError
+from kvoffload._checks import checked_int
+from kvoffload.errors import KVOffloadError, ProtocolError
 from kvoffload.keys import short_key
 from kvoffload.manager.policies.admission import AdmissionFilter
 from kvoffload.manager.policy import EvictionPolicy
@@ -70,8 +71,7 @@ class OffloadManager:
         *,
         record_events: bool = True,
     ) -> None:
-        if isinstance(num_chunks, bool) or not isinstance(num_chunks, int) or num_chunks <= 0:
-            raise ConfigError(f"num_chunks must be a positive int, got {num_chunks!r}")
+        checked_int("num_chunks", num_chunks)
         self.capacity = num_chunks
         self.policy = _make_policy(policy, num_chunks)
         # Asking a policy without an admission hook per key would only cost time.

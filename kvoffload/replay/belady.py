@@ -18,7 +18,7 @@ from __future__ import annotations
 import heapq
 from collections.abc import Sequence
 
-from kvoffload.errors import ConfigError
+from kvoffload._checks import checked_int
 
 __all__ = ["belady_hits", "next_uses"]
 
@@ -44,8 +44,7 @@ def next_uses(requests: Sequence[Sequence[bytes]]) -> list[list[int]]:
 
 def belady_hits(requests: Sequence[Sequence[bytes]], capacity: int) -> int:
     """Prefix-hit blocks of MIN (with bypass) at ``capacity`` chunks over ``requests``."""
-    if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity <= 0:
-        raise ConfigError(f"capacity must be a positive int, got {capacity!r}")
+    checked_int("capacity", capacity)
     uses = next_uses(requests)
     resident: dict[bytes, tuple[int, int]] = {}  # key -> (-next use, -depth in its chain)
     heap: list[tuple[int, int, bytes]] = []  # max-heap via negation; stale entries skipped

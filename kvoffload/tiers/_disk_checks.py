@@ -12,6 +12,7 @@ from pathlib import Path
 
 import numpy as np
 
+from kvoffload._checks import checked_int
 from kvoffload.errors import ConfigError, TierError
 from kvoffload.tiers._chunk_file import MAX_KEY_BYTES
 from kvoffload.tiers.base import ChunkBuffer
@@ -40,12 +41,7 @@ def namespace_fingerprint(namespace: object) -> bytes:
 
 def check_budget(bytes_to_use: object) -> int:
     """``bytes_to_use`` if it is a positive int (not a bool, not a float: no silent truncation)."""
-    if isinstance(bytes_to_use, bool) or not isinstance(bytes_to_use, int) or bytes_to_use <= 0:
-        raise ConfigError(
-            f"disk_bytes_to_use must be a positive int of bytes, got {bytes_to_use!r}; "
-            "set it to the disk space the tier may fill, e.g. 100 * 2**30"
-        )
-    return bytes_to_use
+    return checked_int("disk_bytes_to_use (bytes the disk tier may fill)", bytes_to_use)
 
 
 def make_private_dir(path: Path) -> None:

@@ -33,6 +33,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from kvoffload._checks import checked_int
 from kvoffload.errors import ConfigError, TierError
 from kvoffload.keys import short_key
 from kvoffload.tiers.base import ChunkBuffer, Tier
@@ -58,12 +59,6 @@ def _aligned_slab(num_slots: int, slot_bytes: int, pin: bool) -> torch.Tensor:
     return flat[skip : skip + num_slots * stride].view(num_slots, stride)[:, :slot_bytes]
 
 
-def _positive(name: str, value: object) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise ConfigError(f"CPUTier: {name} must be a positive int, got {value!r}")
-    return value
-
-
 class CPUTier(Tier):
     """``num_slots`` host slots of ``slot_bytes`` each; see the module docstring.
 
@@ -74,8 +69,8 @@ class CPUTier(Tier):
     name = "cpu"
 
     def __init__(self, num_slots: int, slot_bytes: int, *, pin_memory: bool | None = None) -> None:
-        self.num_slots = _positive("num_slots", num_slots)
-        self.slot_bytes = _positive("slot_bytes", slot_bytes)
+        self.num_slots = checked_int("CPUTier: num_slots", num_slots)
+        self.slot_bytes = checked_int("CPUTier: slot_bytes", slot_bytes)
         pin = torch.cuda.is_available() if pin_memory is None else pin_memory
         #: ``[num_slots, slot_bytes]`` uint8; every slot starts on a page boundary.
         self.slab = _aligned_slab(num_slots, slot_bytes, pin)
@@ -261,8 +256,7 @@ class CPUTier(Tier):
         return key
 
     def _check_slot(self, slot: int) -> None:
-        if isinstance(slot, bool) or not isinstance(slot, int) or not 0 <= slot < self.num_slots:
-            raise TierError(f"cpu tier: slot {slot!r} is not in 0..{self.num_slots - 1}")
+        checked_int("cpu tier: slot", slot, minimum=0, maximum=self.num_slots - 1, error=TierError)
 
     def _check_open(self) -> None:
         if self._closed:

@@ -35,6 +35,7 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
+from kvoffload._checks import checked_int
 from kvoffload.config.layout import KVLayout
 from kvoffload.errors import TransferError
 from kvoffload.messages import BlockSpan
@@ -62,16 +63,10 @@ class KVTransfer:
         blocks_per_chunk: int,
         split: KVSplit | None = None,
     ) -> None:
-        if isinstance(blocks_per_chunk, bool) or not isinstance(blocks_per_chunk, int):
-            raise TransferError(
-                f"blocks_per_chunk must be a positive int, got {blocks_per_chunk!r}"
-            )
-        if blocks_per_chunk <= 0:
-            raise TransferError(
-                f"blocks_per_chunk must be a positive int, got {blocks_per_chunk!r}"
-            )
         self.layout = layout
-        self.blocks_per_chunk = blocks_per_chunk
+        self.blocks_per_chunk = checked_int(
+            "blocks_per_chunk", blocks_per_chunk, error=TransferError
+        )
         self.groups: tuple[tuple[LayerPages, ...], ...] = register_layers(layout, kv_caches, split)
         devices = {str(views[0].device) for views in self.groups}
         if len(devices) != 1:

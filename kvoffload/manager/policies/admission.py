@@ -17,6 +17,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Callable, Collection
 
+from kvoffload._checks import checked_int
 from kvoffload.errors import ConfigError, KVOffloadError
 from kvoffload.manager.policy import EvictionPolicy
 
@@ -37,10 +38,8 @@ class AdmissionFilter(EvictionPolicy):
             raise ConfigError(f"AdmissionFilter wraps an EvictionPolicy, got {inner!r}")
         super().__init__(inner.capacity)
         window = inner.capacity if window is None else window
-        if isinstance(window, bool) or not isinstance(window, int) or window <= 0:
-            raise ConfigError(f"AdmissionFilter: window must be a positive int, got {window!r}")
-        if isinstance(sightings, bool) or not isinstance(sightings, int) or sightings < 2:
-            raise ConfigError(f"AdmissionFilter: sightings must be an int >= 2, got {sightings!r}")
+        checked_int("AdmissionFilter: window", window)
+        checked_int("AdmissionFilter: sightings", sightings, minimum=2)
         self.sightings = sightings
         self.inner = inner
         self.window = window
