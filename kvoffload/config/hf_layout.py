@@ -154,7 +154,7 @@ def layout_from_hf_config(
         raise ConfigError(
             f"unknown KV cache dtype {dtype!r}; choose one of {', '.join(DTYPE_BYTES)}"
         )
-    checked_int("block_size (tokens per block)", block_size)
+    checked_int("block_size", block_size)
     config = load_hf_config(path_or_dict)
     num_layers = _int_field(config, "num_hidden_layers")
     shared = config.get("num_kv_shared_layers") or 0
