@@ -9,7 +9,7 @@ via :mod:`.hf_layout`) and the connector's settings
 from kvoffload.config.build import IgnoredKeysWarning, build_offloading_config
 from kvoffload.config.hf_layout import layout_from_hf_config
 from kvoffload.config.keys import KEYS, Key, KeyType, render_key_table
-from kvoffload.config.layout import GROUP_KINDS, CacheGroup, KVLayout
+from kvoffload.config.layout import GROUP_KINDS, CacheGroup, KVLayout, Reuse
 from kvoffload.config.offload_config import OffloadConfig
 
 __all__ = [
@@ -21,6 +21,7 @@ __all__ = [
     "Key",
     "KeyType",
     "OffloadConfig",
+    "Reuse",
     "build_offloading_config",
     "layout_from_hf_config",
     "render_key_table",

@@ -12,15 +12,32 @@ trust a ``KVLayout`` without re-checking it.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
+from enum import Enum
+from types import MappingProxyType
 
 from kvoffload._checks import checked_int
 from kvoffload.errors import ConfigError
 
-__all__ = ["GROUP_KINDS", "CacheGroup", "KVLayout"]
+__all__ = ["GROUP_KINDS", "CacheGroup", "KVLayout", "Reuse"]
 
-#: Attention kinds a group can have. "sliding" is the only one with a window.
-GROUP_KINDS = ("full", "sliding", "mla", "mamba")
+
+class Reuse(Enum):
+    """What a prefix hit at ``H`` tokens needs from a group: the one distinction hits care about."""
+
+    #: Every token up to ``H`` (full attention, MLA): the whole prefix.
+    PREFIX = "prefix"
+    #: Only the tokens inside the window that ends at ``H`` (sliding window).
+    WINDOW = "window"
+    #: One state snapshot taken exactly at ``H`` (Mamba, gated DeltaNet).
+    STATE = "state"
+
+
+#: Group kinds and what a hit needs from each. "sliding" is the only one with a window.
+GROUP_KINDS: Mapping[str, Reuse] = MappingProxyType(
+    {"full": Reuse.PREFIX, "sliding": Reuse.WINDOW, "mla": Reuse.PREFIX, "mamba": Reuse.STATE}
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,6 +78,11 @@ class CacheGroup:
             raise ConfigError(
                 f"{owner}: sliding_window is only for kind 'sliding', got {self.sliding_window!r}"
             )
+
+    @property
+    def reuse(self) -> Reuse:
+        """What a prefix hit needs from this group (see :class:`Reuse`)."""
+        return GROUP_KINDS[self.kind]
 
     @property
     def num_layers(self) -> int:

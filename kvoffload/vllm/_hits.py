@@ -23,7 +23,8 @@ from collections.abc import Sequence
 from enum import Enum
 from typing import NamedTuple
 
-from kvoffload.config.layout import CacheGroup, KVLayout
+from kvoffload.config.layout import CacheGroup, KVLayout, Reuse
+from kvoffload.errors import ConfigError
 from kvoffload.manager.offload_manager import OffloadManager
 from kvoffload.tiers.base import TierProbe
 
@@ -48,10 +49,16 @@ class Hit(NamedTuple):
 
 
 def needed_tokens(group: CacheGroup, local_hit: int, hit: int) -> tuple[int, int]:
-    """``[first, stop)``: the tokens of ``group`` a hit at ``hit`` needs beyond ``local_hit``."""
-    window = group.sliding_window
-    first = local_hit if window is None else max(local_hit, hit - window + 1)
-    return first, hit
+    """``[first, stop)``: the tokens of ``group`` a hit at ``hit`` needs beyond ``local_hit``.
+
+    The one place that says what each :class:`Reuse` needs; groups whose rule
+    is not written here are refused at engine start, never served wrongly.
+    """
+    if group.reuse is Reuse.PREFIX:
+        return local_hit, hit
+    if group.reuse is Reuse.WINDOW and group.sliding_window is not None:
+        return max(local_hit, hit - group.sliding_window + 1), hit
+    raise ConfigError(f"no hit rule for KV cache groups of kind {group.kind!r} yet")
 
 
 class HitFinder:
