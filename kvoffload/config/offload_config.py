@@ -12,16 +12,19 @@ from dataclasses import dataclass
 from kvoffload.config.layout import KVLayout
 from kvoffload.config.values import format_bytes
 
-__all__ = ["DISK_ALIGN", "OffloadConfig", "disk_footprint"]
+__all__ = ["ALIGN", "OffloadConfig", "disk_footprint"]
 
-#: The disk tier writes a chunk as one header block plus its payload, both padded
-#: to this alignment (what O_DIRECT needs); budgets are checked against that footprint.
-DISK_ALIGN = 4096
+#: The one alignment of the data plane: what O_DIRECT needs of a buffer, a length and
+#: a file offset (4096 satisfies the 512- and 4096-byte blocks of every device in use).
+#: The disk tier writes a chunk as one header block plus its payload, both padded to
+#: it, and budgets are checked against that footprint; the CPU tier starts its slots
+#: on it, so the disk tier moves a slot with O_DIRECT and no staging copy.
+ALIGN = 4096
 
 
 def disk_footprint(payload_bytes: int) -> int:
     """Bytes one chunk of ``payload_bytes`` occupies in the disk tier, header included."""
-    return DISK_ALIGN + -(-payload_bytes // DISK_ALIGN) * DISK_ALIGN
+    return ALIGN + -(-payload_bytes // ALIGN) * ALIGN
 
 
 @dataclass(frozen=True)

@@ -43,7 +43,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from kvoffload.config.offload_config import DISK_ALIGN, disk_footprint
+from kvoffload.config.offload_config import disk_footprint
 from kvoffload.errors import CorruptChunkError, TierError
 from kvoffload.tiers._direct_io import ALIGN, O_DIRECT, BufferPool, is_aligned
 from kvoffload.tiers.base import ChunkBuffer
@@ -93,9 +93,6 @@ def file_bytes(payload_len: int) -> int:
     (:func:`kvoffload.config.offload_config.disk_footprint`).
     """
     return disk_footprint(payload_len)
-
-
-assert ALIGN == DISK_ALIGN, "the disk format and the budget check must agree"
 
 
 class Header(NamedTuple):

@@ -4,7 +4,7 @@ O_DIRECT moves bytes between the device and user memory without the page
 cache, so a tier that holds far more than RAM neither evicts the host's page
 cache nor pays a second copy. Linux then demands that the buffer address, the
 length and the file offset are multiples of the device's logical block size;
-:data:`ALIGN` (4096) satisfies every block size in use (512 and 4096).
+:data:`ALIGN` (one constant, in :mod:`kvoffload.config.offload_config`) satisfies them.
 
 Aligned memory comes from anonymous ``mmap`` (always page aligned). Mapping and
 faulting in 16 MiB costs about as much as writing it, so buffers are kept in a
@@ -22,12 +22,10 @@ from pathlib import Path
 
 import numpy as np
 
+from kvoffload.config.offload_config import ALIGN
 from kvoffload.tiers.base import ChunkBuffer
 
 __all__ = ["ALIGN", "BufferPool", "address_of", "is_aligned", "probe_direct_io", "round_up"]
-
-#: Alignment of every O_DIRECT buffer, length and offset.
-ALIGN = 4096
 
 #: ``os.O_DIRECT`` where the platform has it (Linux); 0 elsewhere, so direct I/O is never tried.
 O_DIRECT: int = getattr(os, "O_DIRECT", 0)

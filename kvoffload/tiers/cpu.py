@@ -34,6 +34,7 @@ import numpy as np
 import torch
 
 from kvoffload._checks import checked_int
+from kvoffload.config.offload_config import ALIGN
 from kvoffload.errors import ConfigError, TierError
 from kvoffload.keys import short_key
 from kvoffload.tiers.base import ChunkBuffer, Tier
@@ -41,21 +42,17 @@ from kvoffload.tiers.base import ChunkBuffer, Tier
 __all__ = ["CPUTier"]
 
 
-#: Slot alignment: page-aligned slots let the disk tier move them with O_DIRECT, no staging.
-_ALIGN = 4096
-
-
 def _aligned_slab(num_slots: int, slot_bytes: int, pin: bool) -> torch.Tensor:
-    """A ``[num_slots, slot_bytes]`` view whose rows start on ``_ALIGN`` boundaries."""
-    stride = -(-slot_bytes // _ALIGN) * _ALIGN
+    """A ``[num_slots, slot_bytes]`` view whose rows start on ``ALIGN`` boundaries."""
+    stride = -(-slot_bytes // ALIGN) * ALIGN
     try:
-        flat = torch.empty(num_slots * stride + _ALIGN, dtype=torch.uint8, pin_memory=pin)
+        flat = torch.empty(num_slots * stride + ALIGN, dtype=torch.uint8, pin_memory=pin)
     except RuntimeError as exc:  # out of (pinnable) host memory, or pinning without CUDA
         raise ConfigError(
             f"CPUTier: cannot allocate {num_slots} x {slot_bytes} bytes "
             f"({'pinned' if pin else 'pageable'}): {exc}; lower cpu_bytes_to_use"
         ) from exc
-    skip = -flat.data_ptr() % _ALIGN
+    skip = -flat.data_ptr() % ALIGN
     return flat[skip : skip + num_slots * stride].view(num_slots, stride)[:, :slot_bytes]
 
 
