@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 from typing import Any
 
@@ -252,6 +253,28 @@ def test_non_mapping_inputs_are_config_errors(hetero_layout: KVLayout) -> None:
         build_offloading_config({}, "layout")  # type: ignore[arg-type]
     with pytest.raises(ConfigError, match="unknown key 3"):
         build_offloading_config({3: 1}, hetero_layout)  # type: ignore[dict-item]
+
+
+def test_every_key_sets_the_offload_config_field_of_its_name() -> None:
+    fields = {field.name for field in dataclasses.fields(OffloadConfig)}
+    assert {key.name for key in KEYS if key.sets_field} == fields - {"layout", "world_size"}
+    assert [key.name for key in KEYS if key.required] == ["cpu_bytes_to_use"]
+
+
+def test_a_key_left_out_takes_the_default_the_key_table_shows(hetero_layout: KVLayout) -> None:
+    cfg = build(hetero_layout, remote_url="redis://127.0.0.1:1/0")
+    shown = {key.name: key.default for key in KEYS if key.default is not None}
+    assert shown == {
+        "blocks_per_chunk": 1,
+        "eviction_policy": DEFAULT_POLICY,
+        "store_threshold": 1,
+        "offload_prompt_only": False,
+        "remote_timeout_ms": 100,
+        "remote_retry_ms": 10000,
+        "remote_queue_bytes": 256 * MIB,
+    }
+    assert {name: getattr(cfg, name) for name in shown} == shown
+    assert cfg.disk_path is None and cfg.disk_bytes_to_use == 0  # no disk tier: no default shown
 
 
 # -- rule 11: nothing but ConfigError escapes -----------------------------------------

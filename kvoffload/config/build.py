@@ -19,7 +19,7 @@ from kvoffload.config.layout import KVLayout
 from kvoffload.config.offload_config import OffloadConfig, disk_footprint
 from kvoffload.config.values import format_bytes, safe_repr, to_int
 from kvoffload.errors import ConfigError
-from kvoffload.registry import DEFAULT_POLICY, POLICIES
+from kvoffload.registry import POLICIES
 
 __all__ = ["IgnoredKeysWarning", "build_offloading_config"]
 
@@ -45,31 +45,13 @@ def build_offloading_config(
     given = _known_items(extra_config)
     parsed = {name: _coerce(KEYS_BY_NAME[name], raw) for name, raw in given.items()}
     _check_rules(parsed)
-    blocks_per_chunk = _blocks_per_chunk(parsed, layout)
-    config = OffloadConfig(
-        layout=layout,
-        blocks_per_chunk=blocks_per_chunk,
-        cpu_bytes_to_use=parsed["cpu_bytes_to_use"],
-        eviction_policy=parsed.get("eviction_policy", DEFAULT_POLICY),
-        store_threshold=_value(parsed, "store_threshold"),
-        offload_prompt_only=_value(parsed, "offload_prompt_only"),
-        disk_path=parsed.get("disk_path"),
-        disk_bytes_to_use=parsed.get("disk_bytes_to_use", 0),
-        world_size=workers,
-        remote_url=parsed.get("remote_url"),
-        remote_password_env=parsed.get("remote_password_env"),
-        remote_timeout_ms=_value(parsed, "remote_timeout_ms"),
-        remote_retry_ms=_value(parsed, "remote_retry_ms"),
-        remote_queue_bytes=_value(parsed, "remote_queue_bytes"),
-    )
+    fields = {name: value for name, value in parsed.items() if KEYS_BY_NAME[name].sets_field}
+    if "block_size" in parsed:
+        fields["blocks_per_chunk"] = _blocks_of_block_size(parsed["block_size"], layout)
+    config = OffloadConfig(layout=layout, world_size=workers, **fields)
     _check_budgets(config)
     _check_password_env(config)
     return config
-
-
-def _value(parsed: dict[str, Any], name: str) -> Any:
-    """The given value of ``name``, else its declared default."""
-    return parsed.get(name, KEYS_BY_NAME[name].default)
 
 
 def _check_password_env(config: OffloadConfig) -> None:
@@ -147,12 +129,8 @@ def _check_rules(parsed: dict[str, Any]) -> None:
             raise ConfigError(f"{key.name!r} is required: {key.meaning}")
 
 
-def _blocks_per_chunk(parsed: dict[str, Any], layout: KVLayout) -> int:
-    if "blocks_per_chunk" in parsed:
-        return int(parsed["blocks_per_chunk"])
-    if "block_size" not in parsed:
-        return 1
-    block_size = int(parsed["block_size"])
+def _blocks_of_block_size(block_size: int, layout: KVLayout) -> int:
+    """``blocks_per_chunk`` from the older key, tokens per chunk, where it has a meaning."""
     sizes = layout.tokens_per_block
     if not layout.is_uniform:
         raise ConfigError(

@@ -1,20 +1,23 @@
 """The declarative table of configuration keys.
 
 One row per key: the parser, the error messages, the README's key table and
-``kvoffload plan --help`` all read this table, so a new setting is one row.
-Rules between keys (``block_size`` excludes ``blocks_per_chunk``; disk keys
-need each other) are declared here too, not written as ad-hoc ``if``s.
+``kvoffload plan --help`` all read this table, so a new setting is one row
+here plus the ``OffloadConfig`` field of the same name, which holds its
+default. Rules between keys (``block_size`` excludes ``blocks_per_chunk``;
+disk keys need each other) are declared here too, not written as ad-hoc
+``if``s.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 from enum import Enum
 
 from kvoffload.config import values
 from kvoffload.config.offload_config import OffloadConfig
-from kvoffload.registry import DEFAULT_POLICY, POLICIES
+from kvoffload.registry import POLICIES
 
 __all__ = [
     "EXCLUSIVE",
@@ -45,87 +48,112 @@ class KeyType(Enum):
         self.coerce = coerce
 
 
+#: OffloadConfig's field defaults by name; ``MISSING`` marks a required field.
+_FIELD_DEFAULTS: dict[str, object] = {
+    field.name: field.default for field in dataclasses.fields(OffloadConfig)
+}
+
+
 @dataclass(frozen=True, slots=True)
 class Key:
     """One configuration key.
 
-    ``minimum`` applies to INT and SIZE keys (inclusive). ``default`` is
-    ``None`` where the key is optional with no value, and ``required`` marks
-    keys that must be given. ``ignored`` keys are accepted for compatibility
-    with vLLM's own ``OffloadingConnector`` and do nothing here.
+    A key sets the ``OffloadConfig`` field of its name and takes its default
+    from there; a field without a default makes the key required. A key with
+    ``sets_field=False`` is read by ``build_offloading_config`` itself
+    (``block_size`` becomes ``blocks_per_chunk``) and has no default.
+    ``minimum`` applies to INT and SIZE keys (inclusive). ``ignored`` keys are
+    accepted for compatibility with vLLM's own ``OffloadingConnector`` and do
+    nothing here.
     """
 
     name: str
     type: KeyType
-    default: object
     meaning: str
     minimum: int | None = None
-    required: bool = False
+    sets_field: bool = True
 
     @property
     def ignored(self) -> bool:
         return self.type is KeyType.IGNORED
 
+    @property
+    def required(self) -> bool:
+        return self.sets_field and _FIELD_DEFAULTS[self.name] is dataclasses.MISSING
+
+    @property
+    def default(self) -> object:
+        """The value a configuration without this key gets, or None for none.
+
+        A field default below the key's ``minimum`` is a sentinel, not a
+        setting (``disk_bytes_to_use`` is 0 when there is no disk tier), so
+        the key shows none.
+        """
+        if self.ignored or not self.sets_field or self.required:
+            return None
+        default = _FIELD_DEFAULTS[self.name]
+        below = isinstance(default, int) and self.minimum is not None and default < self.minimum
+        return None if below else default
+
     def default_text(self) -> str:
         if self.required:
             return "required"
-        if self.name == "eviction_policy":
-            return f"`{DEFAULT_POLICY}`"
-        if self.type is KeyType.SIZE and isinstance(self.default, int):
-            return f"`{values.format_bytes(self.default).replace(' ', '')}`"
-        return "unset" if self.default is None else f"`{self.default}`"
+        default = self.default
+        if self.type is KeyType.SIZE and isinstance(default, int):
+            return f"`{values.format_bytes(default).replace(' ', '')}`"
+        return "unset" if default is None else f"`{default}`"
 
 
 _VLLM_ONLY = "accepted for vLLM compatibility; unused by kvoffload (one warning names it)"
 
 KEYS: tuple[Key, ...] = (
-    Key("cpu_bytes_to_use", KeyType.SIZE, None,
+    Key("cpu_bytes_to_use", KeyType.SIZE,
         "Host-memory budget for offloaded KV, the total across all workers (as in vLLM). "
         "An integer or a size: '512MiB', '8GiB', '500MB'. "
         "Must hold one chunk of the largest group.",
-        minimum=1, required=True),
-    Key("blocks_per_chunk", KeyType.INT, None,
+        minimum=1),
+    Key("blocks_per_chunk", KeyType.INT,
         "Engine blocks per offloaded chunk, in every group. Works for any layout, hybrid "
-        "ones included. Excludes `block_size`; neither given means 1.", minimum=1),
-    Key("block_size", KeyType.INT, None,
+        "ones included. Excludes `block_size`.", minimum=1),
+    Key("block_size", KeyType.INT,
         "Tokens per chunk (the older vLLM key). Only for layouts whose groups all share one "
         "`tokens_per_block`, and must be a multiple of it. Excludes `blocks_per_chunk`.",
-        minimum=1),
-    Key("eviction_policy", KeyType.POLICY, None,
+        minimum=1, sets_field=False),
+    Key("eviction_policy", KeyType.POLICY,
         f"Eviction policy of the offload index: one of {', '.join(POLICIES.names())}."),
-    Key("store_threshold", KeyType.INT, 1,
+    Key("store_threshold", KeyType.INT,
         "Offload a chunk once it has been seen this many times (1: on first sight; "
         "2 and more filter out one-off prefixes).", minimum=1),
-    Key("offload_prompt_only", KeyType.BOOL, False,
+    Key("offload_prompt_only", KeyType.BOOL,
         "Offload only chunks that lie wholly inside the prompt, not generated tokens."),
-    Key("disk_path", KeyType.PATH, None,
+    Key("disk_path", KeyType.PATH,
         "Directory of the disk tier (created 0700). Unset: no disk tier. "
         "Needs `disk_bytes_to_use`."),
-    Key("disk_bytes_to_use", KeyType.SIZE, None,
+    Key("disk_bytes_to_use", KeyType.SIZE,
         "Byte budget of the disk tier, enforced by its own eviction. Needs `disk_path`.",
         minimum=1),
-    Key("remote_url", KeyType.URL, None,
+    Key("remote_url", KeyType.URL,
         "The shared remote tier, behind CPU and disk: `redis://host:6379/0` (Redis or "
         "Valkey), `rediss://` for TLS, `redis+cluster://host:7000` for a Redis Cluster. "
         "Unset: no remote tier. The server evicts on its own (`maxmemory` with an LRU or "
         "LFU policy)."),
-    Key("remote_password_env", KeyType.ENV, None,
+    Key("remote_password_env", KeyType.ENV,
         "Name of the environment variable that holds the remote server's password "
         "(never the password itself). Needs `remote_url`."),
-    Key("remote_timeout_ms", KeyType.INT, 100,
+    Key("remote_timeout_ms", KeyType.INT,
         "Timeout of every call to the remote tier, in milliseconds; a slower server is "
         "treated as down. Needs `remote_url`.", minimum=1),
-    Key("remote_retry_ms", KeyType.INT, 10000,
+    Key("remote_retry_ms", KeyType.INT,
         "Longest wait between reconnection attempts while the remote tier is down, in "
         "milliseconds (the wait doubles from 100 ms up to this). Needs `remote_url`.",
         minimum=1),
-    Key("remote_queue_bytes", KeyType.SIZE, OffloadConfig.remote_queue_bytes,
+    Key("remote_queue_bytes", KeyType.SIZE,
         "Bytes of stores waiting for the remote tier: stores are written behind the store "
         "job from a queue this big; when it is full a store skips the remote tier (counted, "
         "named in the job's errors) and stays in CPU and disk. Needs `remote_url`.",
         minimum=1),
     *(
-        Key(name, KeyType.IGNORED, None, _VLLM_ONLY)
+        Key(name, KeyType.IGNORED, _VLLM_ONLY, sets_field=False)
         for name in (
             "spec_name",
             "spec_module_path",

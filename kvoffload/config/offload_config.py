@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 from kvoffload.config.layout import KVLayout
 from kvoffload.config.values import format_bytes
+from kvoffload.registry import DEFAULT_POLICY
 
 __all__ = ["ALIGN", "OffloadConfig", "disk_footprint"]
 
@@ -29,23 +30,29 @@ def disk_footprint(payload_bytes: int) -> int:
 
 @dataclass(frozen=True)
 class OffloadConfig:
-    """Validated offloading settings for one layout."""
+    """Validated offloading settings for one layout.
+
+    A field's default is the default of the configuration key of its name
+    (:mod:`kvoffload.config.keys` reads it from here); a field without one is
+    a required key. ``layout`` and ``world_size`` are not keys: the engine
+    hands them to ``build_offloading_config``.
+    """
 
     #: The KV cache groups this configuration was validated against.
     layout: KVLayout
-    #: Engine blocks per chunk, the same count in every group.
-    blocks_per_chunk: int
     #: Host-memory budget across all workers, in bytes.
     cpu_bytes_to_use: int
+    #: Engine blocks per chunk, the same count in every group.
+    blocks_per_chunk: int = 1
     #: Registry name of the index's eviction policy.
-    eviction_policy: str
+    eviction_policy: str = DEFAULT_POLICY
     #: Sightings of a chunk before it is offloaded (1: first sight).
     store_threshold: int = 1
     #: Offload only chunks wholly inside the prompt.
     offload_prompt_only: bool = False
     #: Directory of the disk tier, or None for no disk tier.
     disk_path: str | None = None
-    #: Byte budget of the disk tier (0 when there is none).
+    #: Byte budget of the disk tier (0, outside the key's range, when there is none).
     disk_bytes_to_use: int = 0
     #: Workers sharing ``cpu_bytes_to_use`` (tensor-parallel ranks).
     world_size: int = 1

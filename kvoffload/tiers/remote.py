@@ -52,6 +52,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any, TypeVar
 
+from kvoffload.config.offload_config import OffloadConfig
 from kvoffload.config.remote_url import RemoteURL, parse_remote_url
 from kvoffload.errors import ConfigError, CorruptChunkError, TierError
 from kvoffload.tiers._chunk_file import pack_record, unpack_record_into
@@ -141,8 +142,8 @@ class RedisTier(Tier):
         namespace: bytes,
         *,
         password_env: str | None = None,
-        timeout_ms: int = 100,
-        retry_ms: int = 10000,
+        timeout_ms: int = OffloadConfig.remote_timeout_ms,
+        retry_ms: int = OffloadConfig.remote_retry_ms,
     ) -> None:
         self._url = parse_remote_url("remote_url", url) if isinstance(url, str) else url
         self._namespace = namespace_fingerprint(namespace)
