@@ -44,6 +44,8 @@ def test_plan_reads_extra_config_from_a_file(
     [
         ('{"blocks_per_chunk": 0, "cpu_bytes_to_use": "1GiB"}', "must be greater than 0"),
         ('{"block_size": 32, "cpu_bytes_to_use": "1GiB"}', "use 'blocks_per_chunk' instead"),
+        ('{"blocks_per_chunk": 1e306, "cpu_bytes_to_use": "1GiB"}', "at most 1,048,576"),
+        ('{"cpu_bytes_to_use": 1' + "0" * 5000 + "}", "not valid JSON"),
         ("{oops", "not valid JSON"),
         ("@/nonexistent.json", "cannot read --extra-config"),
     ],

@@ -7,6 +7,7 @@ import warnings
 from typing import Any
 
 import pytest
+from _numbers import NUMBERS
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -277,7 +278,7 @@ def test_a_key_left_out_takes_the_default_the_key_table_shows(hetero_layout: KVL
     assert cfg.disk_path is None and cfg.disk_bytes_to_use == 0  # no disk tier: no default shown
 
 
-# -- rule 11: nothing but ConfigError escapes -----------------------------------------
+# -- rule 11: nothing but ConfigError escapes, for any value, huge and non-finite included --
 
 _values = st.recursive(
     st.none()
@@ -285,7 +286,9 @@ _values = st.recursive(
     | st.integers()
     | st.floats(allow_nan=True, allow_infinity=True)
     | st.text(max_size=12)
-    | st.sampled_from(["2", "2.0", "1GiB", "8 GB", "true", "lru", "1e999999", "-0", "0x10"]),
+    | st.sampled_from(["2", "2.0", "1GiB", "8 GB", "true", "lru", "1e999999", "-0", "0x10"])
+    | NUMBERS
+    | st.sampled_from(["redis://h/" + "9" * 5000, "redis://h/\u00b2", "redis://h:99999999/0"]),
     lambda children: (
         st.lists(children, max_size=3) | st.dictionaries(st.text(max_size=4), children)
     ),
@@ -294,8 +297,16 @@ _values = st.recursive(
 _names = st.sampled_from([key.name for key in KEYS]) | st.text(max_size=20) | st.integers()
 
 
+#: Mappings with a valid CPU budget half of the time, so a bad value meets every later check.
+_extras = st.builds(
+    lambda budget, rest: {**budget, **rest},
+    st.sampled_from([{}, {"cpu_bytes_to_use": "1GiB"}]),
+    st.dictionaries(_names, _values, max_size=6),
+)
+
+
 @settings(max_examples=400, deadline=None)
-@given(extra=st.dictionaries(_names, _values, max_size=6), world_size=st.integers(-2, 4) | _values)
+@given(extra=_extras, world_size=st.integers(-2, 4) | _values)
 def test_only_config_errors_escape(extra: dict[Any, Any], world_size: Any) -> None:
     layout = KVLayout(
         groups=(
@@ -311,4 +322,8 @@ def test_only_config_errors_escape(extra: dict[Any, Any], world_size: Any) -> No
             return
     assert all(issubclass(w.category, IgnoredKeysWarning) for w in caught)
     assert cfg.num_cpu_chunks >= 1
-    assert cfg.blocks_per_chunk >= 1
+    for key in KEYS:
+        if key.bounds is not None and key.sets_field:
+            assert key.bounds.minimum <= getattr(cfg, key.name) <= key.bounds.maximum or (
+                key.name == "disk_bytes_to_use" and cfg.disk_bytes_to_use == 0
+            )

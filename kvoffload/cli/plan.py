@@ -15,7 +15,7 @@ from typing import Any
 from kvoffload.config import OffloadConfig, build_offloading_config
 from kvoffload.config.hf_layout import layout_from_hf_config
 from kvoffload.config.keys import KEYS
-from kvoffload.config.values import format_bytes
+from kvoffload.config.values import format_bytes, safe_repr
 from kvoffload.errors import ConfigError
 
 __all__ = ["EXAMPLES", "example_path", "register", "run"]
@@ -32,6 +32,7 @@ def example_path(name: str) -> Path:
 def register(subparsers: Any) -> None:
     keys = "\n".join(
         f"  {key.name:<20} {key.type.label:<11} {key.default_text().strip('`'):<9} {key.meaning}"
+        + (f" Range: {key.range_text()}." if key.bounds else "")
         for key in KEYS
         if not key.ignored
     )
@@ -75,8 +76,8 @@ def _extra_config(text: str) -> Any:
             raise ConfigError(f"cannot read --extra-config file {text[1:]!r}: {exc}") from exc
     try:
         return json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise ConfigError(f"--extra-config is not valid JSON ({exc}): {text!r}") from exc
+    except (ValueError, RecursionError) as exc:  # a number over 4300 digits, deep nesting
+        raise ConfigError(f"--extra-config is not valid JSON ({exc}): {safe_repr(text)}") from exc
 
 
 def plan_summary(config: OffloadConfig) -> dict[str, Any]:

@@ -17,11 +17,15 @@ from typing import Any
 from kvoffload.config.keys import EXCLUSIVE, KEYS, KEYS_BY_NAME, REQUIRES, Key, KeyType
 from kvoffload.config.layout import KVLayout
 from kvoffload.config.offload_config import OffloadConfig, disk_footprint
-from kvoffload.config.values import format_bytes, safe_repr, to_int
+from kvoffload.config.values import Bounds, format_bytes, safe_repr, to_int
 from kvoffload.errors import ConfigError
 from kvoffload.registry import POLICIES
 
 __all__ = ["IgnoredKeysWarning", "build_offloading_config"]
+
+
+#: Workers sharing the CPU budget (tensor-parallel ranks): 2^16 is past any deployment.
+_WORKERS = Bounds(1, 2**16, "2^16")
 
 
 class IgnoredKeysWarning(UserWarning):
@@ -39,9 +43,7 @@ def build_offloading_config(
     """
     if not isinstance(layout, KVLayout):
         raise ConfigError(f"layout must be a KVLayout, got {safe_repr(layout)}")
-    workers = to_int("world_size", world_size)
-    if workers <= 0:
-        raise ConfigError(f"'world_size' must be greater than 0, got {workers}")
+    workers = to_int("world_size", world_size, _WORKERS)
     given = _known_items(extra_config)
     parsed = {name: _coerce(KEYS_BY_NAME[name], raw) for name, raw in given.items()}
     _check_rules(parsed)
@@ -102,15 +104,14 @@ def _unknown_key_message(name: object) -> str:
 
 def _coerce(key: Key, raw: object) -> Any:
     assert key.type.coerce is not None  # ignored keys were dropped by _known_items
+    if key.bounds is not None:
+        return key.type.coerce(key.name, raw, key.bounds)
     value = key.type.coerce(key.name, raw)
     if key.type is KeyType.POLICY:
         try:
             return POLICIES.check(value)
         except ConfigError as exc:
             raise ConfigError(f"{key.name!r}: {exc}") from None
-    if key.minimum is not None and isinstance(value, int) and value < key.minimum:
-        bound = "greater than 0" if key.minimum == 1 else f"at least {key.minimum}"
-        raise ConfigError(f"{key.name!r} must be {bound}, got {safe_repr(raw)}")
     return value
 
 

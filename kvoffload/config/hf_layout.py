@@ -66,7 +66,7 @@ def load_hf_config(path_or_dict: str | Path | Mapping[str, Any]) -> dict[str, An
             raise ConfigError(
                 f"no model config at {str(path)!r}: pass a model directory or its config.json"
             ) from None
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        except (OSError, ValueError, RecursionError) as exc:  # ValueError: bad JSON, huge ints
             raise ConfigError(f"cannot read model config {str(path)!r}: {exc}") from exc
         if not isinstance(config, dict):
             raise ConfigError(f"model config {str(path)!r} must hold a JSON object")

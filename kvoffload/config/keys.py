@@ -43,9 +43,14 @@ class KeyType(Enum):
     ENV = ("variable name", values.to_env_name)
     IGNORED = ("any", None)
 
-    def __init__(self, label: str, coerce: Callable[[str, object], object] | None) -> None:
+    def __init__(self, label: str, coerce: Callable[..., object] | None) -> None:
         self.label = label
+        #: ``coerce(name, raw)``, and for INT and SIZE ``coerce(name, raw, bounds)``.
         self.coerce = coerce
+
+    @property
+    def numeric(self) -> bool:
+        return self in (KeyType.INT, KeyType.SIZE)
 
 
 #: OffloadConfig's field defaults by name; ``MISSING`` marks a required field.
@@ -61,17 +66,21 @@ class Key:
     A key sets the ``OffloadConfig`` field of its name and takes its default
     from there; a field without a default makes the key required. A key with
     ``sets_field=False`` is read by ``build_offloading_config`` itself
-    (``block_size`` becomes ``blocks_per_chunk``) and has no default.
-    ``minimum`` applies to INT and SIZE keys (inclusive). ``ignored`` keys are
-    accepted for compatibility with vLLM's own ``OffloadingConnector`` and do
-    nothing here.
+    (``block_size`` becomes ``blocks_per_chunk``) and has no default. INT and
+    SIZE keys, and only they, have ``bounds``: every number a user gives is
+    checked against a documented range. ``ignored`` keys are accepted for
+    compatibility with vLLM's own ``OffloadingConnector`` and do nothing here.
     """
 
     name: str
     type: KeyType
     meaning: str
-    minimum: int | None = None
+    bounds: values.Bounds | None = None
     sets_field: bool = True
+
+    def __post_init__(self) -> None:
+        if self.type.numeric != (self.bounds is not None):
+            raise TypeError(f"key {self.name!r}: INT and SIZE keys, and only they, take bounds")
 
     @property
     def ignored(self) -> bool:
@@ -85,15 +94,20 @@ class Key:
     def default(self) -> object:
         """The value a configuration without this key gets, or None for none.
 
-        A field default below the key's ``minimum`` is a sentinel, not a
+        A field default below the key's minimum is a sentinel, not a
         setting (``disk_bytes_to_use`` is 0 when there is no disk tier), so
         the key shows none.
         """
         if self.ignored or not self.sets_field or self.required:
             return None
         default = _FIELD_DEFAULTS[self.name]
-        below = isinstance(default, int) and self.minimum is not None and default < self.minimum
+        bounds = self.bounds
+        below = bounds is not None and isinstance(default, int) and default < bounds.minimum
         return None if below else default
+
+    def range_text(self) -> str:
+        """The accepted range of a numeric key, as the key table shows it ('' for others)."""
+        return self.bounds.text(self.type is KeyType.SIZE) if self.bounds else ""
 
     def default_text(self) -> str:
         if self.required:
@@ -106,24 +120,37 @@ class Key:
 
 _VLLM_ONLY = "accepted for vLLM compatibility; unused by kvoffload (one warning names it)"
 
+# Upper bounds: far above any real setting, far below where a number stops fitting what
+# consumes it (a float, a 64-bit size, a C timeout). Say why beside each new one.
+#: Bytes: 1 EiB is more memory or disk than any host has, and sums stay in 64 bits.
+_BYTES = values.Bounds(1, 2**60)
+#: Blocks per chunk: 2^20 blocks of 16 tokens are 16M tokens, past any context window.
+_BLOCKS = values.Bounds(1, 2**20, "2^20")
+#: Tokens per chunk: 2^24 (16M) tokens, past any context window.
+_TOKENS = values.Bounds(1, 2**24, "2^24")
+#: Sightings before a store: past a thousand, the filter stores nearly nothing.
+_SIGHTINGS = values.Bounds(1, 1000)
+#: Waits in milliseconds: a server slower than a day is down, and a day fits every timer.
+_MILLISECONDS = values.Bounds(1, 86_400_000, "one day")
+
 KEYS: tuple[Key, ...] = (
     Key("cpu_bytes_to_use", KeyType.SIZE,
         "Host-memory budget for offloaded KV, the total across all workers (as in vLLM). "
         "An integer or a size: '512MiB', '8GiB', '500MB'. "
         "Must hold one chunk of the largest group.",
-        minimum=1),
+        bounds=_BYTES),
     Key("blocks_per_chunk", KeyType.INT,
         "Engine blocks per offloaded chunk, in every group. Works for any layout, hybrid "
-        "ones included. Excludes `block_size`.", minimum=1),
+        "ones included. Excludes `block_size`.", bounds=_BLOCKS),
     Key("block_size", KeyType.INT,
         "Tokens per chunk (the older vLLM key). Only for layouts whose groups all share one "
         "`tokens_per_block`, and must be a multiple of it. Excludes `blocks_per_chunk`.",
-        minimum=1, sets_field=False),
+        bounds=_TOKENS, sets_field=False),
     Key("eviction_policy", KeyType.POLICY,
         f"Eviction policy of the offload index: one of {', '.join(POLICIES.names())}."),
     Key("store_threshold", KeyType.INT,
         "Offload a chunk once it has been seen this many times (1: on first sight; "
-        "2 and more filter out one-off prefixes).", minimum=1),
+        "2 and more filter out one-off prefixes).", bounds=_SIGHTINGS),
     Key("offload_prompt_only", KeyType.BOOL,
         "Offload only chunks that lie wholly inside the prompt, not generated tokens."),
     Key("disk_path", KeyType.PATH,
@@ -131,7 +158,7 @@ KEYS: tuple[Key, ...] = (
         "Needs `disk_bytes_to_use`."),
     Key("disk_bytes_to_use", KeyType.SIZE,
         "Byte budget of the disk tier, enforced by its own eviction. Needs `disk_path`.",
-        minimum=1),
+        bounds=_BYTES),
     Key("remote_url", KeyType.URL,
         "The shared remote tier, behind CPU and disk: `redis://host:6379/0` (Redis or "
         "Valkey), `rediss://` for TLS, `redis+cluster://host:7000` for a Redis Cluster. "
@@ -142,16 +169,16 @@ KEYS: tuple[Key, ...] = (
         "(never the password itself). Needs `remote_url`."),
     Key("remote_timeout_ms", KeyType.INT,
         "Timeout of every call to the remote tier, in milliseconds; a slower server is "
-        "treated as down. Needs `remote_url`.", minimum=1),
+        "treated as down. Needs `remote_url`.", bounds=_MILLISECONDS),
     Key("remote_retry_ms", KeyType.INT,
         "Longest wait between reconnection attempts while the remote tier is down, in "
         "milliseconds (the wait doubles from 100 ms up to this). Needs `remote_url`.",
-        minimum=1),
+        bounds=_MILLISECONDS),
     Key("remote_queue_bytes", KeyType.SIZE,
         "Bytes of stores waiting for the remote tier: stores are written behind the store "
         "job from a queue this big; when it is full a store skips the remote tier (counted, "
         "named in the job's errors) and stays in CPU and disk. Needs `remote_url`.",
-        minimum=1),
+        bounds=_BYTES),
     *(
         Key(name, KeyType.IGNORED, _VLLM_ONLY, sets_field=False)
         for name in (
@@ -186,12 +213,13 @@ REQUIRES: dict[str, tuple[str, ...]] = {
 
 def render_key_table() -> str:
     """The Markdown table of all keys, as README.md shows it."""
-    lines = ["| key | type | default | meaning |", "|---|---|---|---|"]
+    lines = ["| key | type | default | range | meaning |", "|---|---|---|---|---|"]
     for key in KEYS:
         if not key.ignored:
             lines.append(
-                f"| `{key.name}` | {key.type.label} | {key.default_text()} | {key.meaning} |"
+                f"| `{key.name}` | {key.type.label} | {key.default_text()} "
+                f"| {key.range_text()} | {key.meaning} |"
             )
     ignored = ", ".join(f"`{name}`" for name in sorted(IGNORED_KEYS))
-    lines.append(f"| {ignored} | any | unset | {_VLLM_ONLY[0].upper()}{_VLLM_ONLY[1:]}. |")
+    lines.append(f"| {ignored} | any | unset | | {_VLLM_ONLY[0].upper()}{_VLLM_ONLY[1:]}. |")
     return "\n".join(lines)

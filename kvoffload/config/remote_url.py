@@ -29,6 +29,8 @@ SCHEMES: dict[str, tuple[bool, bool]] = {
     "rediss+cluster": (True, True),
 }
 _DEFAULT_PORT = 6379
+#: Redis numbers its databases with a C int (its ``databases`` setting).
+_MAX_DB = 2**31 - 1
 
 
 class RemoteURL(NamedTuple):
@@ -73,9 +75,11 @@ def parse_remote_url(key: str, text: str) -> RemoteURL:
         raise ConfigError(f"{key!r}: query strings and fragments are not supported")
     tls, cluster = SCHEMES[scheme]
     path = parts.path.strip("/")
-    if path and not path.isdigit():
-        raise ConfigError(f"{key!r}: the path must be a database number like /0, got /{path}")
+    if path and not (path.isascii() and path.isdigit() and len(path) <= len(str(_MAX_DB))):
+        raise ConfigError(f"{key!r}: the path must be a database number like /0, got /{path[:20]}")
     db = int(path) if path else 0
+    if db > _MAX_DB:
+        raise ConfigError(f"{key!r}: database /{db} is past Redis's largest, {_MAX_DB}")
     if cluster and db:
         raise ConfigError(f"{key!r}: a Redis Cluster has only database 0, got /{db}")
     if port == 0:

@@ -5,6 +5,11 @@ command line. Each coercer accepts the spellings a user plausibly means and
 nothing else: ``"2"`` and ``2.0`` are the integer 2, ``2.5`` is an error, not
 2; ``"false"`` is False, not ``bool("false")``. Every rejection is a
 ``ConfigError`` naming the key, the value and what would be accepted.
+
+A number is checked against its key's :class:`Bounds` before it becomes an
+``int``: ``"1e999999999"`` is refused as too large without building a
+billion-digit integer, and nothing downstream (``float()``, a C timeout, a
+tensor size) ever sees a number it cannot hold.
 """
 
 from __future__ import annotations
@@ -12,11 +17,14 @@ from __future__ import annotations
 import math
 import os
 import re
-from decimal import Decimal, InvalidOperation
+from dataclasses import dataclass
+from decimal import Decimal, InvalidOperation, localcontext
+from fractions import Fraction
 
 from kvoffload.errors import ConfigError
 
 __all__ = [
+    "Bounds",
     "format_bytes",
     "safe_repr",
     "to_bool",
@@ -42,9 +50,38 @@ _SIZE_UNITS = {
     "gib": 2**30,
     "tib": 2**40,
 }
-#: Largest integer magnitude (decimal digits) accepted from text; far above any byte count.
-_MAX_DIGITS = 30
 _SIZE_RE = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*([a-zA-Z]*)\s*$")
+_BINARY_UNITS = ("B", "KiB", "MiB", "GiB", "TiB", "PiB", "EiB")
+
+
+@dataclass(frozen=True, slots=True)
+class Bounds:
+    """The inclusive range of a numeric setting; ``note`` says what the maximum is."""
+
+    minimum: int
+    maximum: int
+    note: str = ""
+
+    def text(self, in_bytes: bool) -> str:
+        """The range as the key table shows it: '1 to 1,048,576 (2^20)', '1 B to 1 EiB'."""
+        if in_bytes:
+            return f"{format_bytes(self.minimum)} to {format_bytes(self.maximum)}"
+        return f"{self.minimum:,} to {self._maximum_text(in_bytes)}"
+
+    def _maximum_text(self, in_bytes: bool) -> str:
+        if in_bytes:
+            return f"{self.maximum:,} bytes ({format_bytes(self.maximum)})"
+        return f"{self.maximum:,}" + (f" ({self.note})" if self.note else "")
+
+    def check(self, key: str, number: int | Decimal, raw: object, in_bytes: bool) -> int:
+        """``number`` as an ``int`` if it lies in the range; a ``ConfigError`` naming it if not."""
+        if number < self.minimum:
+            bound = "greater than 0" if self.minimum == 1 else f"at least {self.minimum:,}"
+            raise ConfigError(f"{key!r} must be {bound}, got {safe_repr(raw)}")
+        if number > self.maximum:
+            maximum = self._maximum_text(in_bytes)
+            raise ConfigError(f"{key!r} must be at most {maximum}, got {safe_repr(raw)}")
+        return int(number)
 
 
 def safe_repr(value: object, limit: int = 80) -> str:
@@ -52,6 +89,8 @@ def safe_repr(value: object, limit: int = 80) -> str:
     try:
         text = repr(value)
     except Exception:  # a hostile __repr__ must not hide the real error
+        if isinstance(value, int):  # an int too long for str() (over 4300 digits)
+            return f"<an int of {value.bit_length():,} bits>"
         text = f"<unprintable {type(value).__name__}>"
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
@@ -60,9 +99,8 @@ def _reject(key: str, value: object, expected: str) -> ConfigError:
     return ConfigError(f"{key!r} must be {expected}, got {safe_repr(value)}")
 
 
-def to_int(key: str, value: object) -> int:
-    """An int, or a float or string holding exactly an integer."""
-    expected = "an integer (e.g. 2 or '2')"
+def _integer(key: str, value: object, expected: str) -> int | Decimal:
+    """An int, or a float or string holding exactly an integer (a string's as a Decimal)."""
     if isinstance(value, bool):
         raise _reject(key, value, expected)
     if isinstance(value, int):
@@ -72,43 +110,37 @@ def to_int(key: str, value: object) -> int:
             return int(value)
         raise _reject(key, value, expected)
     if isinstance(value, str):
-        text = value.strip()
         try:
-            return int(text)
-        except ValueError:
-            pass
-        try:
-            exact = Decimal(text)
+            exact = Decimal(value.strip())
         except InvalidOperation:
             raise _reject(key, value, expected) from None
-        # Bound the magnitude before int(): '1e999999999' must not build a huge int.
-        if (
-            exact.is_finite()
-            and exact.adjusted() < _MAX_DIGITS
-            and exact == exact.to_integral_value()
-        ):
-            return int(exact)
+        if exact.is_finite() and exact == exact.to_integral_value():
+            return exact
     raise _reject(key, value, expected)
 
 
-def to_size(key: str, value: object) -> int:
-    """Bytes: an integer, or a size string like '512MiB', '8GiB' (binary), '500MB' (decimal)."""
+def to_int(key: str, value: object, bounds: Bounds) -> int:
+    """An integer inside ``bounds``: an int, or a float or string holding exactly one."""
+    number = _integer(key, value, "an integer (e.g. 2 or '2')")
+    return bounds.check(key, number, value, in_bytes=False)
+
+
+def to_size(key: str, value: object, bounds: Bounds) -> int:
+    """Bytes inside ``bounds``: an integer, or a size like '512MiB', '8GiB' (binary), '500MB'."""
     expected = "a byte count: an integer or a size such as '512MiB', '8GiB', '500MB'"
-    if isinstance(value, str):
-        match = _SIZE_RE.match(value)
-        unit = match.group(2).lower() if match else None
-        if match is None or unit not in _SIZE_UNITS:
-            raise _reject(key, value, expected)
-        exact = Decimal(match.group(1)) * _SIZE_UNITS[unit]
-        if exact.adjusted() >= _MAX_DIGITS:
-            raise _reject(key, value, expected)
-        if exact != exact.to_integral_value():
-            raise _reject(key, value, "a whole number of bytes")
-        return int(exact)
-    try:
-        return to_int(key, value)
-    except ConfigError:
-        raise _reject(key, value, expected) from None
+    if not isinstance(value, str):
+        return bounds.check(key, _integer(key, value, expected), value, in_bytes=True)
+    match = _SIZE_RE.match(value)
+    unit = match.group(2).lower() if match else None
+    if match is None or unit not in _SIZE_UNITS:
+        raise _reject(key, value, expected)
+    digits = match.group(1)
+    with localcontext() as exact_arithmetic:  # the product keeps every digit
+        exact_arithmetic.prec = len(digits) + 20
+        exact = Decimal(digits) * _SIZE_UNITS[unit]
+    if exact != exact.to_integral_value():
+        raise _reject(key, value, "a whole number of bytes")
+    return bounds.check(key, exact, value, in_bytes=True)
 
 
 def to_bool(key: str, value: object) -> bool:
@@ -153,10 +185,15 @@ def to_env_name(key: str, value: object) -> str:
 
 
 def format_bytes(n: int) -> str:
-    """Binary units for humans: 524288 -> '512 KiB'."""
-    size = float(n)
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if size < 1024 or unit == "TiB":
-            return f"{size:.0f} {unit}" if size.is_integer() else f"{size:.2f} {unit}"
-        size /= 1024
-    raise AssertionError("unreachable")  # pragma: no cover
+    """Binary units for humans: 524288 -> '512 KiB', 1536 -> '1.50 KiB'; exact for any int."""
+    sign, n = ("-", -n) if n < 0 else ("", n)
+    power = 0
+    while power < len(_BINARY_UNITS) - 1 and n >= 1024 ** (power + 1):
+        power += 1
+    unit, scale = _BINARY_UNITS[power], 1024**power
+    if n >= 1024 * scale:  # beyond the largest unit: no digits that str() might refuse
+        return f"{sign}about 2^{n.bit_length() - 1} B"
+    if n % scale == 0:
+        return f"{sign}{n // scale} {unit}"
+    hundredths = round(Fraction(n, scale) * 100)
+    return f"{sign}{hundredths // 100}.{hundredths % 100:02d} {unit}"
