@@ -128,7 +128,7 @@ _BYTES = values.Bounds(1, 2**60)
 _BLOCKS = values.Bounds(1, 2**20, "2^20")
 #: Tokens per chunk: 2^24 (16M) tokens, past any context window.
 _TOKENS = values.Bounds(1, 2**24, "2^24")
-#: Sightings before a store: past a thousand, the filter stores nearly nothing.
+#: Sightings before a store: a higher threshold would store almost nothing.
 _SIGHTINGS = values.Bounds(1, 1000)
 #: Waits in milliseconds: a server slower than a day is down, and a day fits every timer.
 _MILLISECONDS = values.Bounds(1, 86_400_000, "one day")
