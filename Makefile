@@ -1,6 +1,6 @@
 # Two commands do everything on a fresh machine:
 #   make demo   create .venv, install kvoffload, run the main job
-#   make test   the same set-up, then every gate: ruff, mypy, tests, coverage, README doctests
+#   make test   the same set-up, then every gate: ruff, mypy, tests, coverage, doctests (README, docs/)
 # and one more proves the vLLM connector on a real engine:
 #   make e2e    create .venv-vllm (vLLM's CPU build), run tests_e2e/
 VENV   ?= .venv
