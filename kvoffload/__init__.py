@@ -19,6 +19,7 @@ from kvoffload.config import (
 from kvoffload.errors import (
     ConfigError,
     CorruptChunkError,
+    IntegrityError,
     KVOffloadError,
     ProtocolError,
     TierError,
@@ -114,6 +115,7 @@ __all__ = [
     "ConfigError",
     "CorruptChunkError",
     "IgnoredKeysWarning",
+    "IntegrityError",
     "KVLayout",
     "KVOffloadError",
     "OffloadConfig",

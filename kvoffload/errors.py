@@ -5,14 +5,22 @@ want "anything kvoffload refused" catch that one class::
 
     KVOffloadError
     ├── ConfigError        (also ValueError)  bad configuration or layout; fix the input
-    ├── ProtocolError      (also RuntimeError) a caller broke the index protocol,
-    │                                          e.g. completed a store it never prepared
+    ├── ProtocolError      (also RuntimeError) a caller broke a protocol: completed a
+    │                                          store it never prepared, called a
+    │                                          connector method on the wrong side
+    ├── IntegrityError                        ``check_integrity`` found bookkeeping that
+    │                                          disagrees with itself (a bug); the message
+    │                                          carries the numbers
     ├── TransferError                         engine tensors do not match the layout
-    └── TierError          (also OSError)     a tier could not store or load a chunk
-        └── CorruptChunkError                 stored bytes failed their checksum
+    └── TierError                             a tier could not store or load a chunk
+        └── CorruptChunkError                 stored bytes failed verification
 
-Third-party errors (``OSError``, CUDA, Redis, vLLM) are translated where they
-occur, chained with ``raise ... from exc``, so the original stays visible.
+Third-party errors are translated where they occur, chained with
+``raise ... from exc`` so the original stays visible, in one place per
+library: ``OSError`` in the disk tier, Redis errors in the remote tier, CUDA
+in the transfer, vLLM in the connector. ``TierError`` is deliberately not an
+``OSError``: an ``except OSError`` meant for a syscall never catches a tier's
+verdict by accident.
 """
 
 from __future__ import annotations
@@ -20,6 +28,7 @@ from __future__ import annotations
 __all__ = [
     "ConfigError",
     "CorruptChunkError",
+    "IntegrityError",
     "KVOffloadError",
     "ProtocolError",
     "TierError",
@@ -36,14 +45,18 @@ class ConfigError(KVOffloadError, ValueError):
 
 
 class ProtocolError(KVOffloadError, RuntimeError):
-    """The caller used the index out of protocol; the index is left unchanged."""
+    """The caller used an object out of protocol; the object is left unchanged."""
+
+
+class IntegrityError(KVOffloadError):
+    """Internal bookkeeping disagrees with itself (``check_integrity``); a bug, with numbers."""
 
 
 class TransferError(KVOffloadError):
     """Engine KV tensors do not match the layout they were registered for."""
 
 
-class TierError(KVOffloadError, OSError):
+class TierError(KVOffloadError):
     """A tier failed to store or load a chunk; the chunk is treated as missing."""
 
 

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from kvoffload.errors import ConfigError
+from kvoffload.errors import ConfigError, IntegrityError
 from kvoffload.manager import OffloadManager
 from kvoffload.manager.policies.adaptive import GHOST, AdaptivePolicy
 from kvoffload.manager.policies.admission import AdmissionFilter
@@ -134,7 +134,7 @@ def test_ghosts_and_shadows_stay_bounded() -> None:
 def test_check_integrity_reports_a_mismatch() -> None:
     policy = AdaptivePolicy(4)
     policy.insert(b"a")
-    with pytest.raises(Exception, match="tracks 1 keys"):
+    with pytest.raises(IntegrityError, match="tracks 1 keys"):
         policy.check_integrity(())
 
 

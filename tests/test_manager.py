@@ -7,7 +7,7 @@ from collections.abc import Callable
 import pytest
 
 from kvoffload import CacheGroup, KVLayout, build_offloading_config
-from kvoffload.errors import ConfigError, KVOffloadError, ProtocolError
+from kvoffload.errors import ConfigError, IntegrityError, ProtocolError
 from kvoffload.manager import (
     AdmissionFilter,
     EventKind,
@@ -278,7 +278,7 @@ def test_constructor_validation() -> None:
             OffloadManager(bad)  # type: ignore[arg-type]
     with pytest.raises(ConfigError, match="unknown eviction policy 'nope'"):
         OffloadManager(4, "nope")
-    with pytest.raises(KVOffloadError, match="capacity 3"):
+    with pytest.raises(ConfigError, match="capacity 3"):
         OffloadManager(4, LRUPolicy(3))
     assert OffloadManager(4).policy.name == DEFAULT_POLICY
     instance = LRUPolicy(4)
@@ -312,11 +312,11 @@ def test_check_integrity_reports_numbers() -> None:
     manager = filled("lru", 4, 2)
     manager.check_integrity()
     manager._free.append(0)
-    with pytest.raises(KVOffloadError, match=r"2 ready \+ 0 storing \+ 3 free = 5, capacity is 4"):
+    with pytest.raises(IntegrityError, match=r"2 ready \+ 0 storing \+ 3 free = 5, capacity is 4"):
         manager.check_integrity()
     manager = filled("lru", 4, 2)
     manager.policy.remove(K[0])
-    with pytest.raises(KVOffloadError, match="tracks 1 keys, the index has 2"):
+    with pytest.raises(IntegrityError, match="tracks 1 keys, the index has 2"):
         manager.check_integrity()
 
 
@@ -333,7 +333,7 @@ def test_out_of_sync_policy_is_caught() -> None:
     assert store is not None
     manager.complete_store(store.keys)
     manager.prepare_load([K[1]])
-    with pytest.raises(KVOffloadError, match="out of sync"):
+    with pytest.raises(IntegrityError, match="out of sync"):
         manager.prepare_store([K[5]])
     assert manager.lookup(K[:2]) == 2
 

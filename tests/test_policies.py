@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvoffload.errors import ConfigError, KVOffloadError
+from kvoffload.errors import ConfigError, IntegrityError
 from kvoffload.manager import (
     AdmissionFilter,
     ARCPolicy,
@@ -86,10 +86,10 @@ def test_reset_forgets_everything(make: Callable[[int], EvictionPolicy]) -> None
 def test_check_integrity_detects_a_foreign_set(make: Callable[[int], EvictionPolicy]) -> None:
     policy = make(3)
     policy.insert(K[0])
-    with pytest.raises(KVOffloadError, match="tracks 1 keys"):
+    with pytest.raises(IntegrityError, match="tracks 1 keys"):
         policy.check_integrity({K[0], K[1]})
     if isinstance(policy, LRUPolicy | ARCPolicy | S3FIFOPolicy):
-        with pytest.raises(KVOffloadError, match="does not hold"):
+        with pytest.raises(IntegrityError, match="does not hold"):
             policy.check_integrity({K[1]})
 
 

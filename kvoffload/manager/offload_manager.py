@@ -23,7 +23,7 @@ from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING
 
 from kvoffload._checks import checked_int
-from kvoffload.errors import KVOffloadError, ProtocolError
+from kvoffload.errors import ConfigError, IntegrityError, ProtocolError
 from kvoffload.keys import short_key
 from kvoffload.manager.policies.admission import AdmissionFilter
 from kvoffload.manager.policy import EvictionPolicy
@@ -43,7 +43,7 @@ def _make_policy(policy: str | EvictionPolicy | None, capacity: int) -> Eviction
     """Build a registered policy by name, or adopt a ready instance."""
     if isinstance(policy, EvictionPolicy):
         if policy.capacity != capacity:
-            raise KVOffloadError(
+            raise ConfigError(
                 f"policy {policy.name!r} was built for capacity {policy.capacity}, "
                 f"but the index has num_chunks={capacity}; build it with the same capacity"
             )
@@ -51,7 +51,7 @@ def _make_policy(policy: str | EvictionPolicy | None, capacity: int) -> Eviction
     name = POLICIES.check(DEFAULT_POLICY if policy is None else policy)
     built = POLICIES.create(name, capacity)
     if not isinstance(built, EvictionPolicy):
-        raise KVOffloadError(f"policy {name!r} did not build an EvictionPolicy: {built!r}")
+        raise ConfigError(f"policy {name!r} did not build an EvictionPolicy: {built!r}")
     return built
 
 
@@ -331,7 +331,7 @@ class OffloadManager:
         self._counters["resets"] += 1
 
     def check_integrity(self) -> None:
-        """Raise ``KVOffloadError`` with the numbers if the index's state is inconsistent."""
+        """Raise ``IntegrityError`` with the numbers if the index's state is inconsistent."""
         from kvoffload.manager._integrity import check_index
 
         check_index(self._ready, self._storing, self._pins, self._free, self.capacity)
@@ -352,7 +352,7 @@ class OffloadManager:
         bad = [k for k in victims if k not in ready or k in pins or k in found]
         if len(victims) != need or bad or len(set(victims)) != need:
             shown = ", ".join(short_key(k) for k in bad[:3])
-            raise KVOffloadError(
+            raise IntegrityError(
                 f"policy {self.policy.name!r} returned {len(victims)} victim(s) for {need} "
                 f"({len(bad)} not evictable: {shown or 'none'}); it is out of sync with the index"
             )

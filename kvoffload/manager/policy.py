@@ -20,7 +20,7 @@ Protocol, as the index drives it:
   returning ``False`` skips the store. Filters that track sightings record
   the sighting here.
 * ``on_miss(key)`` (optional hook) is told of a lookup miss of ``key``.
-* ``check_integrity(resident)`` (optional hook) raises ``KVOffloadError``
+* ``check_integrity(resident)`` (optional hook) raises ``IntegrityError``
   with the numbers if the policy's own state is inconsistent or does not
   track exactly the index's ready keys; the index's ``check_integrity`` and
   the stateful tests call it after every step.
@@ -34,7 +34,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Collection
 
-from kvoffload.errors import KVOffloadError
+from kvoffload.errors import IntegrityError
 
 __all__ = ["EvictionPolicy"]
 
@@ -82,12 +82,12 @@ class EvictionPolicy(ABC):
         """A lookup missed ``key``. Default: nothing."""
 
     def check_integrity(self, resident: Collection[bytes]) -> None:
-        """Raise ``KVOffloadError`` if the policy does not track ``resident``.
+        """Raise ``IntegrityError`` if the policy does not track ``resident``.
 
         Default: compares sizes only; policies override it to check
         membership and their own invariants (queue bounds, ghost sizes).
         """
         if len(self) != len(resident):
-            raise KVOffloadError(
+            raise IntegrityError(
                 f"policy {self.name!r} tracks {len(self)} keys, the index has {len(resident)} ready"
             )

@@ -36,7 +36,7 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 from kvoffload.config import OffloadConfig, build_offloading_config
 from kvoffload.config.layout import KVLayout
 from kvoffload.engine import JobKind, OffloadEngine
-from kvoffload.errors import ConfigError
+from kvoffload.errors import ConfigError, ProtocolError
 from kvoffload.keys import namespace_of
 from kvoffload.manager.results import EventKind
 from kvoffload.messages import JobReport, TransferOrder, merge_reports
@@ -293,7 +293,7 @@ class KVOffloadConnector(KVConnectorBase_V1, SupportsHMA):
 
     def _scheduler_side(self) -> OffloadScheduler:
         if self._scheduler is None:
-            raise ConfigError("a scheduler-side method was called on the worker-side connector")
+            raise ProtocolError("a scheduler-side method was called on the worker-side connector")
         return self._scheduler
 
     # ==============================================================================
@@ -373,7 +373,7 @@ class KVOffloadConnector(KVConnectorBase_V1, SupportsHMA):
 
     def _worker_side(self) -> OffloadWorker:
         if self._worker is None:
-            raise ConfigError(
+            raise ProtocolError(
                 "a worker-side method was called before register_kv_caches "
                 "(or on the scheduler-side connector)"
             )

@@ -31,7 +31,7 @@ from collections import OrderedDict
 from collections.abc import Collection
 from zlib import crc32
 
-from kvoffload.errors import KVOffloadError
+from kvoffload.errors import IntegrityError
 from kvoffload.manager.policies._common import check_capacity
 from kvoffload.manager.policies.lru import LRUPolicy
 
@@ -154,7 +154,7 @@ class AdaptivePolicy(LRUPolicy):
         sizes = (len(self._admit_all.resident), len(self._filtered.resident))
         ghosts = (len(self._seen), len(self._filtered.seen))
         if max(sizes) > small or ghosts[0] > GHOST * self.capacity or ghosts[1] > GHOST * small:
-            raise KVOffloadError(
+            raise IntegrityError(
                 f"adaptive: shadows hold {sizes} keys (capacity {small}), ghosts hold {ghosts} "
                 f"(limits {GHOST * self.capacity}, {GHOST * small})"
             )

@@ -18,7 +18,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Collection
 
 from kvoffload._checks import checked_int
-from kvoffload.errors import ConfigError, KVOffloadError
+from kvoffload.errors import ConfigError, IntegrityError
 from kvoffload.manager.policy import EvictionPolicy
 
 __all__ = ["AdmissionFilter"]
@@ -85,7 +85,7 @@ class AdmissionFilter(EvictionPolicy):
 
     def check_integrity(self, resident: Collection[bytes]) -> None:
         if len(self._sightings) > self.window:
-            raise KVOffloadError(
+            raise IntegrityError(
                 f"{self.name}: {len(self._sightings)} sightings, window is {self.window}"
             )
         self.inner.check_integrity(resident)

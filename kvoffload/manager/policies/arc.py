@@ -18,7 +18,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Callable, Collection, Iterator
 
-from kvoffload.errors import KVOffloadError
+from kvoffload.errors import IntegrityError
 from kvoffload.manager._integrity import check_resident
 from kvoffload.manager.policies._common import check_capacity
 from kvoffload.manager.policy import EvictionPolicy
@@ -137,7 +137,7 @@ class ARCPolicy(EvictionPolicy):
         overlaps += len((t1.keys() | t2.keys()) & (b1.keys() | b2.keys()))
         total = len(t1) + len(t2) + len(b1) + len(b2)
         if overlaps or not 0 <= self.p <= c or len(t1) + len(b1) > c or total > 2 * c:
-            raise KVOffloadError(
+            raise IntegrityError(
                 f"arc: |T1|={len(t1)} |T2|={len(t2)} |B1|={len(b1)} |B2|={len(b2)} "
                 f"p={self.p} capacity={c} overlaps={overlaps}"
             )

@@ -19,7 +19,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Callable, Collection
 
-from kvoffload.errors import ConfigError, KVOffloadError
+from kvoffload.errors import ConfigError, IntegrityError
 from kvoffload.manager._integrity import check_resident
 from kvoffload.manager.policies._common import check_capacity
 from kvoffload.manager.policy import EvictionPolicy
@@ -153,7 +153,7 @@ class S3FIFOPolicy(EvictionPolicy):
         bad_freq = sum(1 for count in freq.values() if not 0 <= count <= _MAX_FREQ)
         overlaps = len(small.keys() & main.keys()) + len(queued & ghost.keys())
         if overlaps or bad_freq or queued != freq.keys() or len(ghost) > self.ghost_capacity:
-            raise KVOffloadError(
+            raise IntegrityError(
                 f"s3fifo: |S|={len(small)} |M|={len(main)} |G|={len(ghost)} "
                 f"(ghost capacity {self.ghost_capacity}) tracked={len(freq)} "
                 f"overlaps={overlaps} bad frequencies={bad_freq}"
