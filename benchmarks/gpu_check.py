@@ -2,7 +2,7 @@
 
 For each chunk size it builds a synthetic model (``--layers`` layers, 4
 blocks per chunk, FlashAttention's ``[2, num_blocks, ...]`` CUDA tensors),
-a pinned :class:`~kvoffload.tiers.cpu.CPUTier` slab, and moves ``--total-mib``
+a pinned :class:`~kvoffload.tiers.cpu.CPUSlab` slab, and moves ``--total-mib``
 of KV with :class:`~kvoffload.transfer.KVTransfer`:
 
 * **store (D2H)**: ``gather`` engine blocks into slab slots, 8 chunks a call,
@@ -35,7 +35,7 @@ import torch
 
 from kvoffload.config.layout import CacheGroup, KVLayout
 from kvoffload.messages import BlockSpan
-from kvoffload.tiers.cpu import CPUTier
+from kvoffload.tiers.cpu import CPUSlab
 from kvoffload.transfer import KVTransfer, allocate_kv_caches, fill_blocks
 from kvoffload.transfer.synthetic import EngineLayout
 
@@ -101,7 +101,7 @@ def measure(chunk_bytes: int, args: argparse.Namespace, shuffled: bool) -> dict[
                                 EngineLayout.KV_FIRST, device=args.device)  # fmt: skip
     fill_blocks(caches)
     transfer = KVTransfer(layout, caches, BLOCKS_PER_CHUNK)
-    tier = CPUTier(chunks, chunk_bytes, pin_memory=args.device == "cuda")
+    tier = CPUSlab(chunks, chunk_bytes, pin_memory=args.device == "cuda")
     jobs = make_jobs(chunks, shuffled)
 
     def store() -> None:
@@ -128,7 +128,7 @@ def measure(chunk_bytes: int, args: argparse.Namespace, shuffled: bool) -> dict[
 
 def check_round_trip(
     transfer: KVTransfer,
-    tier: CPUTier,
+    tier: CPUSlab,
     caches: dict[str, torch.Tensor],
     job: tuple[range, BlockSpan],
     chunk_bytes: int,

@@ -49,12 +49,13 @@ from kvoffload.messages import (
     TransferOrder,
 )
 from kvoffload.registry import POLICIES, TIERS
+from kvoffload.tiers.stats import TierStats
 
 if TYPE_CHECKING:  # the lazy names below, for type checkers
     from kvoffload.engine import OffloadEngine
     from kvoffload.tiers.base import Tier
     from kvoffload.tiers.cascade import TierCascade
-    from kvoffload.tiers.cpu import CPUTier
+    from kvoffload.tiers.cpu import CPUSlab
     from kvoffload.tiers.disk import DiskTier
     from kvoffload.transfer import KVTransfer
 
@@ -64,7 +65,7 @@ _LAZY = {
     "OffloadEngine": "kvoffload.engine",
     "KVTransfer": "kvoffload.transfer",
     "Tier": "kvoffload.tiers.base",
-    "CPUTier": "kvoffload.tiers.cpu",
+    "CPUSlab": "kvoffload.tiers.cpu",
     "DiskTier": "kvoffload.tiers.disk",
     "TierCascade": "kvoffload.tiers.cascade",
 }
@@ -86,7 +87,7 @@ __all__ = [
     "AdaptivePolicy",
     "AdmissionFilter",
     "BlockSpan",
-    "CPUTier",
+    "CPUSlab",
     "ChunkSpan",
     "DiskTier",
     "EventKind",
@@ -106,6 +107,7 @@ __all__ = [
     "Tier",
     "TransferOrder",
     "TierCascade",
+    "TierStats",
     "namespace_of",
     "prefix_keys",
     "prefix_keys_for_layout",

@@ -69,11 +69,10 @@ POLICIES = Registry(
 #: The policy the index uses unless told otherwise: the best one measured (README, replay).
 DEFAULT_POLICY = POLICIES.check("adaptive")
 
-#: Storage tiers of the data plane, in cascade order.
+#: Lower tiers of the data plane (below the CPU slab, which is always there), in cascade order.
 TIERS = Registry(
     "tier",
     {
-        "cpu": "kvoffload.tiers.cpu:CPUTier",
         "disk": "kvoffload.tiers.disk:DiskTier",
         "redis": "kvoffload.tiers.remote:RedisTier",
     },

@@ -12,8 +12,9 @@ import sys
 import torch
 
 from kvoffload.engine import OffloadEngine
+from kvoffload.tiers._write_behind import WriteBehind
 from kvoffload.tiers.cascade import TierCascade
-from kvoffload.tiers.cpu import CPUTier
+from kvoffload.tiers.cpu import CPUSlab
 from kvoffload.tiers.remote import RedisTier
 from kvoffload.transfer import KVTransfer, allocate_kv_caches, fill_blocks
 
@@ -24,9 +25,10 @@ if __name__ == "__main__":
     url, seed = sys.argv[1], int(sys.argv[2])
     caches = allocate_kv_caches(layout(), NUM_BLOCKS, torch.bfloat16)
     fill_blocks(caches, seed=seed)
-    cpu = CPUTier(16, max(g.chunk_bytes(BPC) for g in layout().groups), pin_memory=False)
+    cpu = CPUSlab(16, max(g.chunk_bytes(BPC) for g in layout().groups), pin_memory=False)
     remote = RedisTier(url, NAMESPACE, timeout_ms=2000)
-    engine = OffloadEngine(KVTransfer(layout(), caches, BPC), TierCascade(cpu, [remote]))
+    cascade = TierCascade(cpu, [WriteBehind(remote, 64 << 20)])
+    engine = OffloadEngine(KVTransfer(layout(), caches, BPC), cascade)
     engine.submit_store(store_spans(CHUNKS))
     assert engine.wait(timeout=60)
     [result] = engine.get_finished()

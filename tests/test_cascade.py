@@ -17,7 +17,7 @@ from kvoffload.errors import ConfigError
 from kvoffload.manager.offload_manager import OffloadManager
 from kvoffload.messages import BlockSpan
 from kvoffload.tiers.cascade import TierCascade
-from kvoffload.tiers.cpu import CPUTier
+from kvoffload.tiers.cpu import CPUSlab
 from kvoffload.tiers.disk import DiskTier
 from kvoffload.transfer import KVTransfer, allocate_kv_caches, fill_blocks
 
@@ -47,7 +47,7 @@ def kv() -> dict[str, torch.Tensor]:
 def make_engine(
     kv: dict[str, torch.Tensor], path: Path, slots: int = 4, disk_bytes: int = 1 << 24
 ) -> OffloadEngine:
-    cpu = CPUTier(slots, SLOT_BYTES, pin_memory=False)
+    cpu = CPUSlab(slots, SLOT_BYTES, pin_memory=False)
     disk = DiskTier(path, disk_bytes, NAMESPACE)
     return OffloadEngine.create(KVTransfer(LAYOUT, kv, BPC), cpu, [disk])
 
@@ -76,10 +76,12 @@ def test_store_writes_through_to_disk_before_it_is_reported(engine: OffloadEngin
     result = one(engine)
     assert result.status is JobStatus.SUCCESS and result.errors == ()
     disk = disk_of(engine)
-    assert disk.contains(b"a") and disk.contains(b"b")
+    assert disk.contains_many([b"a", b"b"]) == [True, True]
     assert engine.cascade.cpu.holds(b"a", 0)
-    assert engine.traffic()["disk"].stores == 2
-    assert engine.traffic()["disk"].store_bytes == 2 * LAYOUT.groups[0].chunk_bytes(BPC)
+    stats = engine.stats()
+    assert stats["disk"].stores == stats["cpu"].stores == 2
+    assert stats["disk"].store_bytes == 2 * LAYOUT.groups[0].chunk_bytes(BPC)
+    assert stats["disk"].store_bytes == stats["cpu"].store_bytes  # counted once by each tier
     engine.cascade.check_integrity()
 
 
@@ -91,7 +93,7 @@ def test_a_chunk_evicted_from_cpu_is_promoted_back_from_disk(
     one(engine)
     engine.submit_store([ChunkSpan(1, (b"other",), (2,), BlockSpan((8, 9)))])  # reuses slot 2
     one(engine)
-    assert not engine.cascade.cpu.contains(b"f")
+    assert not engine.cascade.cpu.holds(b"f", 2)
     engine.submit_load([ChunkSpan(1, (b"f",), (3,), BlockSpan((20, 21)))])
     result = one(engine)
     assert result.status is JobStatus.SUCCESS and result.promoted_keys == (b"f",)
@@ -99,7 +101,9 @@ def test_a_chunk_evicted_from_cpu_is_promoted_back_from_disk(
     assert engine.cascade.cpu.holds(b"f", 3)  # promoted: the next load is a CPU hit
     engine.submit_load([ChunkSpan(1, (b"f",), (3,), BlockSpan((22, 23)))])
     assert one(engine).promoted_keys == ()
-    assert engine.traffic()["disk"].loads == 1
+    stats = engine.stats()
+    assert (stats["disk"].loads, stats["disk"].misses) == (1, 0)
+    assert (stats["cpu"].misses, stats["cpu"].loads) == (1, 2)  # one promotion, two scatters
     engine.cascade.check_integrity()
 
 
@@ -122,8 +126,9 @@ def test_corrupt_disk_chunk_is_reported_by_block_and_never_scattered(
     assert error.startswith(f"no tier could load chunk {b'f'.hex()} (disk: ")
     assert "checksum" in error
     assert torch.equal(as_bytes(kv["f0"][[20, 21]]), before)
-    assert not disk_of(engine).contains(b"f")  # dropped by the disk tier
-    assert engine.traffic()["disk"].load_failures == 1
+    assert disk_of(engine).contains_many([b"f"]) == [False]  # dropped by the disk tier
+    disk = engine.stats()["disk"]
+    assert (disk.corrupt, disk.load_failures, disk.loads) == (1, 0, 0)
     engine.cascade.check_integrity()
 
 
@@ -136,8 +141,9 @@ def test_failed_disk_write_is_reported_without_failing_the_store(
         result = one(engine)
         assert result.status is JobStatus.SUCCESS  # it is loadable from CPU
         assert len(result.errors) == 1 and result.errors[0].startswith("disk:")
-        assert engine.traffic()["disk"].store_failures == 1
-        assert disk_of(engine).stats()["store_failures"] == 1
+        stats = engine.stats()
+        assert (stats["disk"].store_failures, stats["disk"].stores) == (1, 0)
+        assert stats["cpu"].stores == 1
     finally:
         engine.close()
 
@@ -171,7 +177,7 @@ def test_index_engine_and_cascade_together(
         assert store is not None
         engine.submit_store([ChunkSpan(1, store.keys, store.slots, BlockSpan(blocks[key]))])
         index.complete_store(store.keys, one(engine).status is JobStatus.SUCCESS)
-    assert index.lookup(keys[:1]) == 0 and disk_of(engine).contains(keys[0])
+    assert index.lookup(keys[:1]) == 0 and disk_of(engine).contains_many(keys[:1]) == [True]
     promote = index.prepare_store(keys[:1])  # a disk hit: reserve its CPU slot
     assert promote is not None
     engine.submit_load([ChunkSpan(1, promote.keys, promote.slots, BlockSpan((30, 31)))])
@@ -188,11 +194,11 @@ def test_index_engine_and_cascade_together(
     engine.cascade.check_integrity()
 
 
-def test_a_cascade_rejects_tiers_whose_counters_would_merge(tmp_path: Path) -> None:
-    cpu = CPUTier(2, SLOT_BYTES, pin_memory=False)
+def test_a_cascade_rejects_tiers_whose_stats_would_merge(tmp_path: Path) -> None:
+    cpu = CPUSlab(2, SLOT_BYTES, pin_memory=False)
     first = DiskTier(tmp_path / "a", 1 << 20, b"ns")
     second = DiskTier(tmp_path / "b", 1 << 20, b"ns")
     expected = r"needs its own non-empty name, got \['cpu', 'disk', 'disk'\]"
     with pytest.raises(ConfigError, match=expected):
         TierCascade(cpu, [first, second])
-    assert TierCascade(cpu, [first]).traffic.keys() == {"cpu", "disk"}
+    assert list(TierCascade(cpu, [first]).stats()) == ["cpu", "disk"]

@@ -13,7 +13,7 @@ from kvoffload.config.layout import CacheGroup, KVLayout
 from kvoffload.engine import ChunkSpan, JobKind, JobResult, JobStatus, OffloadEngine
 from kvoffload.errors import TransferError
 from kvoffload.messages import BlockSpan
-from kvoffload.tiers.cpu import CPUTier
+from kvoffload.tiers.cpu import CPUSlab
 from kvoffload.transfer import KVTransfer, allocate_kv_caches, fill_blocks
 
 NUM_BLOCKS = 32
@@ -44,7 +44,7 @@ def kv() -> dict[str, torch.Tensor]:
 def engine(kv: dict[str, torch.Tensor]) -> Iterator[OffloadEngine]:
     lay = layout()
     transfer = KVTransfer(lay, kv, BPC)
-    cpu = CPUTier(16, max(g.chunk_bytes(BPC) for g in lay.groups), pin_memory=False)
+    cpu = CPUSlab(16, max(g.chunk_bytes(BPC) for g in lay.groups), pin_memory=False)
     eng = OffloadEngine.create(transfer, cpu)
     yield eng
     eng.close()
@@ -87,10 +87,12 @@ def test_store_then_load_round_trips_every_group(
         assert torch.equal(as_bytes(kv[name][[20, 21, 22]]), as_bytes(original[name][[5, 9, 2]]))
     assert torch.equal(as_bytes(kv["f0"][[10, 11]]), as_bytes(original["f0"][[7, 3]]))
     assert loaded.bytes_moved == 3 * layout().groups[0].block_bytes + 2 * 128
-    stats = engine.stats()
-    assert (stats["stored_chunks"], stats["loaded_chunks"], stats["pending"]) == (3, 3, 0)
-    traffic = engine.traffic()["cpu"]
-    assert traffic.stores == 2 and traffic.loads == 2 and traffic.store_bytes > 0
+    cpu = engine.stats()["cpu"]  # the engine's copies into and out of the slab, per chunk
+    assert (cpu.stores, cpu.loads, cpu.store_failures, cpu.load_failures) == (3, 3, 0, 0)
+    chunk_bytes = [g.chunk_bytes(BPC) for g in layout().groups]
+    assert cpu.store_bytes == 2 * chunk_bytes[0] + chunk_bytes[1] == stored.bytes_moved
+    assert cpu.load_bytes == loaded.bytes_moved and cpu.misses == 0
+    assert (cpu.chunks, cpu.used_bytes) == (3, cpu.store_bytes)
     engine.cascade.check_integrity()
 
 
@@ -110,7 +112,8 @@ def test_failed_load_reports_block_ids_and_leaves_engine_blocks_alone(
     after = as_bytes(kv["s0"])
     assert torch.equal(after[[11, 12]], before[[11, 12]])  # never wrong KV
     assert torch.equal(after[[10, 13, 14]], as_bytes(kv["s0"][[1, 4, 5]]))
-    assert engine.stats()["load_failures"] == 1
+    cpu = engine.stats()["cpu"]
+    assert (cpu.misses, cpu.loads, cpu.load_failures) == (1, 2, 0)  # b: in no tier at all
 
 
 def test_a_load_of_nothing_stored_fails_every_block(engine: OffloadEngine) -> None:
@@ -126,9 +129,9 @@ def test_failed_store_is_reported_and_counted(engine: OffloadEngine) -> None:
     [result] = finish(engine)
     assert (result.job_id, result.status, result.failed_keys) == (job, JobStatus.FAILED, (b"bad",))
     assert "num_blocks" in result.errors[0]
-    assert engine.stats()["store_failures"] == 1
-    assert not engine.cascade.cpu.contains(b"bad")
-    assert engine.traffic()["cpu"].store_failures == 1
+    cpu = engine.stats()["cpu"]
+    assert (cpu.store_failures, cpu.stores, cpu.chunks) == (1, 0, 0)
+    assert not engine.cascade.cpu.holds(b"bad", 0)
     engine.cascade.check_integrity()
 
 
@@ -139,7 +142,7 @@ def test_submit_checks_the_span_shape(engine: OffloadEngine) -> None:
         engine.submit_store([ChunkSpan(0, (b"a",), (0,), BlockSpan((1,), first_offset=1))])
     with pytest.raises(TransferError, match="2 keys and 1 slots"):
         engine.submit_load([ChunkSpan(0, (b"a", b"b"), (0,), BlockSpan((1, 2, 3)))])
-    assert engine.stats()["pending"] == 0
+    assert engine.wait(timeout=0) and engine.get_finished() == []  # nothing was submitted
 
 
 def test_concurrent_stores_and_loads_of_one_chunk_never_mix() -> None:
@@ -147,7 +150,7 @@ def test_concurrent_stores_and_loads_of_one_chunk_never_mix() -> None:
     lay = KVLayout((CacheGroup("full", 2, ("a", "b", "c", "d"), 2 * 2 * 4096 * 2),))
     kv = allocate_kv_caches(lay, NUM_BLOCKS, torch.bfloat16)
     fill_blocks(kv, seed=12)
-    cpu = CPUTier(8, lay.groups[0].chunk_bytes(BPC), pin_memory=False)
+    cpu = CPUSlab(8, lay.groups[0].chunk_bytes(BPC), pin_memory=False)
     engine = OffloadEngine.create(KVTransfer(lay, kv, BPC), cpu, max_workers=4)
 
     def state(blocks: list[int]) -> list[torch.Tensor]:

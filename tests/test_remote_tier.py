@@ -20,8 +20,9 @@ from kvoffload.engine import ChunkSpan, JobResult, OffloadEngine
 from kvoffload.errors import ConfigError, CorruptChunkError, TierError
 from kvoffload.keys import namespace_of
 from kvoffload.messages import BlockSpan
+from kvoffload.tiers._write_behind import WriteBehind
 from kvoffload.tiers.cascade import TierCascade
-from kvoffload.tiers.cpu import CPUTier
+from kvoffload.tiers.cpu import CPUSlab
 from kvoffload.tiers.disk import DiskTier
 from kvoffload.tiers.remote import RedisTier
 from kvoffload.transfer import KVTransfer, allocate_kv_caches, fill_blocks
@@ -55,9 +56,17 @@ def store_spans(chunks: Sequence[tuple[int, bytes, tuple[int, ...]]]) -> list[Ch
     ]
 
 
-def engine_with(caches: dict[str, torch.Tensor], lower: Sequence[object]) -> OffloadEngine:
-    cpu = CPUTier(16, max(g.chunk_bytes(BPC) for g in layout().groups), pin_memory=False)
-    return OffloadEngine(KVTransfer(layout(), caches, BPC), TierCascade(cpu, lower))  # type: ignore[arg-type]
+def engine_with(caches: dict[str, torch.Tensor], lower: Sequence[RedisTier]) -> OffloadEngine:
+    """An engine whose remote tiers sit behind write-behind queues, as the configuration builds."""
+    cpu = CPUSlab(16, max(g.chunk_bytes(BPC) for g in layout().groups), pin_memory=False)
+    behind = [WriteBehind(tier, 64 << 20) for tier in lower]
+    return OffloadEngine(KVTransfer(layout(), caches, BPC), TierCascade(cpu, behind))
+
+
+def drained(engine: OffloadEngine, timeout: float = 60) -> bool:
+    """Wait until every write-behind queue of ``engine`` has finished its writes."""
+    queues = [tier for tier in engine.cascade.lower if isinstance(tier, WriteBehind)]
+    return all(queue.drain(timeout) for queue in queues)
 
 
 def store(engine: OffloadEngine, chunks: Sequence[tuple[int, bytes, tuple[int, ...]]]) -> JobResult:
@@ -117,7 +126,9 @@ def test_a_chunk_stored_by_one_engine_process_loads_bit_exact_in_another(
     for g, key, blocks in targets:
         for got, want in zip(pages(caches, g, blocks), expected[key], strict=True):
             assert torch.equal(got, want)
-    assert remote.stats()["loads"] == len(CHUNKS)
+    stats = remote.stats()
+    assert (stats.loads, stats.misses, stats.load_failures) == (len(CHUNKS), 0, 0)
+    assert stats.load_bytes == sum(layout().groups[g].chunk_bytes(BPC) for g, _, _ in CHUNKS)
     engine.close()
 
 
@@ -129,7 +140,7 @@ def test_a_cluster_spreads_chunks_over_every_master(redis_cluster: list[RedisSer
         tier.put(key, record(1000, seed=i))
     out = np.empty(1000, dtype=np.uint8)
     for i, key in enumerate(keys):
-        tier.get_into(key, out)
+        assert tier.get_into(key, out)
         assert np.array_equal(out, record(1000, seed=i))
     sizes = [node.client().dbsize() for node in redis_cluster]
     assert sum(sizes) == len(keys)
@@ -139,10 +150,14 @@ def test_a_cluster_spreads_chunks_over_every_master(redis_cluster: list[RedisSer
 
 
 # -- faults ------------------------------------------------------------------------------------
+def is_up(tier: RedisTier) -> bool:
+    return tier.stats().gauges["up"] == 1
+
+
 def wait_until_up(tier: RedisTier, timeout: float = 30.0) -> None:
     """Call the tier until it has reconnected (each call past the backoff tries once)."""
     deadline = time.monotonic() + timeout
-    while not tier.is_up:
+    while not is_up(tier):
         assert time.monotonic() < deadline, "the remote tier did not come back"
         tier.contains_many([b"probe"])
         time.sleep(0.05)
@@ -153,13 +168,13 @@ def test_a_server_killed_mid_run_degrades_to_local_tiers_and_resumes(
 ) -> None:
     writer = engine_with(seeded(1), [RedisTier(redis_server.url, NAMESPACE, timeout_ms=500)])
     assert not store(writer, CHUNKS[:2]).failed_keys
-    assert writer.cascade.drain(timeout=60)  # on the server now
+    assert drained(writer)  # on the server now
     caches = seeded(2)
     remote = RedisTier(redis_server.url, NAMESPACE, timeout_ms=500, retry_ms=200)
     reader = engine_with(caches, [remote])
     local = [(1, b"local-only", (20, 21))]
     assert not store(reader, local).failed_keys
-    assert reader.cascade.drain(timeout=60)
+    assert drained(reader)
 
     redis_server.kill()
     with caplog.at_level(logging.WARNING, logger="kvoffload"):
@@ -175,22 +190,22 @@ def test_a_server_killed_mid_run_degrades_to_local_tiers_and_resumes(
     assert torch.equal(pages(caches, 1, (26, 27))[0], pages(caches, 1, (20, 21))[0])
     stored = store(reader, [(1, b"while-down", (14, 15))])
     assert stored.done_keys == (b"while-down",)  # in CPU; the remote write failed, counted
-    assert reader.cascade.drain(timeout=60)
-    assert reader.traffic()["redis"].store_failures >= 1
+    assert drained(reader)
     stats = remote.stats()
-    assert stats["up"] is False and stats["store_failures"] >= 1 and stats["outages"] == 1
+    assert stats.gauges["up"] == 0 and stats.store_failures == 1 and stats.counters["outages"] == 1
+    assert stats.load_failures == 1  # the chunk only the dead server had
     assert sum("unreachable" in r.getMessage() for r in caplog.records) == 1  # reported once
 
     redis_server.start()  # same port, empty
     wait_until_up(remote)
     assert not store(reader, [(1, b"after-restart", (16, 17))]).errors
-    assert reader.cascade.drain(timeout=60)  # written behind the job
+    assert drained(reader)  # written behind the job
     empty = allocate_kv_caches(layout(), NUM_BLOCKS, torch.bfloat16)
     fresh = engine_with(empty, [RedisTier(redis_server.url, NAMESPACE, timeout_ms=500)])
     back = load(fresh, [ChunkSpan(1, (b"after-restart",), (0,), BlockSpan((2, 3)))])
     assert back.done_keys == (b"after-restart",)
     assert torch.equal(pages(empty, 1, (2, 3))[0], pages(caches, 1, (16, 17))[0])
-    assert remote.stats()["reconnects"] == 1
+    assert remote.stats().counters["reconnects"] == 1
     for e in (writer, reader, fresh):
         e.close()
 
@@ -202,19 +217,21 @@ def test_a_server_down_at_start_is_reported_once_and_the_tier_comes_up_later(
     with caplog.at_level(logging.WARNING, logger="kvoffload"):
         tier = RedisTier(server.url, NAMESPACE, timeout_ms=200, retry_ms=200)
     assert [r.getMessage() for r in caplog.records if "unreachable" in r.getMessage()]
-    assert not tier.is_up
+    assert not is_up(tier)
     with pytest.raises(TierError, match="down"):
         tier.put(b"k", record(64))  # fails at once, no dial: the backoff has not expired
     assert tier.contains_many([b"k", b"j"]) == [False, False]
     with pytest.raises(TierError):
-        tier.get_into(b"k", np.empty(64, dtype=np.uint8))
+        tier.get_into(b"k", np.empty(64, dtype=np.uint8))  # not a miss: the server is gone
     server.start()
     try:
         wait_until_up(tier)
         tier.put(b"k", record(64))
         assert tier.contains_many([b"k"]) == [True]
         stats = tier.stats()
-        assert stats["outages"] == 1 and stats["reconnects"] == 1 and stats["store_failures"] == 1
+        assert (stats.counters["outages"], stats.counters["reconnects"]) == (1, 1)
+        assert (stats.store_failures, stats.stores, stats.load_failures) == (1, 1, 1)
+        assert stats.counters["probe_failures"] >= 1 and stats.misses == 0
     finally:
         tier.close()
         server.stop()
@@ -242,10 +259,11 @@ def test_a_bad_value_is_a_miss_and_is_dropped(
     out = np.zeros(5000, dtype=np.uint8)
     with pytest.raises(CorruptChunkError):
         tier.get_into(b"victim", out)
-    assert tier.stats()["corrupt_values"] == 1
+    stats = tier.stats()
+    assert (stats.corrupt, stats.load_failures, stats.misses, stats.loads) == (1, 0, 0, 0)
     assert tier.contains_many([b"victim"]) == [False]  # dropped, not served again
     tier.put(b"victim", data)  # and a good store heals it
-    tier.get_into(b"victim", out)
+    assert tier.get_into(b"victim", out)
     assert np.array_equal(out, data)
 
 
@@ -275,13 +293,14 @@ def test_a_vanished_chunk_is_a_failed_load_not_an_exception_to_the_engine(
     remote = RedisTier(redis_server.url, NAMESPACE, timeout_ms=2000)
     engine = engine_with(caches, [remote])
     assert not store(engine, CHUNKS[:1]).failed_keys
-    assert engine.cascade.drain(timeout=60)
-    engine.cascade.cpu.discard(CHUNKS[0][1])  # only the server has it now
+    assert drained(engine)
+    engine.cascade.cpu.release(0)  # only the server has it now
     redis_server.client().flushall()  # the server evicted it (maxmemory) after the lookup
     result = load(engine, [ChunkSpan(0, (CHUNKS[0][1],), (3,), BlockSpan((30, 31)))])
     assert result.failed_keys == (CHUNKS[0][1],)
     assert dict(result.failed_blocks) == {0: (30, 31)}
-    assert remote.stats()["load_misses"] == 1
+    assert remote.stats().misses == 1
+    assert result.errors[0].endswith("(no tier holds it)")  # a miss is no tier error
     engine.close()
 
 
@@ -299,6 +318,7 @@ def test_auth_with_the_password_from_the_environment(
         tier.put(b"k", record(64))
         assert tier.contains_many([b"k"]) == [True]
         assert SECRET not in repr(tier) and SECRET not in str(tier.stats())
+        assert tier.stats().stores == 1
         tier.close()
 
         monkeypatch.setenv("KVO_TEST_REDIS_PASSWORD", "wrong-password")
@@ -319,20 +339,21 @@ def test_lower_prefix_asks_the_remote_tier_once_for_what_disk_lacks(
     tmp_path: Path, tier: RedisTier
 ) -> None:
     disk = DiskTier(tmp_path / "disk", 1 << 20, NAMESPACE)
-    cpu = CPUTier(4, 4096, pin_memory=False)
+    cpu = CPUSlab(4, 4096, pin_memory=False)
     cascade = TierCascade(cpu, [disk, tier])
     keys = [f"prefix-{i}".encode() for i in range(10)]
     for key in keys[:3]:
         disk.put(key, record(512))
     for key in keys[3:7]:
         tier.put(key, record(512))
-    before = tier.stats()
+    before = tier.stats().counters
     assert cascade.lower_prefix(keys) == 7
-    after = tier.stats()
+    after = tier.stats().counters
     assert after["probes"] == before["probes"] + 1  # one pipelined round trip for the request
     assert after["probed_keys"] == before["probed_keys"] + 7  # only the keys disk lacks
+    assert after["probe_hits"] == before["probe_hits"] + 4
     assert cascade.lower_prefix(keys[:3]) == 3  # all on disk: the server is not asked
-    assert tier.stats()["probes"] == before["probes"] + 1
+    assert tier.stats().counters["probes"] == before["probes"] + 1
     disk.close()
 
 

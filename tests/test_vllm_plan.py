@@ -668,7 +668,7 @@ def test_warm_restart_serves_hits_from_disk(
     fig = b.scheduler.figures()
     n = needed_chunks(b, req)
     assert (fig["lower_hit_chunks"], fig["cpu_hit_chunks"], fig["loaded_tokens"]) == (n, 0, want)
-    assert b.workers[0].engine.traffic()["disk"].loads == n
+    assert b.workers[0].engine.stats()["disk"].loads == n
     # Promoted into B's CPU tier: the next request is a CPU hit.
     again, _ = b.serve("c", tokens)
     assert again.offered == want and b.scheduler.figures()["cpu_hit_chunks"] == n
@@ -714,8 +714,8 @@ def test_corrupt_disk_chunks_fail_the_load_and_are_recomputed(
         assert out.failed_recving == {"b"} and out.failed_blocks == set()
     fig = b.scheduler.figures()
     assert (fig["failed_loads"], fig["failed_load_tokens"], fig["loaded_tokens"]) == (1, hit, 0)
-    disk = b.workers[0].engine.stats()["tiers"]["disk"]
-    assert disk["corrupt_chunks"] == sum(len(c) for c in corrupted.values())
+    disk = b.workers[0].figures()["tiers"]["disk"]
+    assert disk["corrupt"] == sum(len(c) for c in corrupted.values())
     b.check_integrity()  # pins released, corrupt files dropped
 
     b.recover(req, out)

@@ -323,7 +323,9 @@ def test_a_new_process_loads_from_the_disk_the_last_one_wrote(
     assert served.offered == top_hit(second, 70) and served.loaded_ok and served.mismatched == 0
     figures = second.scheduler.figures()
     assert figures["lower_hit_chunks"] > 0 and figures["cpu_hit_chunks"] == 0
-    assert second.worker.engine.traffic()["disk"].loads == figures["lower_hit_chunks"]
+    assert second.worker.engine.stats()["disk"].loads == figures["lower_hit_chunks"]
+    worker = second.worker.figures()["tiers"]  # the connector's worker figures: the same record
+    assert worker["disk"]["loads"] == figures["lower_hit_chunks"] == worker["cpu"]["misses"]
     assert second.serve("r2", ids).offered == served.offered  # promoted: CPU hits now
     assert second.scheduler.figures()["cpu_hit_chunks"] > 0
     second.close()

@@ -23,7 +23,7 @@ from kvoffload.errors import ConfigError, TierError
 from kvoffload.messages import BlockSpan
 from kvoffload.tiers._write_behind import WriteBehind
 from kvoffload.tiers.cascade import TierCascade
-from kvoffload.tiers.cpu import CPUTier
+from kvoffload.tiers.cpu import CPUSlab
 from kvoffload.tiers.remote import RedisTier
 from kvoffload.transfer import KVTransfer, allocate_kv_caches
 
@@ -41,13 +41,9 @@ def writes_paused(server: RedisServer) -> Iterator[None]:
 
 
 def engine(caches: dict[str, torch.Tensor], remote: RedisTier, queue_bytes: int) -> OffloadEngine:
-    cpu = CPUTier(16, CHUNK, pin_memory=False)
-    cascade = TierCascade(cpu, [remote], write_behind_bytes=queue_bytes)
+    cpu = CPUSlab(16, CHUNK, pin_memory=False)
+    cascade = TierCascade(cpu, [WriteBehind(remote, queue_bytes)])
     return OffloadEngine(KVTransfer(rt.layout(), caches, rt.BPC), cascade)
-
-
-def in_flight(behind_stats: dict[str, object]) -> bool:
-    return behind_stats["queued"] == 1 and behind_stats["written"] == 0
 
 
 def test_a_store_job_finishes_before_its_remote_write_and_the_write_lands(
@@ -58,13 +54,16 @@ def test_a_store_job_finishes_before_its_remote_write_and_the_write_lands(
     with writes_paused(redis_server):
         result = rt.store(e, rt.CHUNKS[:1])  # returns although the server takes no writes
         assert result.done_keys == (rt.CHUNKS[0][1],) and not result.errors
-        assert in_flight(e.stats()["tiers"]["redis"]["write_behind"])
-        assert remote.stats()["stores"] == 0
-    assert e.cascade.drain(timeout=60)
-    behind = e.stats()["tiers"]["redis"]["write_behind"]
-    assert behind["written"] == 1 and behind["queue_bytes"] == 0
-    assert behind["queue_peak_bytes"] == rt.layout().groups[0].chunk_bytes(rt.BPC)
-    assert e.traffic()["redis"].stores == 1 and remote.stats()["stores"] == 1
+        queued = e.stats()["redis"]
+        assert queued.counters["queued"] == 1 and queued.stores == 0
+        assert queued.gauges["queue_bytes"] == rt.layout().groups[0].chunk_bytes(rt.BPC)
+        assert remote.stats().stores == 0
+    assert rt.drained(e)
+    behind = e.stats()["redis"]
+    assert behind.stores == 1 and behind.gauges["queue_bytes"] == 0
+    assert behind.gauges["queue_peak_bytes"] == rt.layout().groups[0].chunk_bytes(rt.BPC)
+    assert (behind.store_failures, behind.dropped) == (0, 0)
+    assert remote.stats().stores == 1  # one record: the tier's, read through the queue
     # What the job staged was a copy: the slot can be reused, the server has the chunk.
     target = allocate_kv_caches(rt.layout(), rt.NUM_BLOCKS, torch.bfloat16)
     other = rt.engine_with(target, [RedisTier(redis_server.url, rt.NAMESPACE, timeout_ms=2000)])
@@ -86,10 +85,10 @@ def test_a_full_queue_drops_the_store_counts_it_and_names_it_in_the_job(
     assert dropped.done_keys == (rt.CHUNKS[1][1],)  # in CPU all the same
     assert any("queue is full" in line for line in dropped.errors), dropped.errors
     assert sum("store dropped" in r.getMessage() for r in caplog.records) == 1
-    assert e.cascade.drain(timeout=60)
-    behind = e.stats()["tiers"]["redis"]["write_behind"]
-    assert behind["dropped"] == 1 and behind["written"] == 1
-    assert e.traffic()["redis"].store_failures == 1 and e.traffic()["redis"].stores == 1
+    assert rt.drained(e)
+    behind = e.stats()["redis"]
+    assert (behind.dropped, behind.stores, behind.store_failures) == (1, 1, 0)
+    assert behind.counters["queued"] == 1
     assert remote.contains_many([rt.CHUNKS[0][1], rt.CHUNKS[1][1]]) == [True, False]
     e.close()
 
@@ -103,11 +102,10 @@ def test_a_write_that_fails_in_the_background_is_counted_and_logged(
     with caplog.at_level(logging.WARNING, logger="kvoffload"):
         assert not rt.store(e, rt.CHUNKS[:1]).errors
         redis_server.kill()  # the SET in flight loses its connection
-        assert e.cascade.drain(timeout=60)
-    behind = e.stats()["tiers"]["redis"]["write_behind"]
-    assert behind["failed"] == 1 and behind["written"] == 0
-    assert remote.stats()["store_failures"] == 1
-    assert e.traffic()["redis"].store_failures == 1
+        assert rt.drained(e)
+    behind = e.stats()["redis"]
+    assert (behind.store_failures, behind.stores, behind.dropped) == (1, 0, 0)
+    assert remote.stats().store_failures == 1
     messages = [r.getMessage() for r in caplog.records]
     assert sum("background write" in m for m in messages) == 1
     e.close()
@@ -117,22 +115,23 @@ def test_close_finishes_what_it_can_and_counts_the_rest_as_dropped(
     redis_server: RedisServer, caplog: pytest.LogCaptureFixture
 ) -> None:
     remote = RedisTier(redis_server.url, rt.NAMESPACE, timeout_ms=30000)
-    reports: list[tuple[bool, int]] = []
-    behind = WriteBehind(remote, 1 << 20, lambda ok, n, _s: reports.append((ok, n)))
+    behind = WriteBehind(remote, 1 << 20)
     data = rt.record(1000)
     with writes_paused(redis_server):
-        behind.submit(b"first", data)  # the writer takes it and waits on the server
-        behind.submit(b"second", data)  # waits in the queue
+        behind.put(b"first", data)  # the writer takes it and waits on the server
+        behind.put(b"second", data)  # waits in the queue
         with caplog.at_level(logging.WARNING, logger="kvoffload"):
-            behind.close(timeout=0.2)
+            behind.close(timeout=0.2)  # then closes the tier under the write in flight
         with pytest.raises(TierError, match="closed"):
-            behind.submit(b"third", data)
+            behind.put(b"third", data)
     assert behind.drain(timeout=60)
     stats = behind.stats()
-    assert stats["dropped"] == 2 and stats["written"] == 1  # "second" at close, "third" after
-    assert (False, 1000) in reports and (True, 1000) in reports
+    assert stats.dropped == 2  # "second" at close, "third" after
+    assert stats.counters["queued"] == 2 and stats.gauges["queue_bytes"] == 0
+    assert stats.stores + stats.store_failures == 1  # "first": one outcome, whichever it was
     assert any("dropped 1 queued writes" in r.getMessage() for r in caplog.records)
-    remote.close()
+    with pytest.raises(TierError, match="closed"):
+        remote.put(b"fourth", data)  # the queue closed its tier
 
 
 def test_a_server_known_down_refuses_the_store_in_the_job(redis_server: RedisServer) -> None:
@@ -144,11 +143,9 @@ def test_a_server_known_down_refuses_the_store_in_the_job(redis_server: RedisSer
     # on a slow machine it may be queued and fail in the background instead. Both count.
     result = rt.store(e, rt.CHUNKS[:1])
     assert result.done_keys == (rt.CHUNKS[0][1],)
-    assert e.cascade.drain(timeout=60)
-    assert e.traffic()["redis"].store_failures == 1
-    assert remote.stats()["store_failures"] == 1
-    behind = e.stats()["tiers"]["redis"]["write_behind"]
-    assert behind["dropped"] + behind["failed"] == 1
+    assert rt.drained(e)
+    behind = e.stats()["redis"]
+    assert (behind.store_failures, behind.stores, behind.dropped) == (1, 0, 0)
     e.close()
 
 
@@ -157,7 +154,9 @@ def test_the_queue_bound_is_configured_and_checked(redis_server: RedisServer) ->
     assert cfg.remote_queue_bytes == 1 << 20
     assert "write-behind queue 1 MiB" in str(cfg)
     e = OffloadEngine.from_config(cfg, rt.seeded(1), rt.NAMESPACE)
-    assert e.stats()["tiers"]["redis"]["write_behind"]["max_bytes"] == 1 << 20
+    [behind] = e.cascade.lower
+    assert isinstance(behind, WriteBehind) and isinstance(behind.tier, RedisTier)
+    assert e.stats()["redis"].gauges["queue_max_bytes"] == 1 << 20
     e.close()
     with pytest.raises(ConfigError, match="'remote_queue_bytes' needs 'remote_url'"):
         rt.config(remote_queue_bytes="1MiB")
@@ -173,14 +172,16 @@ def test_a_local_tier_is_still_written_through_in_the_job(tmp_path: object) -> N
     from kvoffload.tiers.disk import DiskTier
 
     disk = DiskTier(Path(str(tmp_path)) / "d", 1 << 20, rt.NAMESPACE)
-    cascade = TierCascade(CPUTier(2, 4096, pin_memory=False), [disk])
+    cascade = TierCascade(CPUSlab(2, 4096, pin_memory=False), [disk])
     cascade.cpu.reserve(0)
     cascade.cpu.slot_array(0, 512)[:] = rt.record(512)
     cascade.cpu.bind(b"k", 0, 512)
     assert cascade.write_through(b"k", 0, 512) == []
-    assert disk.contains(b"k")  # at once: no queue for a local tier
-    assert cascade.drain(timeout=1) and "write_behind" not in cascade.stats()["disk"]
+    assert disk.contains_many([b"k"]) == [True]  # at once: no queue for a local tier
+    with pytest.raises(ConfigError, match="stage_put"):
+        WriteBehind(disk, 1 << 20)  # a local tier has nothing to stage: it is written in the job
+    assert "queue_bytes" not in cascade.stats()["disk"].gauges
     out = np.empty(512, dtype=np.uint8)
-    disk.get_into(b"k", out)
+    assert disk.get_into(b"k", out)
     assert np.array_equal(out, rt.record(512))
     cascade.close()

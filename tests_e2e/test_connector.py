@@ -156,7 +156,7 @@ def test_small_cpu_tier_loads_from_disk(
     scheduler, worker = result["figures"]["scheduler"], result["figures"]["worker"]
     assert scheduler["index_evictions"] > 0  # the working set did not fit
     assert scheduler["lower_hit_chunks"] >= 9  # at least the first prompt's came from disk
-    assert worker["traffic"]["disk"]["loads"] >= 9
+    assert worker["tiers"]["disk"]["loads"] >= 9
     assert scheduler["failed_loads"] == 0
     assert worker.get("failed_load_chunks", 0) == 0
 
@@ -179,7 +179,7 @@ def test_restart_loads_what_the_previous_process_stored(
     scheduler, worker = second["figures"]["scheduler"], second["figures"]["worker"]
     assert_loaded_tokens_match(second, 0)
     assert scheduler["lower_hit_chunks"] > 0
-    assert worker["traffic"]["disk"]["loads"] > 0
+    assert worker["tiers"]["disk"]["loads"] > 0
     assert scheduler["failed_loads"] == 0
 
 
@@ -190,7 +190,7 @@ def assert_recomputed_after_corruption(result: dict[str, Any], expected: dict[st
     assert scheduler["failed_loads"] > 0
     assert scheduler["failed_load_tokens"] > 0
     assert worker["failed_load_blocks"] > 0
-    assert worker["engine"]["tiers"]["disk"]["corrupt_chunks"] > 0
+    assert worker["tiers"]["disk"]["corrupt"] > 0
 
 
 @pytest.mark.parametrize("model_name", ["llama", "gemma4"])

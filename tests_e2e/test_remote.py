@@ -69,7 +69,7 @@ def test_a_second_engine_loads_what_the_first_stored_on_the_server(
     assert_loaded_tokens_match(second, 0)
     scheduler, worker = second["figures"]["scheduler"], second["figures"]["worker"]
     assert scheduler["lower_hit_chunks"] > 0
-    assert worker["traffic"]["redis"]["loads"] > 0
-    assert worker["engine"]["tiers"]["redis"]["load_misses"] == 0
+    assert worker["tiers"]["redis"]["loads"] > 0
+    assert worker["tiers"]["redis"]["misses"] == 0
     assert scheduler["failed_loads"] == 0
     assert worker.get("failed_load_chunks", 0) == 0

@@ -5,7 +5,7 @@ the same bytes in the same run, because absolute GB/s say little on a shared
 machine while the ratio says how much the tier's path costs:
 
 * **cpu**: the engine's path into the CPU tier (``KVTransfer.gather`` of
-  engine KV blocks of a synthetic 8-layer model straight into ``CPUTier``
+  engine KV blocks of a synthetic 8-layer model straight into ``CPUSlab``
   slab slots, ``scatter`` back) against ``numpy.copyto`` of one contiguous
   buffer of the chunk's size (memcpy).
 * **disk**: ``DiskTier.put`` / ``get_into`` against a sequential O_DIRECT
@@ -38,8 +38,10 @@ from kvoffload.config.remote_url import RemoteURL, parse_remote_url
 from kvoffload.errors import ConfigError
 from kvoffload.registry import TIERS
 
-__all__ = ["LOCAL_TIERS", "BenchRow", "run_bench"]
+__all__ = ["BENCH_TIERS", "LOCAL_TIERS", "BenchRow", "run_bench"]
 
+#: What can be measured: the CPU slab (always there, so in no registry) and every lower tier.
+BENCH_TIERS = ("cpu", *TIERS.names())
 #: What ``--tier all`` means without ``--remote-url`` (the tiers that need no server).
 LOCAL_TIERS = ("cpu", "disk")
 
@@ -58,9 +60,9 @@ def run_bench(
     from kvoffload.bench.local import bench_cpu, bench_disk
     from kvoffload.bench.redis import bench_redis, reference_client
 
-    unknown = [tier for tier in tiers if tier not in TIERS]
+    unknown = [tier for tier in tiers if tier not in BENCH_TIERS]
     if unknown:
-        raise ConfigError(f"bench: unknown tier {unknown[0]!r}; use one of {TIERS.names()}")
+        raise ConfigError(f"bench: unknown tier {unknown[0]!r}; use one of {BENCH_TIERS}")
     if "redis" in tiers:
         if remote_url is None:
             raise ConfigError("bench --tier redis needs --remote-url, e.g. "

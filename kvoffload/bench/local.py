@@ -17,7 +17,7 @@ from kvoffload.errors import ConfigError, TierError
 from kvoffload.messages import BlockSpan
 from kvoffload.tiers._direct_io import ALIGN, O_DIRECT, aligned_empty, round_up
 from kvoffload.tiers.base import ChunkBuffer
-from kvoffload.tiers.cpu import CPUTier
+from kvoffload.tiers.cpu import CPUSlab
 from kvoffload.tiers.disk import DiskTier
 from kvoffload.transfer import KVTransfer, allocate_kv_caches, fill_blocks
 
@@ -54,7 +54,7 @@ def bench_cpu(chunk_bytes: int, total_bytes: int, repeat: int = 3) -> BenchRow:
     caches = allocate_kv_caches(layout, chunks * _BLOCKS_PER_CHUNK)
     fill_blocks(caches)
     transfer = KVTransfer(layout, caches, _BLOCKS_PER_CHUNK)
-    tier = CPUTier(chunks, chunk_bytes, pin_memory=False)
+    tier = CPUSlab(chunks, chunk_bytes, pin_memory=False)
     jobs = [range(i, min(i + _CHUNKS_PER_JOB, chunks)) for i in range(0, chunks, _CHUNKS_PER_JOB)]
     spans = [
         BlockSpan(tuple(range(job.start * _BLOCKS_PER_CHUNK, job.stop * _BLOCKS_PER_CHUNK)))
@@ -184,7 +184,8 @@ def _measure_disk(
 
     def load() -> None:
         for key in keys:
-            tier.get_into(key, out)
+            if not tier.get_into(key, out):
+                raise TierError(f"disk bench: chunk {key.hex()} was not found")
 
     rates = [0.0] * 4
     for _ in range(repeat):

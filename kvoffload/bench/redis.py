@@ -55,20 +55,21 @@ def bench_redis(
     chunks = max(1, total_bytes // chunk_bytes)
     run_id = os.urandom(8).hex()
     client = reference_client(url)
-    tier = RedisTier(url, f"kvoffload-bench:{run_id}".encode(), timeout_ms=_REDIS_TIMEOUT_MS)
+    remote = RedisTier(url, f"kvoffload-bench:{run_id}".encode(), timeout_ms=_REDIS_TIMEOUT_MS)
+    tier = WriteBehind(remote, (chunks + 1) * chunk_bytes)  # the engine's path for stores
     keys = [i.to_bytes(16, "little") for i in range(chunks)]
     names = [f"kvoffload-bench:{run_id}:ref:{i}".encode() for i in range(chunks)]
     try:
         rates = _measure_redis(tier, client, keys, names, chunk_bytes, repeat=repeat)
     finally:
         _delete(tier, client, keys, names)
-        tier.close()
+        tier.close()  # the remote tier too
         client.close()
     return BenchRow("redis", chunk_bytes, rates[1], rates[3], rates[0], rates[2], direct_io=False,
                     lookups_per_s=rates[5], ref_lookups_per_s=rates[4])  # fmt: skip
 
 
-def _delete(tier: RedisTier, client: Any, keys: list[bytes], names: list[bytes]) -> None:
+def _delete(tier: WriteBehind, client: Any, keys: list[bytes], names: list[bytes]) -> None:
     """Remove this run's values: the tier's through the tier, the reference's in one pipeline."""
     for key in keys:
         tier.discard(key)
@@ -79,7 +80,7 @@ def _delete(tier: RedisTier, client: Any, keys: list[bytes], names: list[bytes])
 
 
 def _measure_redis(
-    tier: RedisTier,
+    tier: WriteBehind,
     client: Any,
     keys: list[bytes],
     names: list[bytes],
@@ -98,18 +99,10 @@ def _measure_redis(
         for name in names:
             client.set(name, value)
 
-    failed: list[int] = []
-
-    def report(ok: bool, nbytes: int, seconds: float) -> None:
-        if not ok:
-            failed.append(nbytes)
-
-    queue = WriteBehind(tier, nbytes + chunk_bytes, report)
-
     def store() -> None:  # the engine's path: pack in the store job, SET from the writer thread
         for key in keys:
-            queue.submit(key, data)
-        queue.drain()
+            tier.put(key, data)
+        tier.drain()
 
     def ref_load() -> None:
         for name in names:
@@ -117,7 +110,7 @@ def _measure_redis(
 
     def load() -> None:
         for key in keys:
-            tier.get_into(key, out)
+            tier.get_into(key, out)  # a miss is counted, and fails the row below
 
     def ref_lookup() -> None:
         for _ in range(trips):
@@ -142,7 +135,8 @@ def _measure_redis(
             sides = ((0, ref_fn), (1, tier_fn))
             for side, fn in sides if round_ % 2 == 0 else sides[::-1]:
                 rates[2 * step + side] = best_rate(amount, fn, rates[2 * step + side], unit)
-    queue.close()
-    if failed or not np.array_equal(out, data) or not all(found["ref"] + found["tier"]):
+    stats = tier.stats()
+    lost = stats.store_failures + stats.dropped + stats.misses + stats.corrupt + stats.load_failures
+    if lost or not np.array_equal(out, data) or not all(found["ref"] + found["tier"]):
         raise TierError("redis bench: a stored value was not found or loaded back intact")
     return rates

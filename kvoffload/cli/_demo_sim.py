@@ -29,7 +29,7 @@ from kvoffload.engine import ChunkSpan, JobResult, OffloadEngine
 from kvoffload.keys import namespace_of, prefix_keys_for_layout
 from kvoffload.manager.offload_manager import OffloadManager
 from kvoffload.messages import BlockSpan
-from kvoffload.tiers.cascade import TierTraffic
+from kvoffload.tiers.stats import TierStats
 from kvoffload.transfer import allocate_kv_caches
 
 __all__ = ["DemoStats", "DemoReplay", "expected_chunk"]
@@ -72,8 +72,7 @@ class DemoStats:
     failed_load_blocks: int = 0
     failed_stores: int = 0
     seconds: float = 0.0
-    traffic: dict[str, TierTraffic] = field(default_factory=dict)
-    tier_stats: dict[str, dict[str, object]] = field(default_factory=dict)
+    traffic: dict[str, TierStats] = field(default_factory=dict)
 
     @property
     def ok(self) -> bool:
@@ -111,8 +110,7 @@ class DemoReplay:
         self.stats = DemoStats(groups=[GroupStats() for _ in self.layout.groups])
 
     def close(self) -> None:
-        self.stats.traffic = {k: v for k, v in self.engine.traffic().items()}
-        self.stats.tier_stats = self.engine.cascade.stats()
+        self.stats.traffic = self.engine.stats()
         self.engine.close()
 
     # -- one request ---------------------------------------------------------------

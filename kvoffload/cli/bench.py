@@ -19,10 +19,9 @@ import sys
 from fractions import Fraction
 from typing import Any
 
-from kvoffload.bench import LOCAL_TIERS, BenchRow, run_bench
+from kvoffload.bench import BENCH_TIERS, LOCAL_TIERS, BenchRow, run_bench
 from kvoffload.config.remote_url import RemoteURL, parse_remote_url
 from kvoffload.errors import ConfigError
-from kvoffload.registry import TIERS
 
 __all__ = ["parse_chunk_mib", "register", "run"]
 
@@ -37,7 +36,7 @@ def register(subparsers: Any) -> None:
         "reference run on the same bytes: memcpy for cpu, sequential O_DIRECT for disk, "
         "plain redis-py SET/GET (and pipelined EXISTS for lookups) for redis.",
     )
-    parser.add_argument("--tier", choices=(*TIERS.names(), "all"), default="all")
+    parser.add_argument("--tier", choices=(*BENCH_TIERS, "all"), default="all")
     parser.add_argument(
         "--chunk-mib",
         default="0.25,1,4,16",

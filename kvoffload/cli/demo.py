@@ -141,7 +141,8 @@ def to_json(stats: DemoStats) -> dict[str, Any]:
     tiers = {
         name: {"stored_bytes": t.store_bytes, "store_gbps": t.store_gbps,
                "loaded_bytes": t.load_bytes, "load_gbps": t.load_gbps,
-               "store_failures": t.store_failures, "load_failures": t.load_failures}
+               "store_failures": t.store_failures + t.dropped,
+               "load_failures": t.load_failures + t.corrupt}
         for name, t in stats.traffic.items()
     }  # fmt: skip
     return {

@@ -20,9 +20,13 @@ Guarantees:
   read and checksum-verified from a lower tier into it); only chunks that
   passed are scattered. Every block of a chunk that failed is reported in
   ``JobResult.failed_blocks``, so the engine recomputes exactly those.
-* **Failed stores are reported**, counted in :meth:`stats`, never swallowed.
+* **Failed stores are reported** in their ``JobResult``, never swallowed.
   Stores cover whole chunks; lower-tier write failures are reported in
   ``JobResult.errors`` without failing the store (see :mod:`kvoffload.tiers.cascade`).
+* **Counted once, by the tiers.** The engine times its copies into and out of
+  the CPU slab and records them in the slab's counters; every lower tier counts
+  its own I/O. :meth:`stats` returns one record per tier; jobs are reported,
+  not counted, here (the connector's worker side counts them from the reports).
 * **Engine blocks are free again early.** A store job copies all its blocks
   into CPU slots first, then writes lower tiers; :meth:`wait_for_sources`
   returns once every submitted store is past the copy, so a connector can let
@@ -40,7 +44,6 @@ import time
 from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack
-from typing import Any
 
 import torch
 
@@ -49,9 +52,10 @@ from kvoffload.engine._outcome import Outcome
 from kvoffload.errors import TransferError
 from kvoffload.messages import ChunkSpan, JobKind, JobResult
 from kvoffload.tiers.base import Tier
-from kvoffload.tiers.cascade import TierCascade, TierTraffic
-from kvoffload.tiers.cpu import CPUTier
+from kvoffload.tiers.cascade import TierCascade
+from kvoffload.tiers.cpu import CPUSlab
 from kvoffload.tiers.from_config import lower_tiers
+from kvoffload.tiers.stats import TierStats
 from kvoffload.transfer import KVTransfer
 
 __all__ = ["OffloadEngine"]
@@ -76,21 +80,18 @@ class OffloadEngine:
         self._finished: list[JobResult] = []
         self._pending = 0
         self._reading = 0  # store jobs still reading engine blocks
-        self._counters = dict.fromkeys(
-            ("stores", "loads", "stored_chunks", "store_failures", "loaded_chunks",
-             "load_failures", "promotions"), 0)  # fmt: skip
         self._closed = False
 
     @classmethod
     def create(
         cls,
         transfer: KVTransfer,
-        cpu: CPUTier,
+        cpu: CPUSlab,
         lower: Sequence[Tier] = (),
         *,
         max_workers: int = 2,
     ) -> OffloadEngine:
-        """An engine over a CPU tier and lower tiers (disk, ...), in cascade order."""
+        """An engine over a CPU slab and lower tiers (disk, ...), in cascade order."""
         return cls(transfer, TierCascade(cpu, lower), max_workers=max_workers)
 
     @classmethod
@@ -110,9 +111,8 @@ class OffloadEngine:
         ``remote_queue_bytes`` (see :mod:`kvoffload.tiers.cascade`).
         """
         transfer = KVTransfer(config.layout, kv_caches, config.blocks_per_chunk)
-        cpu = CPUTier(config.num_cpu_chunks, config.max_chunk_bytes)
-        lower = lower_tiers(config, namespace)
-        cascade = TierCascade(cpu, lower, write_behind_bytes=config.remote_queue_bytes)
+        cpu = CPUSlab(config.num_cpu_chunks, config.max_chunk_bytes)
+        cascade = TierCascade(cpu, lower_tiers(config, namespace))
         return cls(transfer, cascade, max_workers=max_workers)
 
     # -- the worker-side interface -------------------------------------------------
@@ -166,17 +166,9 @@ class OffloadEngine:
         with self._cond:
             return self._cond.wait_for(lambda: self._pending == 0, timeout)
 
-    def stats(self) -> dict[str, Any]:
-        """Job counters plus per-tier traffic and each tier's own counters."""
-        with self._cond:
-            counters: dict[str, Any] = dict(self._counters)
-        counters["pending"] = self._pending
-        counters["tiers"] = self.cascade.stats()
-        return counters
-
-    def traffic(self) -> dict[str, TierTraffic]:
-        """Bytes and seconds per tier: ``cpu`` is engine <-> slab, lower tiers their I/O."""
-        return self.cascade.traffic
+    def stats(self) -> dict[str, TierStats]:
+        """One record per tier, CPU slab first: ``cpu`` counts engine <-> slab copies."""
+        return self.cascade.stats()
 
     def close(self) -> None:
         """Finish queued jobs, then close the tiers; safe to call twice."""
@@ -272,13 +264,7 @@ class OffloadEngine:
         return stack
 
     def _finish(self, result: JobResult) -> None:
-        store = result.kind is JobKind.STORE
         with self._cond:
-            c = self._counters
-            c["stores" if store else "loads"] += 1
-            c["stored_chunks" if store else "loaded_chunks"] += len(result.done_keys)
-            c["store_failures" if store else "load_failures"] += len(result.failed_keys)
-            c["promotions"] += len(result.promoted_keys)
             self._finished.append(result)
             self._pending -= 1
             self._cond.notify_all()
@@ -298,12 +284,13 @@ class OffloadEngine:
         except Exception as exc:  # reported per chunk below; the slots hold nothing
             for slot in span.slots:
                 cpu.release(slot)
-            self.cascade.traffic[cpu.name].add(True, 0, time.perf_counter() - start, ok=False)
+            cpu.counters.add(store_failures=len(span.keys))
             outcome.failed.extend(span.keys)
             outcome.errors.append(f"transfer: group {span.group}: {exc}")
             return False
         moved = nbytes * len(span.keys)
-        self.cascade.traffic[cpu.name].add(True, moved, time.perf_counter() - start)
+        cpu.counters.add(stores=len(span.keys), store_bytes=moved,
+                         store_seconds=time.perf_counter() - start)  # fmt: skip
         outcome.nbytes += moved
         return True
 
@@ -352,10 +339,11 @@ class OffloadEngine:
             buffers = [cpu.slot(slot, nbytes) for slot in span.slots[start:stop]]
             self.transfer.scatter(span.group, sub, buffers)
         except Exception as exc:  # the engine recomputes these blocks
-            self.cascade.traffic[cpu.name].add(False, 0, time.perf_counter() - begin, ok=False)
+            cpu.counters.add(load_failures=stop - start)
             outcome.errors.append(f"transfer: group {span.group}: {exc}")
             return False
         moved = len(sub.block_ids) * self.transfer.layout.groups[span.group].block_bytes
-        self.cascade.traffic[cpu.name].add(False, moved, time.perf_counter() - begin)
+        cpu.counters.add(loads=stop - start, load_bytes=moved,
+                         load_seconds=time.perf_counter() - begin)  # fmt: skip
         outcome.nbytes += moved
         return True

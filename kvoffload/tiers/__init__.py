@@ -1,20 +1,25 @@
-"""Where chunk bytes live: the CPU slab, the disk tier, the remote tier, and their cascade.
+"""Where chunk bytes live: the CPU slab, the lower tiers (disk, remote), and their cascade.
 
-* :class:`~kvoffload.tiers.cpu.CPUTier`: host slab of slots the index hands
-  out (pinned where CUDA is present); the first tier, never evicts on its own.
+* :class:`~kvoffload.tiers.cpu.CPUSlab`: host slab of slots the index hands
+  out (pinned where CUDA is present); always first, addressed by slot, never
+  evicts on its own. Not a ``Tier``.
 * :class:`~kvoffload.tiers.disk.DiskTier`: checksummed chunk files under
   ``<disk_path>/<namespace>/``, with its own byte budget.
 * :class:`~kvoffload.tiers.remote.RedisTier`: a Redis / Valkey server or a
-  Redis Cluster shared by a fleet; the server evicts.
+  Redis Cluster shared by a fleet; the server evicts. Written behind the
+  store jobs through a ``WriteBehind`` queue.
 * :class:`~kvoffload.tiers.cascade.TierCascade`: the order they are written
-  and read in (write-through to disk, write-behind to the remote tier,
-  promotion into the CPU slot on a lower-tier hit).
+  and read in (write-through to every lower tier, promotion into the CPU slot
+  on a lower-tier hit).
 
-The contract every lower tier keeps is :class:`~kvoffload.tiers.base.Tier`;
+The contract every lower tier keeps is :class:`~kvoffload.tiers.base.Tier`
+(``put``, ``get_into``, ``contains_many``, ``discard``, ``stats``, ``close``);
 the scheduler side only ever sees a :class:`~kvoffload.tiers.base.TierProbe`.
-:mod:`kvoffload.tiers.from_config` builds both from an ``OffloadConfig``.
-The CPU slab needs torch, so the tier classes are imported on first use and
-the scheduler side imports this package without torch.
+Every tier counts its events in one :class:`~kvoffload.tiers.stats.TierStats`
+record (``stats()``). :mod:`kvoffload.tiers.from_config` builds tiers and
+probes from an ``OffloadConfig``. The CPU slab needs torch, so the tier
+classes are imported on first use and the scheduler side imports this
+package without torch.
 """
 
 from __future__ import annotations
@@ -23,15 +28,16 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 from kvoffload.tiers.base import ChunkBuffer, Tier, TierProbe
+from kvoffload.tiers.stats import TierStats
 
 if TYPE_CHECKING:
     from kvoffload.tiers.cascade import TierCascade
-    from kvoffload.tiers.cpu import CPUTier
+    from kvoffload.tiers.cpu import CPUSlab
     from kvoffload.tiers.disk import DiskProbe, DiskTier
     from kvoffload.tiers.remote import RedisTier
 
 _LAZY = {
-    "CPUTier": "kvoffload.tiers.cpu",
+    "CPUSlab": "kvoffload.tiers.cpu",
     "DiskProbe": "kvoffload.tiers.disk",
     "DiskTier": "kvoffload.tiers.disk",
     "RedisTier": "kvoffload.tiers.remote",
@@ -46,7 +52,7 @@ def __getattr__(name: str) -> Any:
 
 
 __all__ = [
-    "CPUTier",
+    "CPUSlab",
     "ChunkBuffer",
     "DiskProbe",
     "DiskTier",
@@ -54,4 +60,5 @@ __all__ = [
     "Tier",
     "TierCascade",
     "TierProbe",
+    "TierStats",
 ]

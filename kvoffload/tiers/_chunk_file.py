@@ -203,16 +203,19 @@ class ChunkFileIO:
         finally:
             os.close(fd)
 
-    def read_into(self, path: Path, name: tuple[bytes, bytes], out: ChunkBuffer) -> None:
+    def read_into(self, path: Path, name: tuple[bytes, bytes], out: ChunkBuffer) -> bool:
         """Fill ``out`` from ``path``, verified against chunk ``name`` (namespace, key).
 
-        Raises ``OSError`` (``FileNotFoundError`` if gone), ``CorruptChunkError``
-        (bad header, truncated, checksum mismatch) or ``TierError`` (the chunk
-        is intact but not ``out.nbytes`` long).
+        ``False`` if there is no such file (a miss, not an error). Raises
+        ``OSError``, ``CorruptChunkError`` (bad header, truncated, checksum
+        mismatch) or ``TierError`` (the chunk is intact but not ``out.nbytes`` long).
         """
         n, body = out.nbytes, out.nbytes - out.nbytes % ALIGN
         staged = not self._zero_copy(out)
-        fd = os.open(path, os.O_RDONLY | self._flags())
+        try:
+            fd = os.open(path, os.O_RDONLY | self._flags())
+        except FileNotFoundError:
+            return False
         try:
             with self._buffers.lease(file_bytes(n) if staged else 2 * ALIGN) as scratch:
                 header = scratch[:ALIGN]
@@ -236,6 +239,7 @@ class ChunkFileIO:
             raise CorruptChunkError(
                 f"payload checksum mismatch: {actual:#x} != stored {checked.payload_sum:#x}"
             )
+        return True
 
 
 def pack_record(namespace: bytes, key: bytes, payload: ChunkBuffer) -> np.ndarray:

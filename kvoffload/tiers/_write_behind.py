@@ -1,63 +1,65 @@
-"""Write-behind for a slow lower tier: a bounded queue and one writer thread.
+"""Write-behind for a slow lower tier: a bounded queue and one writer thread, itself a ``Tier``.
 
-A store job hands a chunk to :meth:`WriteBehind.submit`, which stages a
-private copy at once (``Tier.stage_put``: the CPU slot may be evicted and
-reused as soon as the job reports done, so nothing reads it later) and
-queues the write. The job does not wait for the network.
+:class:`WriteBehind` wraps a network tier (the remote tier) so that the
+cascade treats it like any other lower tier: ``put`` stages a private copy at
+once (the tier's ``stage_put``: the CPU slot may be evicted and reused as soon
+as the store job reports done, so nothing reads it later) and queues the
+write; loads, probes and discards go straight to the tier. The store job does
+not wait for the network.
 
-What can go wrong, and where it is reported:
+Why ``stage_put`` and not ``data.copy()`` then ``put``: the remote tier packs
+each chunk into one record (header and payload) anyway, so staging *is* that
+packing, the one copy out of the slot; a plain copy first would be a second
+copy of every chunk. It also lets a tier refuse at once (a server known to be
+down), so the job names the failure and no memory is queued for it.
 
-* **Refused at submit** (the queue already holds ``max_bytes``, the tier is
-  known to be down, the queue is closed): ``submit`` raises ``TierError``, so
-  the store job names the failure in ``JobResult.errors``; it is also counted
-  (``dropped``, the tier's ``store_failures``, the cascade's traffic).
+What can go wrong, and where it is counted (each once; see
+:mod:`kvoffload.tiers.stats`):
+
+* **Refused by the queue** (it already holds ``max_bytes``, or it is closed):
+  ``put`` raises ``TierError``, so the store job names the failure in
+  ``JobResult.errors``; counted in ``dropped``. Refused by the tier while
+  staging: raised the same way, counted by the tier as a failed store.
 * **Failed in the background** (the server died after the chunk was queued,
-  refused it, timed out): counted in ``failed``, in the tier's own
-  counters and in the cascade's traffic as a failed store; the first failure
-  of a run of them is logged as a warning on the ``kvoffload`` logger (the
-  tier logs the outage itself once), later ones only counted until a write
-  succeeds again.
+  refused it, timed out): counted by the tier as a failed store; the first
+  failure of a run of them is logged as a warning on the ``kvoffload``
+  logger (the tier logs the outage itself once), later ones only counted
+  until a write succeeds again.
+* **Left in the queue at close**: counted in ``dropped``.
 
-Nothing blocks the engine: ``submit`` never waits for room, and a write
-takes at most the tier's own call timeout. ``close`` drains what is queued
-for a bounded time and counts whatever it had to leave as dropped.
+Nothing blocks the engine: ``put`` never waits for room, and a write takes at
+most the tier's own call timeout. ``close`` drains what is queued for a
+bounded time, then closes the tier.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
-import time
 from collections import deque
-from collections.abc import Callable
-from dataclasses import asdict, dataclass
-from typing import Any, NoReturn
+from collections.abc import Callable, Sequence
+from typing import NoReturn, Protocol
 
-from kvoffload.errors import TierError
+from kvoffload.errors import ConfigError, TierError
 from kvoffload.tiers.base import ChunkBuffer, Tier
+from kvoffload.tiers.stats import TierCounters, TierStats
 
-__all__ = ["WriteBehind"]
+__all__ = ["StagedTier", "WriteBehind"]
 
 logger = logging.getLogger("kvoffload")
 
-#: Called after every write: (ok, payload bytes, seconds). The cascade counts traffic with it.
-Report = Callable[[bool, int, float], None]
+
+class StagedTier(Protocol):
+    """A tier that can copy a chunk now and store the copy later (the remote tier)."""
+
+    name: str
+
+    def stage_put(self, key: bytes, data: ChunkBuffer) -> Callable[[], None]: ...
 
 
-@dataclass(slots=True)
-class _Counters:
-    queued: int = 0
-    written: int = 0
-    written_bytes: int = 0
-    failed: int = 0
-    dropped: int = 0
-    dropped_bytes: int = 0
-    queue_bytes: int = 0
-    queue_peak_bytes: int = 0
-
-
-class WriteBehind:
-    """Writes chunks to ``tier`` from a queue of at most ``max_bytes`` staged bytes.
+class WriteBehind(Tier):
+    """``tier`` written from a queue of at most ``max_bytes`` staged bytes; see the module doc.
 
     At least one chunk is always accepted when the queue is empty, so a
     bound below one chunk does not silently stop all writes (the
@@ -65,88 +67,109 @@ class WriteBehind:
     with the first chunk, so building one costs nothing.
     """
 
-    def __init__(self, tier: Tier, max_bytes: int, report: Report) -> None:
+    def __init__(self, tier: Tier, max_bytes: int) -> None:
+        if not callable(getattr(tier, "stage_put", None)):
+            raise ConfigError(f"write-behind needs a tier with stage_put (remote), got {tier!r}")
         self.tier = tier
+        self.name = tier.name
         self.max_bytes = max_bytes
-        self._report = report
+        self._staged: StagedTier = tier  # type: ignore[assignment]
         self._cond = threading.Condition()
         self._queue: deque[tuple[bytes, Callable[[], None], int]] = deque()
         self._writing = 0
-        self._counters = _Counters()
+        self._queue_bytes = 0
+        self._peak_bytes = 0
+        self._counters = TierCounters(self.name, ("queued",))
         self._failing = False  # inside a run of failures: warned once already
         self._thread: threading.Thread | None = None
         self._closed = False
 
-    def submit(self, key: bytes, data: ChunkBuffer) -> None:
-        """Stage a copy of ``data`` and queue its write; ``TierError`` (counted) if refused."""
+    def put(self, key: bytes, data: ChunkBuffer) -> None:
+        """Stage a copy of ``data`` and queue its write; ``TierError`` if refused."""
         nbytes = data.nbytes
         with self._cond:
             reason = self._refusal(nbytes)
             if reason is None:
-                self._counters.queue_bytes += nbytes  # reserved while staging
+                self._queue_bytes += nbytes  # reserved while staging
         if reason is not None:
-            self._drop(nbytes, reason)
+            self._counters.add(dropped=1)
+            self._refused(reason)
         try:
-            write = self.tier.stage_put(key, data)
+            write = self._staged.stage_put(key, data)  # counted by the tier if it refuses
         except TierError as exc:
             with self._cond:
-                self._counters.queue_bytes -= nbytes
-            self._drop(nbytes, str(exc), warn=False)
+                self._queue_bytes -= nbytes
+            raise TierError(f"{self.name} store not queued: {exc}") from exc
+        self._counters.add(queued=1)
         with self._cond:
-            c = self._counters
             self._queue.append((key, write, nbytes))
-            c.queued += 1
-            c.queue_peak_bytes = max(c.queue_peak_bytes, c.queue_bytes)
+            self._peak_bytes = max(self._peak_bytes, self._queue_bytes)
             if self._thread is None:
                 self._thread = threading.Thread(
-                    target=self._run, name=f"kvoffload-{self.tier.name}-writer", daemon=True
+                    target=self._run, name=f"kvoffload-{self.name}-writer", daemon=True
                 )
                 self._thread.start()
             self._cond.notify_all()
 
+    def get_into(self, key: bytes, out: ChunkBuffer) -> bool:
+        return self.tier.get_into(key, out)
+
+    def contains_many(self, keys: Sequence[bytes]) -> list[bool]:
+        return self.tier.contains_many(keys)
+
+    def discard(self, key: bytes) -> None:
+        self.tier.discard(key)
+
     def drain(self, timeout: float | None = None) -> bool:
-        """Wait until every queued write finished (written or failed) and was reported.
+        """Wait until every queued write finished (stored or failed) and was logged.
 
         ``False`` on timeout.
         """
         with self._cond:
             return self._cond.wait_for(lambda: not self._queue and not self._writing, timeout)
 
-    def stats(self) -> dict[str, Any]:
+    def stats(self) -> TierStats:
+        """The tier's stats, with the queue's: ``dropped``, ``queued`` and its byte gauges."""
+        inner, mine = self.tier.stats(), self._counters.snapshot()
         with self._cond:
-            stats: dict[str, Any] = asdict(self._counters)
-        stats["max_bytes"] = self.max_bytes
-        return stats
+            gauges = {"queue_bytes": self._queue_bytes, "queue_peak_bytes": self._peak_bytes,
+                      "queue_max_bytes": self.max_bytes}  # fmt: skip
+        return dataclasses.replace(
+            inner,
+            dropped=inner.dropped + mine.dropped,
+            counters={**inner.counters, **mine.counters},
+            gauges={**inner.gauges, **gauges},
+        )
+
+    def check_integrity(self) -> None:
+        self.tier.check_integrity()
 
     def close(self, timeout: float = 10.0) -> None:
-        """Refuse new writes, finish queued ones for up to ``timeout`` s, drop the rest."""
+        """Refuse new writes, finish queued ones for up to ``timeout`` s, drop the rest, close."""
         with self._cond:
             self._closed = True
             self._cond.notify_all()
         self.drain(timeout)
         with self._cond:
             left, self._queue = list(self._queue), deque()
-            for _, _, nbytes in left:
-                self._counters.dropped += 1
-                self._counters.dropped_bytes += nbytes
-                self._counters.queue_bytes -= nbytes
+            self._queue_bytes -= sum(nbytes for _, _, nbytes in left)
             self._cond.notify_all()
-        for _, _, nbytes in left:
-            self._report(False, nbytes, 0.0)
         if left:
+            self._counters.add(dropped=len(left))
             logger.warning(
-                "kvoffload: closing the %s tier dropped %d queued writes", self.tier.name, len(left)
+                "kvoffload: closing the %s tier dropped %d queued writes", self.name, len(left)
             )
         thread = self._thread
         if thread is not None:
             thread.join(timeout)
+        self.tier.close()
 
     # -- internals ----------------------------------------------------------
     def _refusal(self, nbytes: int) -> str | None:
         """Why a chunk of ``nbytes`` cannot be queued now, or ``None``; caller holds the lock."""
         if self._closed:
             return "its write queue is closed"
-        used = self._counters.queue_bytes
+        used = self._queue_bytes
         if used and used + nbytes > self.max_bytes:
             return (
                 f"its write queue is full ({used} B queued, {nbytes} B more would pass "
@@ -154,21 +177,18 @@ class WriteBehind:
             )
         return None
 
-    def _drop(self, nbytes: int, reason: str, *, warn: bool = True) -> NoReturn:
+    def _refused(self, reason: str) -> NoReturn:
         with self._cond:
-            self._counters.dropped += 1
-            self._counters.dropped_bytes += nbytes
-            first = warn and not self._failing
-            self._failing = self._failing or warn
-        self._report(False, nbytes, 0.0)
+            first = not self._failing
+            self._failing = True
         if first:
             logger.warning(
                 "kvoffload: %s tier store dropped: %s; further failures are counted in stats "
                 "until a write succeeds",
-                self.tier.name,
+                self.name,
                 reason,
             )
-        raise TierError(f"{self.tier.name} store not queued: {reason}")
+        raise TierError(f"{self.name} store not queued: {reason}")
 
     def _run(self) -> None:
         while True:
@@ -178,36 +198,28 @@ class WriteBehind:
                     return  # closed and drained
                 key, write, nbytes = self._queue.popleft()
                 self._writing += 1
-            start = time.perf_counter()
-            ok, error = True, ""
+            error = ""
             try:
-                write()
-            except Exception as exc:  # a tier raises TierError; anything else is still counted
-                ok, error = False, f"{type(exc).__name__}: {exc}"
-            self._finished(key, nbytes, ok, error, time.perf_counter() - start)
+                write()  # counts its own outcome in the tier's stats
+            except Exception as exc:  # a tier raises TierError; anything else is counted too
+                error = f"{type(exc).__name__}: {exc}"
+            self._finished(key, nbytes, error)
 
-    def _finished(self, key: bytes, nbytes: int, ok: bool, error: str, seconds: float) -> None:
+    def _finished(self, key: bytes, nbytes: int, error: str) -> None:
         with self._cond:
-            c = self._counters
-            c.queue_bytes -= nbytes
-            if ok:
-                c.written += 1
-                c.written_bytes += nbytes
-            else:
-                c.failed += 1
-            first_failure = not ok and not self._failing
-            self._failing = not ok
+            self._queue_bytes -= nbytes
+            first_failure = bool(error) and not self._failing
+            self._failing = bool(error)
         try:
-            self._report(ok, nbytes, seconds)
             if first_failure:
                 logger.warning(
                     "kvoffload: background write of chunk %s to the %s tier failed (%s); "
                     "further failures are counted in stats until a write succeeds",
                     key.hex()[:16],
-                    self.tier.name,
+                    self.name,
                     error,
                 )
         finally:
-            with self._cond:  # only now is the write done for drain(): counted, reported, logged
+            with self._cond:  # only now is the write done for drain(): counted and logged
                 self._writing -= 1
                 self._cond.notify_all()

@@ -14,16 +14,18 @@ Why it is built this way:
   the checksum turns a torn one into a miss, never into wrong KV.
 * **Its own bound.** Unlike a plain file cache that fills the disk, the tier
   keeps an LRU index (by last store or load) and evicts inside its budget
-  before writing. Evicted keys are counted and handed to the caller through
-  :meth:`DiskTier.take_evicted`, so the scheduler-side index can forget them.
+  before writing. Evictions are counted in its stats and told to nobody: the
+  scheduler side asks the directory what it holds (:class:`DiskProbe`), so
+  there is no second index to keep in step.
 * **Warm restart.** The index is rebuilt at start from the namespace
   directory, oldest mtime first; loads refresh a file's mtime so the LRU order
   survives a restart. Another namespace lives in another directory and
   carries its fingerprint in every header, so it never sees these chunks.
 * **Degrades, never crashes.** ``ENOSPC``, ``EACCES``, ``EIO`` and a full
-  budget fail that one store with ``TierError`` (chained from the
-  ``OSError``) and are counted; a checksum mismatch drops the chunk and raises
-  ``CorruptChunkError``. The tier keeps serving either way.
+  budget fail that one call with ``TierError`` (chained from the ``OSError``,
+  translated in one place, :func:`_os_errors`); a checksum mismatch drops the
+  chunk and raises ``CorruptChunkError``; a file that vanished is a miss.
+  Each is counted, and the tier keeps serving.
 
 One process owns a namespace directory at a time: the index is in memory and
 start-up removes temp files, which would break a second live writer.
@@ -37,12 +39,10 @@ import re
 import secrets
 import threading
 from collections import OrderedDict
-from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import Any
 
-from kvoffload.errors import ConfigError, CorruptChunkError, TierError
+from kvoffload.errors import ConfigError, CorruptChunkError, IntegrityError, TierError
 from kvoffload.tiers._chunk_file import MAX_KEY_BYTES, ChunkFileIO, file_bytes
 from kvoffload.tiers._direct_io import probe_direct_io
 from kvoffload.tiers._disk_checks import (
@@ -53,28 +53,21 @@ from kvoffload.tiers._disk_checks import (
     valid_key,
 )
 from kvoffload.tiers.base import ChunkBuffer, Tier
+from kvoffload.tiers.stats import TierCounters, TierStats
 
 __all__ = ["DiskProbe", "DiskTier"]
 
 _CHUNK_NAME = re.compile(rf"([0-9a-f]{{2,{2 * MAX_KEY_BYTES}}})\.kv")
 
 
-@dataclass(slots=True)
-class _Counters:
-    """What ``stats()`` reports besides the live sizes."""
-
-    stores: int = 0
-    store_bytes: int = 0
-    store_failures: int = 0
-    loads: int = 0
-    load_bytes: int = 0
-    load_misses: int = 0
-    load_failures: int = 0
-    corrupt_chunks: int = 0
-    evictions: int = 0
-    evicted_bytes: int = 0
-    temp_files_cleaned: int = 0
-    unlink_failures: int = 0
+@contextlib.contextmanager
+def _os_errors(what: str, error: type[TierError | ConfigError] = TierError) -> Iterator[None]:
+    """The disk tier's one translation of ``OSError``: ``TierError`` for a call (that call
+    fails, the tier serves on), ``ConfigError`` at start-up (the directory is unusable)."""
+    try:
+        yield
+    except OSError as exc:
+        raise error(f"{what} failed: {exc}") from exc
 
 
 class DiskTier(Tier):
@@ -112,12 +105,10 @@ class DiskTier(Tier):
         self._index: OrderedDict[bytes, int] = OrderedDict()  # key -> file bytes, LRU first
         self._used = 0
         self._reserved = 0
-        self._evicted: list[bytes] = []
-        self._counters = _Counters()
+        self._counters = TierCounters(self.name, ("temp_files_cleaned", "unlink_failures"))
         self._closed = False
-        self._rebuild_index()
-
-    # -- properties ---------------------------------------------------------
+        with _os_errors(f"reading disk_path {str(path)!r}", ConfigError):
+            self._rebuild_index()
 
     @property
     def directory(self) -> Path:
@@ -129,15 +120,8 @@ class DiskTier(Tier):
         """Whether chunks move with O_DIRECT (else buffered I/O)."""
         return self._io.direct
 
-    @property
-    def capacity_bytes(self) -> int:
-        """The budget, ``disk_bytes_to_use``, that files (headers and padding included) stay in."""
-        return self._capacity
-
     def _path(self, key: bytes) -> Path:
         return self._dir / f"{key.hex()}.kv"
-
-    # -- start-up -----------------------------------------------------------
 
     def _rebuild_index(self) -> None:
         """Index the chunks a previous process left, oldest first; delete its temp files."""
@@ -146,17 +130,16 @@ class DiskTier(Tier):
             for entry in entries:
                 if entry.name.endswith(".tmp"):
                     self._unlink(Path(entry.path))
-                    self._counters.temp_files_cleaned += 1
+                    self._counters.add(temp_files_cleaned=1)
                 elif (match := _CHUNK_NAME.fullmatch(entry.name)) and len(match[1]) % 2 == 0:
                     st = entry.stat(follow_symlinks=False)
                     found.append((st.st_mtime_ns, bytes.fromhex(match[1]), st.st_size))
-        for _, key, size in sorted(found):
-            self._index[key] = size
-            self._used += size
         with self._lock:
+            for _, key, size in sorted(found):
+                self._index[key] = size
+                self._used += size
             while self._used > self._capacity:
                 self._evict_one(exclude=None)
-            self._evicted.clear()  # nobody above has heard of these keys yet
 
     # -- the Tier contract --------------------------------------------------
 
@@ -166,103 +149,46 @@ class DiskTier(Tier):
         Raises ``TierError`` (counted) for a bad key, a chunk bigger than the
         budget, a budget held entirely by stores in flight, or an ``OSError``.
         """
-        self._check_open()
-        payload = checked_buffer("data", data)
-        if not valid_key(key):
-            self._count_store_failure()
-            raise TierError(f"DiskTier: key must be 1 to {MAX_KEY_BYTES} bytes, got {key!r:.80}")
-        need = file_bytes(payload.nbytes)
-        self._reserve(key, need)
-        tmp = self._dir / f"{key.hex()}.{secrets.token_hex(8)}.tmp"
-        committed = False
-        try:
-            self._io.write(tmp, (self._namespace, key), payload)
-            committed = self._commit(key, tmp, need, payload.nbytes)
-        except OSError as exc:  # ENOSPC, EACCES, EIO, ...: this store fails, the tier serves on
-            raise TierError(f"disk store of {key.hex()} failed: {exc}") from exc
-        finally:
-            if not committed:
-                with self._lock:
-                    self._reserved -= need
-                    self._counters.store_failures += 1
-                    self._unlink(tmp)
+        self._counters.store(lambda: self._write(key, data))
 
-    def get_into(self, key: bytes, out: ChunkBuffer) -> None:
-        """Fill ``out`` with the verified chunk; raise ``TierError`` / ``CorruptChunkError``.
+    def get_into(self, key: bytes, out: ChunkBuffer) -> bool:
+        """Fill ``out`` with the verified chunk; ``False`` if not held (or the file vanished).
 
-        A corrupt or vanished file is dropped from the index and reported by
-        :meth:`take_evicted`; a size mismatch leaves the chunk in place.
+        A corrupt chunk is dropped and raises ``CorruptChunkError``; a size
+        mismatch raises ``TierError`` and leaves the chunk in place.
         """
-        self._check_open()
-        buf = checked_buffer("out", out)
-        with self._lock:
-            if key not in self._index:
-                self._counters.load_misses += 1
-                raise TierError(f"disk tier does not hold {key.hex() if valid_key(key) else key!r}")
-            self._index.move_to_end(key)
-        path = self._path(key)
-        try:
-            self._io.read_into(path, (self._namespace, key), buf)
-        except CorruptChunkError:
-            self._drop(key, corrupt=True)
-            raise
-        except TierError:
-            self._count_load_failure()
-            raise
-        except FileNotFoundError as exc:
-            self._drop(key, corrupt=False)
-            raise TierError(f"disk chunk {key.hex()} vanished from {self._dir}") from exc
-        except OSError as exc:
-            self._count_load_failure()
-            raise TierError(f"disk load of {key.hex()} failed: {exc}") from exc
-        with contextlib.suppress(OSError):
-            os.utime(path)  # keeps LRU order across restarts; best effort
-        with self._lock:
-            self._counters.loads += 1
-            self._counters.load_bytes += buf.nbytes
+        return self._counters.load(out.nbytes, lambda: self._read(key, out))
 
-    def contains(self, key: bytes) -> bool:
-        """Whether the index holds ``key`` (the file may still turn out corrupt)."""
+    def contains_many(self, keys: Sequence[bytes]) -> list[bool]:
+        """Whether the index holds each key (a file may still turn out corrupt)."""
         with self._lock:
-            return key in self._index
+            return [key in self._index for key in keys]
 
     def discard(self, key: bytes) -> None:
-        """Delete ``key``'s file; not reported by :meth:`take_evicted` (the caller asked)."""
+        """Delete ``key``'s file; not an eviction (the caller asked)."""
         with self._lock:
             size = self._index.pop(key, None)
             if size is not None:
                 self._used -= size
                 self._unlink(self._path(key))
 
-    def keys(self) -> list[bytes]:
-        """The stored keys, least recently used first (what a warm restart found, too)."""
+    def stats(self) -> TierStats:
+        """Counters plus live sizes: chunks, used/capacity bytes; reserved bytes, direct_io."""
         with self._lock:
-            return list(self._index)
-
-    def take_evicted(self) -> list[bytes]:
-        """Keys the tier dropped on its own since the last call (budget, corruption, loss)."""
-        with self._lock:
-            evicted, self._evicted = self._evicted, []
-            return evicted
-
-    def stats(self) -> dict[str, Any]:
-        """Counters plus live sizes: chunks, used/reserved/capacity bytes, direct_io."""
-        with self._lock:
-            return {
-                **asdict(self._counters),
-                "chunks": len(self._index),
-                "used_bytes": self._used,
-                "reserved_bytes": self._reserved,
-                "capacity_bytes": self._capacity,
-                "direct_io": self._io.direct,
-            }
+            chunks, used, reserved = len(self._index), self._used, self._reserved
+        return self._counters.snapshot(
+            used_bytes=used,
+            chunks=chunks,
+            capacity_bytes=self._capacity,
+            gauges={"reserved_bytes": reserved, "direct_io": int(self._io.direct)},
+        )
 
     def check_integrity(self) -> None:
         """Compare the index with its own accounting and with the directory; raise with numbers."""
-        with self._lock:
+        with self._lock, _os_errors(f"listing {self._dir}"):
             total = sum(self._index.values())
             if total != self._used or self._used > self._capacity or self._reserved < 0:
-                raise TierError(
+                raise IntegrityError(
                     f"disk index: files sum to {total} B, used {self._used} B, "
                     f"reserved {self._reserved} B, capacity {self._capacity} B"
                 )
@@ -277,7 +203,7 @@ class DiskTier(Tier):
             extra = len(on_disk.keys() - self._index.keys())
             if wrong or extra:
                 sample = dict(list(wrong.items())[:3])
-                raise TierError(
+                raise IntegrityError(
                     f"disk index disagrees with {self._dir}: {len(wrong)} entries with a "
                     f"missing or resized file (key: (indexed, on disk) {sample}), "
                     f"{extra} unindexed files"
@@ -294,13 +220,48 @@ class DiskTier(Tier):
         if self._closed:
             raise TierError("disk tier is closed")
 
-    def _count_store_failure(self) -> None:
-        with self._lock:
-            self._counters.store_failures += 1
+    def _write(self, key: bytes, data: ChunkBuffer) -> int:
+        """Reserve room, write a temp file, rename it into place; the payload bytes stored."""
+        self._check_open()
+        payload = checked_buffer("data", data)
+        if not valid_key(key):
+            raise TierError(f"DiskTier: key must be 1 to {MAX_KEY_BYTES} bytes, got {key!r:.80}")
+        need = file_bytes(payload.nbytes)
+        self._reserve(key, need)
+        tmp = self._dir / f"{key.hex()}.{secrets.token_hex(8)}.tmp"
+        committed = False
+        try:
+            with _os_errors(f"disk store of {key.hex()}"):
+                self._io.write(tmp, (self._namespace, key), payload)
+                committed = self._commit(key, tmp, need)
+        finally:
+            if not committed:
+                with self._lock:
+                    self._reserved -= need
+                    self._unlink(tmp)
+        return payload.nbytes
 
-    def _count_load_failure(self) -> None:
+    def _read(self, key: bytes, out: ChunkBuffer) -> bool:
+        """Load ``key`` into ``out``; ``False`` if not indexed or its file is gone."""
+        self._check_open()
+        buf = checked_buffer("out", out)
         with self._lock:
-            self._counters.load_failures += 1
+            if key not in self._index:
+                return False
+            self._index.move_to_end(key)
+        path = self._path(key)
+        try:
+            with _os_errors(f"disk load of {key.hex()}"):
+                found = self._io.read_into(path, (self._namespace, key), buf)
+        except CorruptChunkError:
+            self._forget(key)
+            raise
+        if not found:
+            self._forget(key)
+            return False
+        with contextlib.suppress(OSError):
+            os.utime(path)  # keeps LRU order across restarts; best effort
+        return True
 
     def _reserve(self, key: bytes, need: int) -> None:
         """Make room for ``need`` bytes by evicting LRU chunks, then hold it for this store.
@@ -311,21 +272,19 @@ class DiskTier(Tier):
         """
         with self._lock:
             if need > self._capacity:
-                self._counters.store_failures += 1
                 raise TierError(
                     f"chunk needs {need} B on disk, more than disk_bytes_to_use {self._capacity} B"
                 )
             freeable = self._index.get(key, 0)
             while self._used + self._reserved + need - freeable > self._capacity:
                 if not self._evict_one(exclude=key):
-                    self._counters.store_failures += 1
                     raise TierError(
                         f"disk tier full: {self._used} B stored, {self._reserved} B reserved by "
                         f"stores in flight, {need} B needed, capacity {self._capacity} B"
                     )
             self._reserved += need
 
-    def _commit(self, key: bytes, tmp: Path, need: int, payload_bytes: int) -> bool:
+    def _commit(self, key: bytes, tmp: Path, need: int) -> bool:
         """Rename the finished temp file into place and index it (under the lock, so an
         eviction or drop of the same key cannot interleave between rename and index)."""
         with self._lock:
@@ -334,8 +293,6 @@ class DiskTier(Tier):
             self._index[key] = need
             self._used += need - old
             self._reserved -= need
-            self._counters.stores += 1
-            self._counters.store_bytes += payload_bytes
             return True
 
     def _evict_one(self, exclude: bytes | None) -> bool:
@@ -346,28 +303,23 @@ class DiskTier(Tier):
         size = self._index.pop(victim)
         self._used -= size
         self._unlink(self._path(victim))
-        self._evicted.append(victim)
-        self._counters.evictions += 1
-        self._counters.evicted_bytes += size
+        self._counters.add(evictions=1, evicted_bytes=size)
         return True
 
-    def _drop(self, key: bytes, corrupt: bool) -> None:
-        """Forget a chunk that failed to load. If a concurrent store just replaced it, the
-        new file goes too; it is reported evicted, so no stored chunk silently vanishes."""
+    def _forget(self, key: bytes) -> None:
+        """Drop a chunk that failed to load. If a concurrent store just replaced it, the
+        new file goes too: a lost store, never a wrong load (and the probe sees it gone)."""
         with self._lock:
             size = self._index.pop(key, None)
-            self._counters.load_failures += 1
-            self._counters.corrupt_chunks += corrupt
             if size is not None:
                 self._used -= size
                 self._unlink(self._path(key))
-                self._evicted.append(key)
 
     def _unlink(self, path: Path) -> None:
         try:
             path.unlink(missing_ok=True)
-        except OSError:
-            self._counters.unlink_failures += 1
+        except OSError:  # best effort: the file is out of the index either way
+            self._counters.add(unlink_failures=1)
 
 
 class DiskProbe:

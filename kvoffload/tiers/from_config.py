@@ -1,8 +1,9 @@
 """The lower tiers a validated configuration describes, for each side of a connector.
 
 The worker side gets the tiers themselves (:func:`lower_tiers`, in cascade
-order: disk, then remote); the scheduler side gets probes of the same tiers
-(:func:`lower_probes`), which only answer which chunks are probably there:
+order: disk, then remote behind its write-behind queue); the scheduler side
+gets probes of the same tiers (:func:`lower_probes`), which only answer which
+chunks are probably there:
 the disk tier's files, the remote server through a connection of its own.
 With tensor parallelism each rank holds its own shard of every chunk, so the
 scheduler side asks every rank's namespace (:func:`rank_probes`).
@@ -14,6 +15,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from kvoffload.registry import TIERS
+from kvoffload.tiers._write_behind import WriteBehind
 from kvoffload.tiers.base import Tier, TierProbe
 
 if TYPE_CHECKING:
@@ -35,12 +37,16 @@ def _remote(config: OffloadConfig, namespace: bytes) -> Tier:
 
 
 def lower_tiers(config: OffloadConfig, namespace: bytes) -> list[Tier]:
-    """Disk (if ``disk_path``), then remote (if ``remote_url``), for ``namespace``."""
+    """Disk (if ``disk_path``), then remote (if ``remote_url``), for ``namespace``.
+
+    The remote tier comes wrapped in a :class:`WriteBehind` queue of
+    ``remote_queue_bytes``, so store jobs never wait for the network.
+    """
     tiers: list[Tier] = []
     if config.disk_path is not None:
         tiers.append(TIERS.create("disk", config.disk_path, config.disk_bytes_to_use, namespace))
     if config.remote_url is not None:
-        tiers.append(_remote(config, namespace))
+        tiers.append(WriteBehind(_remote(config, namespace), config.remote_queue_bytes))
     return tiers
 
 

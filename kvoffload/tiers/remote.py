@@ -15,29 +15,30 @@ length and checksum: a wrong, truncated or foreign value is a miss (it is
 deleted and counted), never handed on.
 
 **The server owns eviction.** Run it with ``maxmemory`` and an LRU or LFU
-policy. The tier never reports evictions: ``contains`` is a hint, and a
-chunk that vanished between lookup and load is a failed load of those
-blocks, which the engine recomputes.
+policy. The tier never reports evictions: ``contains_many`` is a hint, and a
+chunk that vanished between lookup and load is a miss of those blocks, which
+the engine recomputes.
 
 **Faults never reach the engine as exceptions.** Every call has a timeout
 (``remote_timeout_ms``) and redis-py's own retries are off, so no call waits
-longer. A server that is down at start is reported once (a warning on the
+longer. Redis errors become ``TierError`` in one place (:meth:`RedisTier._call`).
+A server that is down at start is reported once (a warning on the
 ``kvoffload`` logger) and the tier starts anyway; while it is down, calls
-fail at once (stores counted as failed, loads raise ``TierError``, probes
-answer "not here") and a reconnection is tried after a wait that doubles
-from 100 ms up to ``remote_retry_ms``. When the server answers again the
-tier resumes, and says so. A wrong password is not an outage: it fails at
-start with ``ConfigError``. The password comes from the environment variable
+fail at once (stores and loads raise ``TierError``, counted; probes answer
+"not here") and a reconnection is tried after a wait that doubles from 100 ms
+up to ``remote_retry_ms``. When the server answers again the tier resumes,
+and says so. A wrong password is not an outage: it fails at start with
+``ConfigError``. The password comes from the environment variable
 ``remote_password_env`` names and appears in no message, ``repr`` or stat.
 
-**Asynchronous stores.** The cascade writes this tier behind the store job
-(:mod:`kvoffload.tiers._write_behind`): the job packs the record (the one copy out
-of the CPU slot, which may be reused once the job is done) and queues it; one
-writer thread ``SET``s it. A full queue (``remote_queue_bytes``) or a server
-known to be down refuses the store in the job itself (counted, named in the
-job's errors); a write that fails later is counted here, in the queue's
-figures and in the cascade's traffic, and logged once per run of failures.
-:meth:`RedisTier.put` is the same ``SET``, synchronous, for direct use.
+**Asynchronous stores.** :meth:`RedisTier.put` is one synchronous ``SET``.
+The engine does not call it in its store jobs: the tier sits behind a
+:class:`~kvoffload.tiers._write_behind.WriteBehind` queue, which calls
+:meth:`RedisTier.stage_put` in the job (it packs the record: the one copy out
+of the CPU slot, which may be reused once the job is done) and runs the
+returned ``SET`` from its writer thread. A write counts in this tier's stats
+where it ends (``stores`` or ``store_failures``); what the queue refuses
+counts in the queue's ``dropped``.
 """
 
 from __future__ import annotations
@@ -49,7 +50,6 @@ import threading
 import time
 import typing
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass
 from typing import Any, TypeVar
 
 from kvoffload.config.offload_config import OffloadConfig
@@ -58,6 +58,7 @@ from kvoffload.errors import ConfigError, CorruptChunkError, TierError
 from kvoffload.tiers._chunk_file import pack_record, unpack_record_into
 from kvoffload.tiers._disk_checks import checked_buffer, namespace_fingerprint, valid_key
 from kvoffload.tiers.base import ChunkBuffer, Tier
+from kvoffload.tiers.stats import TierCounters, TierStats
 
 __all__ = ["RedisTier"]
 
@@ -67,26 +68,9 @@ _T = TypeVar("_T")
 _FIRST_RETRY_S = 0.1
 
 
-@dataclass(slots=True)
-class _Counters:
-    """What ``stats()`` reports besides the connection state."""
-
-    stores: int = 0
-    store_bytes: int = 0
-    store_failures: int = 0
-    store_seconds: float = 0.0
-    loads: int = 0
-    load_bytes: int = 0
-    load_misses: int = 0
-    load_failures: int = 0
-    corrupt_values: int = 0
-    load_seconds: float = 0.0
-    probes: int = 0
-    probed_keys: int = 0
-    probe_hits: int = 0
-    errors: int = 0
-    outages: int = 0
-    reconnects: int = 0
+#: The remote tier's own counters beside the shared ones (see :mod:`kvoffload.tiers.stats`).
+_EXTRA = ("probes", "probed_keys", "probe_hits", "probe_failures", "discard_failures",
+          "outages", "reconnects")  # fmt: skip
 
 
 def _redis() -> Any:
@@ -131,10 +115,6 @@ class RedisTier(Tier):
     """
 
     name = "redis"
-    #: ``contains`` costs a round trip: loads ask for the value directly.
-    cheap_contains = False
-    #: Stores reach the server from the cascade's write-behind queue, never in a store job.
-    write_behind = True
 
     def __init__(
         self,
@@ -160,7 +140,7 @@ class RedisTier(Tier):
         self._down_since: float | None = None
         self._retry_at = 0.0
         self._wait = _FIRST_RETRY_S
-        self._counters = _Counters()
+        self._counters = TierCounters(self.name, _EXTRA)
         self._closed = False
         self._connect = self._client_factory(password)
         # Down at start: reported once by _down; the tier serves misses and retries.
@@ -195,7 +175,7 @@ class RedisTier(Tier):
             if client is None:
                 client = self._connect()
             result = op(client)
-        except errors.RedisError as exc:
+        except (errors.RedisError, errors.RedisClusterException) as exc:
             refused = isinstance(exc, errors.AuthenticationError | errors.AuthorizationError) or (
                 isinstance(exc, errors.ResponseError)
                 and str(exc).startswith(("WRONGPASS", "NOAUTH"))
@@ -205,10 +185,8 @@ class RedisTier(Tier):
             if refused or not isinstance(exc, errors.ResponseError):
                 self._down(exc)
                 raise TierError(f"remote tier {self._url} failed: {exc}") from exc
-            with self._lock:
-                self._counters.errors += 1
             raise TierError(f"remote tier {self._url}: {exc}") from exc
-        except OSError as exc:
+        except OSError as exc:  # a socket error redis-py did not wrap
             self._down(exc)
             raise TierError(f"remote tier {self._url} failed: {exc}") from exc
         self._up(client)
@@ -221,17 +199,16 @@ class RedisTier(Tier):
                 return
             outage = time.monotonic() - self._down_since
             self._down_since, self._wait = None, _FIRST_RETRY_S
-            self._counters.reconnects += 1
+        self._counters.add(reconnects=1)
         logger.warning("kvoffload: remote tier %s is back after %.1f s", self._url, outage)
 
     def _down(self, exc: BaseException) -> None:
         with self._lock:
-            self._counters.errors += 1
             first = self._down_since is None
             now = time.monotonic()
             if first:
                 self._down_since = now
-                self._counters.outages += 1
+                self._counters.add(outages=1)
             else:
                 self._wait = min(2 * self._wait, self._retry_max)
             self._retry_at = now + self._wait
@@ -261,90 +238,64 @@ class RedisTier(Tier):
         except Exception:
             logger.debug("kvoffload: closing a remote client failed", exc_info=True)
 
-    @property
-    def is_up(self) -> bool:
-        with self._lock:
-            return self._down_since is None
-
     # -- the Tier contract --------------------------------------------------
     def _name(self, key: bytes) -> bytes:
         return self._prefix + key.hex().encode()
 
     def put(self, key: bytes, data: ChunkBuffer) -> None:
-        """``SET`` the chunk's record; ``TierError`` (counted) if the server is down or refuses."""
-        self._store(key, self._record(key, data), data.nbytes)
+        """One ``SET`` of the chunk's record; ``TierError`` (counted) if it fails or is refused."""
+        self._counters.store(lambda: self._set(key, self._record(key, data), data.nbytes))
 
     def stage_put(self, key: bytes, data: ChunkBuffer) -> Callable[[], None]:
         """Pack the record now (the one copy out of ``data``); the returned call ``SET``s it.
 
-        Raises ``TierError`` (counted) at once while the server is known to be
-        down and the next reconnection attempt is not due, so a store job
-        reports the failure itself and no memory is queued for it.
+        For :class:`~kvoffload.tiers._write_behind.WriteBehind`. Raises
+        ``TierError`` (counted as a failed store) at once for a bad key or
+        buffer, or while the server is known to be down and the next
+        reconnection attempt is not due, so the store job reports the failure
+        itself and no memory is queued for it.
         """
-        with self._lock:
-            waiting = self._down_since is not None and time.monotonic() < self._retry_at
+        try:
+            with self._lock:
+                waiting = self._down_since is not None and time.monotonic() < self._retry_at
             if waiting:
-                self._counters.store_failures += 1
-        if waiting:
-            raise TierError(f"remote tier {self._url} is down; store not queued")
-        record = self._record(key, data)
-        return lambda: self._store(key, record, data.nbytes)
+                raise TierError(f"remote tier {self._url} is down")
+            record, nbytes = self._record(key, data), data.nbytes
+        except TierError:
+            self._counters.add(store_failures=1)
+            raise
+        return lambda: self._counters.store(lambda: self._set(key, record, nbytes))
 
     def _record(self, key: bytes, data: ChunkBuffer) -> ChunkBuffer:
         payload = checked_buffer("data", data)
         if not valid_key(key):
-            with self._lock:
-                self._counters.store_failures += 1
             raise TierError(f"RedisTier: key must be 1 to 120 bytes, got {key!r:.80}")
         return pack_record(self._namespace, key, payload)
 
-    def _store(self, key: bytes, record: ChunkBuffer, nbytes: int) -> None:
-        start = time.perf_counter()
-        try:
-            self._call(lambda client: client.set(self._name(key), record.data))
-        except TierError:
-            with self._lock:
-                self._counters.store_failures += 1
-            raise
-        with self._lock:
-            c = self._counters
-            c.stores += 1
-            c.store_bytes += nbytes
-            c.store_seconds += time.perf_counter() - start
+    def _set(self, key: bytes, record: ChunkBuffer, nbytes: int) -> int:
+        """``SET`` a packed record of ``nbytes`` payload bytes; return ``nbytes``."""
+        self._call(lambda client: client.set(self._name(key), record.data))
+        return nbytes
 
-    def get_into(self, key: bytes, out: ChunkBuffer) -> None:
-        """Fill ``out`` with the verified chunk; a missing or bad value raises ``TierError``."""
+    def get_into(self, key: bytes, out: ChunkBuffer) -> bool:
+        """Fill ``out`` with the verified chunk; ``False`` if the server does not hold it.
+
+        A bad value (garbage, truncated, another namespace's) is deleted and
+        raises ``CorruptChunkError``; an intact one of another size raises ``TierError``.
+        """
+        return self._counters.load(out.nbytes, lambda: self._get(key, out))
+
+    def _get(self, key: bytes, out: ChunkBuffer) -> bool:
         buf = checked_buffer("out", out)
-        start = time.perf_counter()
-        try:
-            value = self._call(lambda client: client.get(self._name(key)))
-        except TierError:
-            with self._lock:
-                self._counters.load_failures += 1
-            raise
+        value = self._call(lambda client: client.get(self._name(key)))
         if value is None:
-            with self._lock:
-                self._counters.load_misses += 1
-            raise TierError(f"remote tier does not hold {key.hex()} (evicted or never stored)")
+            return False
         try:
             unpack_record_into(value, (self._namespace, key), buf)
         except CorruptChunkError:
-            with self._lock:
-                self._counters.corrupt_values += 1
             self.discard(key)
             raise
-        except TierError:
-            with self._lock:
-                self._counters.load_failures += 1
-            raise
-        with self._lock:
-            c = self._counters
-            c.loads += 1
-            c.load_bytes += buf.nbytes
-            c.load_seconds += time.perf_counter() - start
-
-    def contains(self, key: bytes) -> bool:
-        return self.contains_many([key])[0]
+        return True
 
     def contains_many(self, keys: Sequence[bytes]) -> list[bool]:
         """One pipelined round trip of ``EXISTS`` per key; all ``False`` if the server is down."""
@@ -360,28 +311,23 @@ class RedisTier(Tier):
         try:
             found = self._call(ask)
         except TierError:
-            found = [False] * len(keys)
-        with self._lock:
-            c = self._counters
-            c.probes += 1
-            c.probed_keys += len(keys)
-            c.probe_hits += sum(found)
+            self._counters.add(probes=1, probed_keys=len(keys), probe_failures=1)
+            return [False] * len(keys)
+        self._counters.add(probes=1, probed_keys=len(keys), probe_hits=sum(found))
         return found
 
     def discard(self, key: bytes) -> None:
-        # A failure is counted in errors; an undeleted value is verified again on its next load.
-        with contextlib.suppress(TierError):
+        """``DEL`` the value; a failure is counted, and the value is verified again on a load."""
+        try:
             self._call(lambda client: client.delete(self._name(key)))
+        except TierError:
+            self._counters.add(discard_failures=1)
 
-    def stats(self) -> dict[str, Any]:
+    def stats(self) -> TierStats:
+        """Counters, and whether the server is up (a gauge, 1 or 0); the server owns sizes."""
         with self._lock:
-            stats: dict[str, Any] = asdict(self._counters)
-            stats["up"] = self._down_since is None
-        stats["url"] = str(self._url)
-        for kind in ("load", "store"):
-            count = stats[f"{kind}s"]
-            stats[f"{kind}_ms_mean"] = 1000 * stats[f"{kind}_seconds"] / count if count else 0.0
-        return stats
+            up = self._down_since is None
+        return self._counters.snapshot(gauges={"up": int(up)})
 
     def close(self) -> None:
         if self._closed:

@@ -331,7 +331,6 @@ class KVOffloadConnector(KVConnectorBase_V1, SupportsHMA):
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
         worker = self._worker_side()
-        worker.drain_lower_evictions()
         meta = self._get_connector_metadata()
         polled = worker.poll(idle=isinstance(meta, KVOffloadMetadata) and meta.idle)
         return KVConnectorTransferResults(

@@ -167,22 +167,14 @@ class OffloadWorker:
         reports, self._reports = list(self._reports.values()), {}
         return reports
 
-    def drain_lower_evictions(self) -> int:
-        """Forget the keys lower tiers dropped on their own; the scheduler side probes instead."""
-        dropped = sum(len(tier.take_evicted()) for tier in self.engine.cascade.lower)
-        self._figures["lower_tier_evictions"] += dropped
-        return dropped
-
     def figures(self) -> dict[str, Any]:
-        """Counters since start, the engine's own and per-tier traffic included."""
+        """This side's job counters since start, and ``tiers``: each tier's stats as numbers.
+
+        Jobs are counted here, from their reports; bytes, hits and failures of
+        each tier are counted by the tier (``TierStats.snapshot()``).
+        """
         out: dict[str, Any] = dict(self._figures)
-        out["engine"] = self.engine.stats()
-        out["traffic"] = {
-            name: {"stores": t.stores, "store_bytes": t.store_bytes, "loads": t.loads,
-                   "load_bytes": t.load_bytes, "store_failures": t.store_failures,
-                   "load_failures": t.load_failures}
-            for name, t in self.engine.traffic().items()
-        }  # fmt: skip
+        out["tiers"] = {name: stats.snapshot() for name, stats in self.engine.stats().items()}
         return out
 
     def close(self) -> None:
