@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from _redis_servers import RedisServer
+from _redis_servers import RedisServer, free_port
 
 from kvoffload import build_offloading_config
 from kvoffload.config.layout import CacheGroup, KVLayout
@@ -235,6 +235,19 @@ def test_a_server_down_at_start_is_reported_once_and_the_tier_comes_up_later(
     finally:
         tier.close()
         server.stop()
+
+
+def test_a_cluster_down_at_start_is_an_outage_not_a_crash(caplog: pytest.LogCaptureFixture) -> None:
+    url = f"redis+cluster://127.0.0.1:{free_port()}"  # nothing listens there
+    with caplog.at_level(logging.WARNING, logger="kvoffload"):
+        tier = RedisTier(url, NAMESPACE, timeout_ms=200)  # redis-py raises RedisClusterException
+    assert any("unreachable (RedisClusterException)" in r.getMessage() for r in caplog.records)
+    assert tier.contains_many([b"k"]) == [False]
+    with pytest.raises(TierError):
+        tier.get_into(b"k", np.empty(64, dtype=np.uint8))
+    stats = tier.stats()
+    assert stats.gauges["up"] == 0 and stats.counters["outages"] == 1 and stats.load_failures == 1
+    tier.close()
 
 
 # -- values that must never load ------------------------------------------------------------------

@@ -135,8 +135,12 @@ def _measure_redis(
             sides = ((0, ref_fn), (1, tier_fn))
             for side, fn in sides if round_ % 2 == 0 else sides[::-1]:
                 rates[2 * step + side] = best_rate(amount, fn, rates[2 * step + side], unit)
-    stats = tier.stats()
-    lost = stats.store_failures + stats.dropped + stats.misses + stats.corrupt + stats.load_failures
-    if lost or not np.array_equal(out, data) or not all(found["ref"] + found["tier"]):
+    if _lost(tier) or not np.array_equal(out, data) or not all(found["ref"] + found["tier"]):
         raise TierError("redis bench: a stored value was not found or loaded back intact")
     return rates
+
+
+def _lost(tier: WriteBehind) -> int:
+    """Stores and loads of the tier that did not succeed, by its own count."""
+    s = tier.stats()
+    return s.store_failures + s.dropped + s.misses + s.corrupt + s.load_failures
