@@ -7,7 +7,8 @@
   ``<disk_path>/<namespace>/``, with its own byte budget.
 * :class:`~kvoffload.tiers.remote.RedisTier`: a Redis / Valkey server or a
   Redis Cluster shared by a fleet; the server evicts. Written behind the
-  store jobs through a ``WriteBehind`` queue.
+  store jobs through a :class:`~kvoffload.tiers._write_behind.WriteBehind`
+  queue, itself a ``Tier``.
 * :class:`~kvoffload.tiers.cascade.TierCascade`: the order they are written
   and read in (write-through to every lower tier, promotion into the CPU slot
   on a lower-tier hit).
@@ -31,6 +32,7 @@ from kvoffload.tiers.base import ChunkBuffer, Tier, TierProbe
 from kvoffload.tiers.stats import TierStats
 
 if TYPE_CHECKING:
+    from kvoffload.tiers._write_behind import WriteBehind
     from kvoffload.tiers.cascade import TierCascade
     from kvoffload.tiers.cpu import CPUSlab
     from kvoffload.tiers.disk import DiskProbe, DiskTier
@@ -42,6 +44,7 @@ _LAZY = {
     "DiskTier": "kvoffload.tiers.disk",
     "RedisTier": "kvoffload.tiers.remote",
     "TierCascade": "kvoffload.tiers.cascade",
+    "WriteBehind": "kvoffload.tiers._write_behind",
 }
 
 
@@ -61,4 +64,5 @@ __all__ = [
     "TierCascade",
     "TierProbe",
     "TierStats",
+    "WriteBehind",
 ]
