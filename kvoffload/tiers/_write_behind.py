@@ -100,16 +100,16 @@ class WriteBehind(Tier):
             with self._cond:
                 self._queue_bytes -= nbytes
             raise TierError(f"{self.name} store not queued: {exc}") from exc
-        self._counters.add(queued=1)
         with self._cond:
-            self._queue.append((key, write, nbytes))
-            self._peak_bytes = max(self._peak_bytes, self._queue_bytes)
-            if self._thread is None:
-                self._thread = threading.Thread(
-                    target=self._run, name=f"kvoffload-{self.name}-writer", daemon=True
-                )
-                self._thread.start()
-            self._cond.notify_all()
+            closed = self._closed  # closed while this chunk was staged: too late to queue
+            if closed:
+                self._queue_bytes -= nbytes
+            else:
+                self._enqueue(key, write, nbytes)
+        if closed:
+            self._counters.add(dropped=1)
+            self._refused("its write queue is closed")
+        self._counters.add(queued=1)
 
     def get_into(self, key: bytes, out: ChunkBuffer) -> bool:
         return self.tier.get_into(key, out)
@@ -165,6 +165,17 @@ class WriteBehind(Tier):
         self.tier.close()
 
     # -- internals ----------------------------------------------------------
+    def _enqueue(self, key: bytes, write: Callable[[], None], nbytes: int) -> None:
+        """Queue a staged write, wake the writer (started on first use); caller holds the lock."""
+        self._queue.append((key, write, nbytes))
+        self._peak_bytes = max(self._peak_bytes, self._queue_bytes)
+        if self._thread is None:
+            self._thread = threading.Thread(
+                target=self._run, name=f"kvoffload-{self.name}-writer", daemon=True
+            )
+            self._thread.start()
+        self._cond.notify_all()
+
     def _refusal(self, nbytes: int) -> str | None:
         """Why a chunk of ``nbytes`` cannot be queued now, or ``None``; caller holds the lock."""
         if self._closed:
