@@ -184,8 +184,18 @@ def test_namespace_changes_with_everything_that_changes_kv_bytes() -> None:
         namespace_of("org/model", "bfloat16", layout(page_bytes=2048)),
         namespace_of("org/model", "bfloat16", layout(sliding_window=128)),
         namespace_of("org/model", "bfloat16", layout(kind="full", sliding_window=None)),
+        namespace_of("org/model", "bfloat16", layout(kind="sliding_mla")),
+        namespace_of(
+            "org/model",
+            "bfloat16",
+            layout(kind="chunked_local", sliding_window=None, attention_chunk_size=64),
+        ),
+        namespace_of("org/model", "bfloat16", layout(layer_page_bytes=(4096, 2048))),
+        namespace_of("org/model", "bfloat16", layout(layer_page_bytes=(2048, 4096))),
     ]
     assert len({base, *variants}) == len(variants) + 1
+    # One page size for every layer is the plain group: the namespace stays what it was.
+    assert namespace_of("org/model", "bfloat16", layout(layer_page_bytes=(4096, 4096))) == base
 
 
 def test_namespace_validation() -> None:

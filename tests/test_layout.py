@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from kvoffload import CacheGroup, ConfigError, KVLayout
+from kvoffload.config.layout import GROUP_KINDS, Reuse
 
 
 def group(**overrides: object) -> CacheGroup:
@@ -28,7 +29,7 @@ def test_a_valid_group_derives_its_sizes() -> None:
 @pytest.mark.parametrize(
     ("overrides", "fragment"),
     [
-        ({"kind": "linear"}, "kind must be one of full, sliding, mla, mamba"),
+        ({"kind": "linear"}, "kind must be one of full, mla, compressed_mla, sliding"),
         ({"tokens_per_block": 0}, "tokens_per_block"),
         ({"tokens_per_block": True}, "tokens_per_block"),
         ({"tokens_per_block": 16.0}, "tokens_per_block"),
@@ -39,12 +40,54 @@ def test_a_valid_group_derives_its_sizes() -> None:
         ({"layer_names": ("l0", "l0")}, "duplicate"),
         ({"kind": "sliding"}, "sliding_window"),
         ({"kind": "sliding", "sliding_window": 0}, "sliding_window"),
-        ({"kind": "full", "sliding_window": 64}, "only for kind 'sliding'"),
+        ({"kind": "full", "sliding_window": 64}, "only for kind 'sliding' or 'sliding_mla'"),
+        ({"kind": "sliding_mla"}, "sliding_window"),
+        ({"kind": "chunked_local"}, "attention_chunk_size"),
+        ({"kind": "chunked_local", "attention_chunk_size": 0}, "attention_chunk_size"),
+        (
+            {"kind": "sliding", "sliding_window": 64, "attention_chunk_size": 64},
+            "attention_chunk_size is only for kind 'chunked_local'",
+        ),
+        ({"layer_page_bytes": (4096, 64)}, r"one page size per layer \(1\)"),
+        ({"layer_page_bytes": 4096}, "one page size per layer"),
+        ({"layer_names": ("a", "b"), "layer_page_bytes": (4096, 0)}, "layer_page_bytes"),
+        (
+            {"layer_names": ("a", "b"), "layer_page_bytes": (64, 128)},
+            r"page_bytes must be the largest of layer_page_bytes \(128\), got 4096",
+        ),
     ],
 )
 def test_a_bad_group_is_rejected(overrides: dict[str, object], fragment: str) -> None:
     with pytest.raises(ConfigError, match=fragment):
         group(**overrides)
+
+
+def test_every_kind_says_what_a_hit_needs() -> None:
+    assert {kind: reuse.value for kind, reuse in GROUP_KINDS.items()} == {
+        "full": "prefix",
+        "mla": "prefix",
+        "compressed_mla": "prefix",
+        "sliding": "window",
+        "sliding_mla": "window",
+        "chunked_local": "window",
+        "mamba": "state",
+    }
+    assert group(kind="chunked_local", attention_chunk_size=8192).reuse is Reuse.WINDOW
+    assert group(kind="compressed_mla").reuse is Reuse.PREFIX
+
+
+def test_layers_of_one_group_may_have_pages_of_their_own() -> None:
+    """DeepSeek-V4 packs MLA pages of 37440 B, indexer pages of 8640 B and C128 pages of 1728 B."""
+    pages = (37440, 8640, 37440, 1728)
+    g = group(kind="compressed_mla", tokens_per_block=256, layer_names=("a", "b", "c", "d"),
+              page_bytes=37440, layer_page_bytes=pages)  # fmt: skip
+    assert g.layer_pages == pages
+    assert g.block_bytes == sum(pages)
+    assert g.chunk_bytes(2) == 2 * sum(pages)
+    same = group(layer_names=("a", "b"), layer_page_bytes=[4096, 4096])
+    assert same.layer_page_bytes is None  # one page size for all is the plain case
+    assert same == group(layer_names=("a", "b"))
+    assert same.layer_pages == (4096, 4096)
 
 
 def test_layer_names_given_as_a_list_become_a_tuple() -> None:

@@ -51,6 +51,26 @@ def gemma_like() -> KVLayout:
     )
 
 
+def llama4_like() -> KVLayout:
+    """Like Llama-4 with vLLM's hybrid allocator on: chunked local groups (chunk 16), a full one."""
+    return KVLayout(
+        (
+            CacheGroup("chunked_local", 4, ("c0",), PAGE, attention_chunk_size=16),
+            CacheGroup("chunked_local", 4, ("c1",), PAGE, attention_chunk_size=16),
+            CacheGroup("full", 4, ("f0",), PAGE),
+        )
+    )
+
+
+def first_needed(group: CacheGroup, hit: int) -> int:
+    """The first token whose KV the next token after ``hit`` attends to (vLLM's managers)."""
+    if group.sliding_window is not None:
+        return max(0, hit - group.sliding_window + 1)
+    if group.attention_chunk_size is not None:
+        return hit // group.attention_chunk_size * group.attention_chunk_size
+    return 0
+
+
 def tokens(n: int, seed: int = 0) -> list[int]:
     return [(seed * 7919 + i * 104729) % 1000 + 1 for i in range(n)]
 
@@ -99,11 +119,11 @@ class Engine:
 
     # -- the pieces of one request ------------------------------------------------------
     def allocate(self, n_tokens: int, hit: int) -> list[list[int]]:
-        """Blocks per group; a sliding group's blocks wholly before its window are null."""
+        """Blocks per group; a window group's blocks wholly before its window are null."""
         table = []
         for group in self.layout.groups:
-            tpb, window = group.tokens_per_block, group.sliding_window
-            first_live = 0 if window is None or hit == 0 else max(0, hit - window + 1) // tpb
+            tpb = group.tokens_per_block
+            first_live = first_needed(group, hit) // tpb
             count = -(-n_tokens // tpb)
             table.append([NULL_BLOCK if b < first_live else self.free.pop() for b in range(count)])
         for g, ids in enumerate(table):
@@ -127,8 +147,8 @@ class Engine:
         """Blocks in [start, stop) whose KV differs from what prefill writes."""
         bad = 0
         for g, group in enumerate(self.layout.groups):
-            tpb, window = group.tokens_per_block, group.sliding_window
-            first = start if window is None else max(start, stop - window + 1)
+            tpb = group.tokens_per_block
+            first = max(start, first_needed(group, stop))
             for b in range(first // tpb, stop // tpb):
                 block = table[g][b]
                 for layer in group.layer_names:
@@ -167,7 +187,9 @@ class Engine:
                       mismatched)  # fmt: skip
 
 
-@pytest.fixture(params=[llama_like, gemma_like], ids=["single-group", "hybrid"])
+@pytest.fixture(
+    params=[llama_like, gemma_like, llama4_like], ids=["single-group", "hybrid", "chunked-local"]
+)
 def layout(request: pytest.FixtureRequest) -> KVLayout:
     made: KVLayout = request.param()
     return made
@@ -287,6 +309,31 @@ def test_sliding_groups_need_only_the_window_before_the_hit() -> None:
     assert engine.scheduler.figures()["skipped_store_chunks"] > 0
     second = engine.serve("r2", ids)
     assert second.offered == top_hit(engine, 80)  # the whole prefix, early windows absent
+    assert second.loaded_ok and second.mismatched == 0
+    engine.close()
+
+
+def test_chunked_local_groups_need_only_the_current_attention_chunk() -> None:
+    engine = Engine(llama4_like())
+    ids = tokens(80)
+    # vLLM's prefix cache serves two attention chunks (32 tokens): the chunked groups'
+    # blocks before them are null, so only the full group can store [0, 32).
+    first = engine.serve("r1", ids, local_hit=32)
+    assert first.offered == 0
+    assert engine.scheduler.figures()["skipped_store_chunks"] > 0
+    second = engine.serve("r2", ids)
+    assert second.offered == top_hit(engine, 80) == 72  # needs [64, 72) of the chunked groups
+    assert second.loaded_ok and second.mismatched == 0
+    engine.close()
+
+
+def test_a_hit_on_an_attention_chunk_boundary_needs_nothing_of_the_chunked_groups() -> None:
+    engine = Engine(llama4_like())
+    ids = tokens(65)
+    engine.serve("r1", ids, local_hit=64)  # the chunked groups store nothing at all
+    assert engine.scheduler.figures()["stored_chunks"] == 64 // 8  # the full group's
+    second = engine.serve("r2", ids)
+    assert second.offered == 64
     assert second.loaded_ok and second.mismatched == 0
     engine.close()
 

@@ -1,10 +1,12 @@
 """The KV cache layout of a model: its groups, each with its own block size.
 
 A *group* is a set of layers that share one block table in the engine: one
-attention kind and one page shape. Hybrid models (Gemma-4's sliding-window and
-full-attention layers, DeepSeek's compressed groups, Mamba+attention) have
-several groups whose ``tokens_per_block`` differ, which is why kvoffload sizes
-chunks in blocks per group rather than in tokens.
+attention kind. Hybrid models (Gemma-4's sliding-window and full-attention
+layers, DeepSeek-V4's compressed and sliding-window MLA groups,
+Mamba+attention) have several groups whose ``tokens_per_block`` differ, which
+is why kvoffload sizes chunks in blocks per group rather than in tokens. The
+layers of one group usually have one page size; DeepSeek-V4's packed groups
+mix layers of different page sizes (``layer_page_bytes``).
 
 Everything here validates itself on construction, so code further down can
 trust a ``KVLayout`` without re-checking it.
@@ -20,32 +22,57 @@ from types import MappingProxyType
 from kvoffload._checks import checked_int
 from kvoffload.errors import ConfigError
 
-__all__ = ["GROUP_KINDS", "CacheGroup", "KVLayout", "Reuse"]
+__all__ = ["GROUP_KINDS", "WINDOW_FIELDS", "CacheGroup", "KVLayout", "Reuse"]
 
 
 class Reuse(Enum):
     """What a prefix hit at ``H`` tokens needs from a group: the one distinction hits care about."""
 
-    #: Every token up to ``H`` (full attention, MLA): the whole prefix.
+    #: Every token up to ``H`` (full attention, MLA, compressed MLA): the whole prefix.
     PREFIX = "prefix"
-    #: Only the tokens inside the window that ends at ``H`` (sliding window).
+    #: Only the tokens inside the window that ends at ``H`` (sliding window, chunked local).
     WINDOW = "window"
     #: One state snapshot taken exactly at ``H`` (Mamba, gated DeltaNet).
     STATE = "state"
 
 
-#: Group kinds and what a hit needs from each. "sliding" is the only one with a window.
+#: Group kinds and what a hit needs from each (DESIGN.md, "group kinds"):
+#: ``compressed_mla`` keeps one entry per several tokens (DeepSeek-V4's C4/C128
+#: caches and its indexer's keys) yet, like MLA, is attended over the whole
+#: prefix; ``sliding_mla`` is a sliding window over MLA entries (DeepSeek-V4's
+#: SWA cache and compressor states); ``chunked_local`` attends within its
+#: attention chunk only (Llama-4).
 GROUP_KINDS: Mapping[str, Reuse] = MappingProxyType(
-    {"full": Reuse.PREFIX, "sliding": Reuse.WINDOW, "mla": Reuse.PREFIX, "mamba": Reuse.STATE}
+    {
+        "full": Reuse.PREFIX,
+        "mla": Reuse.PREFIX,
+        "compressed_mla": Reuse.PREFIX,
+        "sliding": Reuse.WINDOW,
+        "sliding_mla": Reuse.WINDOW,
+        "chunked_local": Reuse.WINDOW,
+        "mamba": Reuse.STATE,
+    }
+)
+
+#: The field that sizes the window of each window kind: it must be set for them, and only them.
+WINDOW_FIELDS: Mapping[str, str] = MappingProxyType(
+    {
+        "sliding": "sliding_window",
+        "sliding_mla": "sliding_window",
+        "chunked_local": "attention_chunk_size",
+    }
 )
 
 
 @dataclass(frozen=True, slots=True)
 class CacheGroup:
-    """One KV cache group: layers sharing a block table and a page shape.
+    """One KV cache group: layers sharing a block table.
 
     ``page_bytes`` is the size of one block of one layer, K and V together,
-    exactly as the engine allocates it.
+    exactly as the engine allocates it (padding included). When the layers'
+    pages differ (DeepSeek-V4 packs MLA, indexer and compressor layers into
+    one group), ``layer_page_bytes`` gives each layer's page in layer order
+    and ``page_bytes`` is the largest of them.
     """
 
     kind: str
@@ -53,6 +80,8 @@ class CacheGroup:
     layer_names: tuple[str, ...]
     page_bytes: int
     sliding_window: int | None = None
+    attention_chunk_size: int | None = None
+    layer_page_bytes: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         owner = f"CacheGroup(kind={self.kind!r})"
@@ -72,12 +101,35 @@ class CacheGroup:
         if len(set(names)) != len(names):
             raise ConfigError(f"{owner}: duplicate layer names in {names!r}")
         object.__setattr__(self, "layer_names", tuple(names))
-        if self.kind == "sliding":
-            checked_int(f"{owner}: sliding_window", self.sliding_window)
-        elif self.sliding_window is not None:
+        for name in ("sliding_window", "attention_chunk_size"):
+            kinds = [kind for kind, field in WINDOW_FIELDS.items() if field == name]
+            value = getattr(self, name)
+            if self.kind in kinds:
+                checked_int(f"{owner}: {name}", value)
+            elif value is not None:
+                raise ConfigError(
+                    f"{owner}: {name} is only for kind {' or '.join(map(repr, kinds))}, "
+                    f"got {value!r}"
+                )
+        self._check_layer_pages(owner)
+
+    def _check_layer_pages(self, owner: str) -> None:
+        pages: object = self.layer_page_bytes
+        if pages is None:
+            return
+        if not isinstance(pages, tuple | list) or len(pages) != len(self.layer_names):
             raise ConfigError(
-                f"{owner}: sliding_window is only for kind 'sliding', got {self.sliding_window!r}"
+                f"{owner}: layer_page_bytes must give one page size per layer "
+                f"({len(self.layer_names)}), got {pages!r}"
             )
+        sizes = tuple(checked_int(f"{owner}: layer_page_bytes", p) for p in pages)
+        if self.page_bytes != max(sizes):
+            raise ConfigError(
+                f"{owner}: page_bytes must be the largest of layer_page_bytes "
+                f"({max(sizes)}), got {self.page_bytes}"
+            )
+        # One page size for every layer is the plain case: keep one representation of it.
+        object.__setattr__(self, "layer_page_bytes", sizes if len(set(sizes)) > 1 else None)
 
     @property
     def reuse(self) -> Reuse:
@@ -89,9 +141,14 @@ class CacheGroup:
         return len(self.layer_names)
 
     @property
+    def layer_pages(self) -> tuple[int, ...]:
+        """Each layer's page bytes, in layer order."""
+        return self.layer_page_bytes or (self.page_bytes,) * self.num_layers
+
+    @property
     def block_bytes(self) -> int:
         """Bytes of one block across all layers of the group."""
-        return self.page_bytes * self.num_layers
+        return sum(self.layer_pages)
 
     def chunk_bytes(self, blocks_per_chunk: int) -> int:
         """Bytes of one chunk of this group: every layer's pages of ``blocks_per_chunk`` blocks."""

@@ -4,8 +4,9 @@ Chunk byte layout (the one definition; every tier stores these bytes as is)::
 
     chunk of group g = layer 0 | layer 1 | ... | layer L-1      (layer order of the group)
     layer l          = block 0 | block 1 | ... | block bpc-1    (position inside the chunk)
-    block            = page_bytes of that layer's block, as the engine holds it;
-                       for a [2, num_blocks, ...] tensor: K half then V half
+    block            = page_bytes of that layer's block, as the engine holds it
+                       (its padding included); for a [2, num_blocks, ...]
+                       tensor: K half then V half
 
 so one block's page is contiguous in the chunk whatever the backend, and a
 chunk written from a block-first tensor reads back bit-exact into a K/V-first
@@ -174,8 +175,10 @@ class KVTransfer:
             run = ids[start:stop]
             index = None if bool((np.diff(run) == 1).all()) else run.reshape(m, -1)
             k = (stop - start) // m
-            for layer, pages in enumerate(layers):
-                offset = layer * bpc * pages.page_bytes + pos * pages.page_bytes
+            layer_start = 0  # layers' pages differ in size in DeepSeek-V4's packed groups
+            for pages in layers:
+                offset = layer_start + pos * pages.page_bytes
+                layer_start += bpc * pages.page_bytes
                 base = chunks[c]
                 dst = base.as_strided(
                     (m, k, pages.page_bytes), (step, pages.page_bytes, 1),

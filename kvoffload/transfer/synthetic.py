@@ -10,7 +10,7 @@ from enum import Enum
 
 import torch
 
-from kvoffload.config.layout import CacheGroup, KVLayout
+from kvoffload.config.layout import KVLayout
 from kvoffload.errors import TransferError
 
 __all__ = ["EngineLayout", "allocate_kv_caches", "fill_blocks"]
@@ -29,24 +29,29 @@ class EngineLayout(Enum):
     FLAT = "flat"
 
 
-def _row_elems(group: CacheGroup, parts: int, element_size: int) -> int:
-    per_token = group.page_bytes // element_size // group.tokens_per_block
-    if group.page_bytes % (element_size * group.tokens_per_block * parts) or per_token % parts:
+def _row_elems(page_bytes: int, tokens_per_block: int, parts: int, element_size: int) -> int:
+    per_token = page_bytes // element_size // tokens_per_block
+    if page_bytes % (element_size * tokens_per_block * parts) or per_token % parts:
         raise TransferError(
-            f"page_bytes {group.page_bytes} does not split into {parts} x "
-            f"{group.tokens_per_block} tokens of {element_size}-byte elements"
+            f"page_bytes {page_bytes} does not split into {parts} x "
+            f"{tokens_per_block} tokens of {element_size}-byte elements"
         )
     return per_token // parts
 
 
-def _layer_tensor(
-    group: CacheGroup, num_blocks: int, dtype: torch.dtype, layout: EngineLayout, device: str
+def _layer_tensor(  # noqa: PLR0917 - private helper, called positionally
+    page_bytes: int,
+    tpb: int,
+    num_blocks: int,
+    dtype: torch.dtype,
+    layout: EngineLayout,
+    device: str,
 ) -> torch.Tensor:
     es = torch.empty(0, dtype=dtype).element_size()
-    tpb = group.tokens_per_block
     if layout is EngineLayout.FLAT:
-        return torch.zeros(num_blocks, tpb, _row_elems(group, 1, es), dtype=dtype, device=device)
-    row = _row_elems(group, 2, es)
+        row = _row_elems(page_bytes, tpb, 1, es)
+        return torch.zeros(num_blocks, tpb, row, dtype=dtype, device=device)
+    row = _row_elems(page_bytes, tpb, 2, es)
     if layout is EngineLayout.BLOCK_FIRST:
         return torch.zeros(num_blocks, 2, tpb, row, dtype=dtype, device=device)
     if layout is EngineLayout.KV_FIRST:
@@ -63,9 +68,9 @@ def allocate_kv_caches(
 ) -> dict[str, torch.Tensor]:
     """Zeroed per-layer KV tensors for ``layout``, as ``register_kv_caches`` receives them."""
     return {
-        name: _layer_tensor(group, num_blocks, dtype, engine_layout, device)
+        name: _layer_tensor(page, group.tokens_per_block, num_blocks, dtype, engine_layout, device)
         for group in layout.groups
-        for name in group.layer_names
+        for name, page in zip(group.layer_names, group.layer_pages, strict=True)
     }
 
 

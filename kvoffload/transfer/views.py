@@ -10,10 +10,17 @@ shape depends on the attention backend:
 
 Nothing here assumes a backend: the block dimension is the one whose stride
 steps over exactly ``page_bytes`` of dense memory per block, found from the
-tensor's shape, strides and dtype together with the group's ``page_bytes``.
+tensor's shape, strides and dtype together with the layer's ``page_bytes``.
 A K/V-first tensor whose strides put the two halves of a block next to each
 other (a "logical" ``[2, N]`` over a physical ``[N, 2]`` buffer) is treated as
 block-first, so it takes the single-copy path.
+
+A page may be *padded*: vLLM rounds some pages up (DeepSeek-V4's MLA pages to
+576 bytes, a Mamba state page to the attention page) and hands a view of the
+content alone, ``[num_blocks, ...]`` with fewer dense bytes than the page and
+a block stride of at least the page. The padding after the content belongs
+to that page (vLLM places the next layer or block after it), so the page view
+takes it along: one dense run of ``page_bytes`` per block still.
 
 Each layer becomes a :class:`LayerPages`: a ``uint8`` view ``[num_blocks,
 page_bytes]`` (block-first) or ``[2, num_blocks, page_bytes // 2]``
@@ -30,7 +37,7 @@ from enum import Enum
 
 import torch
 
-from kvoffload.config.layout import CacheGroup, KVLayout
+from kvoffload.config.layout import KVLayout
 from kvoffload.errors import TransferError
 
 __all__ = ["KVSplit", "LayerPages", "layer_pages", "register_layers"]
@@ -79,24 +86,27 @@ def _byte_view(t: torch.Tensor, size: tuple[int, ...], stride: tuple[int, ...]) 
     return flat.as_strided(size, stride, offset)
 
 
-def _mismatch(name: str, t: torch.Tensor, group: CacheGroup, why: str) -> TransferError:
+def _mismatch(name: str, t: torch.Tensor, page_bytes: int, why: str) -> TransferError:
     return TransferError(
         f"layer {name!r}: tensor shape {tuple(t.shape)} stride {tuple(t.stride())} "
-        f"dtype {t.dtype} does not match the layout: {why}; expected {group.page_bytes} "
+        f"dtype {t.dtype} does not match the layout: {why}; expected {page_bytes} "
         f"page bytes per block (K and V together) in a [num_blocks, ...] or "
         f"[2, num_blocks, ...] tensor"
     )
 
 
-def _candidates(t: torch.Tensor, page_elems: int) -> list[KVSplit]:
-    shape, stride = tuple(t.shape), tuple(t.stride())
+def _candidates(t: torch.Tensor, page_bytes: int) -> list[KVSplit]:
+    shape, stride, es = tuple(t.shape), tuple(t.stride()), t.element_size()
     found = []
-    if t.dim() >= 1 and math.prod(shape[1:]) == page_elems and _dense(shape[1:], stride[1:]):
-        found.append(KVSplit.BLOCK_FIRST)
+    if t.dim() >= 1 and _dense(shape[1:], stride[1:]):
+        content = math.prod(shape[1:]) * es
+        padded = content < page_bytes <= t.stride(0) * es
+        if content == page_bytes or padded:
+            found.append(KVSplit.BLOCK_FIRST)
     if (
         t.dim() >= 2
         and shape[0] == 2
-        and 2 * math.prod(shape[2:]) == page_elems
+        and 2 * math.prod(shape[2:]) * es == page_bytes
         and _dense(shape[2:], stride[2:])
     ):
         found.append(KVSplit.KV_FIRST)
@@ -104,39 +114,38 @@ def _candidates(t: torch.Tensor, page_elems: int) -> list[KVSplit]:
 
 
 def layer_pages(
-    name: str, t: torch.Tensor, group: CacheGroup, split: KVSplit | None = None
+    name: str, t: torch.Tensor, page_bytes: int, split: KVSplit | None = None
 ) -> LayerPages:
-    """Detect ``t``'s block dimension and return its page view.
+    """Detect ``t``'s block dimension and return its view as pages of ``page_bytes``.
 
     ``split`` is only needed when the shape cannot tell (``[2, 2, ...]``: two
     blocks either way); otherwise it is checked against what was detected.
     Raises ``TransferError`` naming the layer, shape and expected page bytes.
     """
     es = t.element_size()
-    if group.page_bytes % es:
-        raise _mismatch(name, t, group, f"page_bytes is not a multiple of the {es}-byte dtype")
-    page_elems = group.page_bytes // es
-    found = _candidates(t, page_elems)
+    if page_bytes % es:
+        raise _mismatch(name, t, page_bytes, f"page_bytes is not a multiple of the {es}-byte dtype")
+    found = _candidates(t, page_bytes)
     if split is not None:
         if split not in found:
-            raise _mismatch(name, t, group, f"it is not a {split.value} tensor")
+            raise _mismatch(name, t, page_bytes, f"it is not a {split.value} tensor")
         found = [split]
     if not found:
-        raise _mismatch(name, t, group, "no dimension holds whole dense pages")
+        raise _mismatch(name, t, page_bytes, "no dimension holds whole dense pages")
     if len(found) > 1:
-        raise _mismatch(name, t, group, "ambiguous block dimension; pass split=KVSplit.<...>")
-    half = group.page_bytes // 2
+        raise _mismatch(name, t, page_bytes, "ambiguous block dimension; pass split=KVSplit.<...>")
+    half = page_bytes // 2
     if found[0] is KVSplit.BLOCK_FIRST:
         nb = t.shape[0]
-        view = _byte_view(t, (nb, group.page_bytes), (t.stride(0) * es, 1))
-        return LayerPages(name, KVSplit.BLOCK_FIRST, nb, group.page_bytes, view)
+        view = _byte_view(t, (nb, page_bytes), (t.stride(0) * es, 1))
+        return LayerPages(name, KVSplit.BLOCK_FIRST, nb, page_bytes, view)
     nb = t.shape[1]
-    if t.stride(0) * es == half and t.stride(1) * es >= group.page_bytes:
+    if t.stride(0) * es == half and t.stride(1) * es >= page_bytes:
         # Physically block-first: K and V of a block are adjacent, one page is dense.
-        view = _byte_view(t, (nb, group.page_bytes), (t.stride(1) * es, 1))
-        return LayerPages(name, KVSplit.BLOCK_FIRST, nb, group.page_bytes, view)
+        view = _byte_view(t, (nb, page_bytes), (t.stride(1) * es, 1))
+        return LayerPages(name, KVSplit.BLOCK_FIRST, nb, page_bytes, view)
     view = _byte_view(t, (2, nb, half), (t.stride(0) * es, t.stride(1) * es, 1))
-    return LayerPages(name, KVSplit.KV_FIRST, nb, group.page_bytes, view)
+    return LayerPages(name, KVSplit.KV_FIRST, nb, page_bytes, view)
 
 
 def register_layers(
@@ -156,13 +165,13 @@ def register_layers(
     groups = []
     for g, group in enumerate(layout.groups):
         views = []
-        for name in group.layer_names:
+        for name, page in zip(group.layer_names, group.layer_pages, strict=True):
             if name not in kv_caches:
                 raise TransferError(
                     f"layer {name!r} of group {g} is missing from the registered KV caches "
-                    f"(expected {group.page_bytes} page bytes per block)"
+                    f"(expected {page} page bytes per block)"
                 )
-            views.append(layer_pages(name, kv_caches[name], group, split))
+            views.append(layer_pages(name, kv_caches[name], page, split))
         counts = {(v.num_blocks, str(v.device)) for v in views}
         if len(counts) > 1:
             raise TransferError(

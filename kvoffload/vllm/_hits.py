@@ -5,10 +5,15 @@ resumes a hybrid request at a multiple of every group's block, so ``H`` is a
 multiple of the least common multiple of the groups' chunk spans. What a
 group must supply for ``H`` depends on its kind (:func:`needed_tokens`):
 
-* full attention (and MLA) attends to everything: every chunk from the
-  engine's own hit up to ``H``;
-* sliding window ``W`` attends to the last ``W - 1`` tokens only (vLLM frees
-  the blocks before them): only the chunks covering ``[H - W + 1, H)``.
+* full attention (MLA, compressed MLA) attends to everything: every chunk
+  from the engine's own hit up to ``H``;
+* sliding window ``W`` (plain or MLA) attends to the last ``W - 1`` tokens
+  only (vLLM frees the blocks before them): only the chunks covering
+  ``[H - W + 1, H)``;
+* chunked local attention of chunk ``C`` attends within its attention chunk
+  only (vLLM nulls the blocks of earlier chunks): the tokens since the start
+  of the current one, ``[H // C * C, H)``, nothing at all when ``H`` is a
+  multiple of ``C``.
 
 So a long prompt whose sliding-window chunks were evicted early still hits,
 as long as the window before the hit point is there. Availability is the
@@ -58,6 +63,9 @@ def needed_tokens(group: CacheGroup, local_hit: int, hit: int) -> tuple[int, int
         return local_hit, hit
     if group.reuse is Reuse.WINDOW and group.sliding_window is not None:
         return max(local_hit, hit - group.sliding_window + 1), hit
+    if group.reuse is Reuse.WINDOW and group.attention_chunk_size is not None:
+        chunk = group.attention_chunk_size
+        return max(local_hit, hit // chunk * chunk), hit
     raise ConfigError(f"no hit rule for KV cache groups of kind {group.kind!r} yet")
 
 
