@@ -1,68 +1,259 @@
-"""kvoffload's :class:`KVLayout` from vLLM's ``KVCacheConfig``, refusing what it cannot serve.
+"""kvoffload's :class:`KVLayout` from vLLM's ``KVCacheConfig``: the one place that decides.
 
-Each vLLM KV cache group becomes one :class:`CacheGroup` in the same order,
-so group indices and block id lists line up with vLLM's. A group kind
-kvoffload cannot offload correctly yet is refused at engine start, naming the
-group and its spec, never served wrongly.
+:data:`SPEC_TABLE` holds one row per KV cache spec class of vLLM 0.32 and
+0.33 (``vllm/v1/kv_cache_interface.py``; DeepSeek-V4's layers use these
+classes too): what a prefix hit needs from a group of that class, and so
+whether kvoffload *serves* it (as a group of some kind, see
+:data:`kvoffload.config.layout.GROUP_KINDS`), *skips* it (it holds nothing a
+hit could reuse, and vLLM lets a hit go without it: its blocks are neither
+stored nor loaded), or *refuses* the model at engine start, naming the group
+and the reason. A class without a row (a class a later vLLM adds) is
+refused: nothing is served by accident.
+
+vLLM hands the scheduler-side connector a different ``KVCacheConfig`` than
+the workers for models whose groups mix page sizes (DeepSeek-V4): a worker's
+group is a ``UniformTypeKVCacheSpecs`` of one spec per layer, the
+scheduler's is its first layer's spec alone. Both sides must build the same
+layout (chunk sizes, CPU slots and the key namespace depend on it), so the
+kind comes from the first layer's spec on both sides, and each layer's page
+from the ``kv_cache_tensors`` both sides share; a worker checks those pages
+against its own per-layer specs.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
-from vllm.v1.kv_cache_interface import (
-    FullAttentionSpec,
-    MLAAttentionSpec,
-    SlidingWindowSpec,
-)
+from collections.abc import Mapping, Sequence
+from enum import Enum
+from types import MappingProxyType
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from kvoffload.config.layout import CacheGroup, KVLayout
 from kvoffload.errors import ConfigError
 
 if TYPE_CHECKING:
-    from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheSpec
+    from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheGroupSpec, KVCacheSpec
 
-__all__ = ["layout_from_kv_cache_config"]
+__all__ = ["SPEC_TABLE", "Action", "GroupMap", "SpecRow", "group_map", "spec_row"]
 
-
-def _kind(spec: KVCacheSpec) -> tuple[str, int | None]:
-    """(kind, sliding window) of a spec kvoffload serves; ``ConfigError`` otherwise."""
-    name = type(spec).__name__
-    if isinstance(spec, SlidingWindowSpec) and type(spec) is SlidingWindowSpec:
-        return "sliding", spec.sliding_window + getattr(spec, "extra_retained_tokens", 0)
-    if isinstance(spec, MLAAttentionSpec) and type(spec) is MLAAttentionSpec:
-        return "mla", None
-    if type(spec) is FullAttentionSpec and spec.attention_chunk_size is None:
-        # A sliding window kept as full attention (hybrid allocator off) keeps every
-        # block, so serving it like full attention is exact.
-        return "full", None
-    raise ConfigError(
-        f"KVOffloadConnector cannot offload KV cache groups of kind {name} yet "
-        "(supported: full attention, sliding window, MLA); run this model without "
-        "the connector"
-    )
+#: The module whose spec classes the table names; a same-named class elsewhere is unknown.
+SPEC_MODULE = "vllm.v1.kv_cache_interface"
 
 
-def layout_from_kv_cache_config(kv_cache_config: KVCacheConfig) -> KVLayout:
-    """The layout of every group of ``kv_cache_config``, in vLLM's group order."""
-    groups = []
-    for g, group in enumerate(kv_cache_config.kv_cache_groups):
-        spec = group.kv_cache_spec
-        try:
-            kind, window = _kind(spec)
-        except ConfigError as exc:
+class Action(Enum):
+    """What kvoffload does with a group of some spec class."""
+
+    SERVE = "serve"
+    SKIP = "skip"
+    REFUSE = "refuse"
+
+
+class SpecRow(NamedTuple):
+    action: Action
+    #: The group kind when served (see ``GROUP_KINDS``), else None.
+    kind: str | None
+    #: Why, in one line: what a hit at H needs from such a group.
+    reason: str
+
+
+def _serve(kind: str, reason: str) -> SpecRow:
+    return SpecRow(Action.SERVE, kind, reason)
+
+
+def _skip(reason: str) -> SpecRow:
+    return SpecRow(Action.SKIP, None, reason)
+
+
+def _refuse(reason: str) -> SpecRow:
+    return SpecRow(Action.REFUSE, None, reason)
+
+
+#: Spec class name (with ``/variant`` where a field changes the answer) -> decision.
+SPEC_TABLE: Mapping[str, SpecRow] = MappingProxyType({
+    "FullAttentionSpec": _serve("full", "attends to every earlier token: the whole prefix; a "
+        "sliding-window or chunked-local layer promoted to it (hybrid allocator off) keeps "
+        "every block too"),
+    "SinkFullAttentionSpec": _serve("full", "full attention over the request's blocks; the "
+        "static sink sits in blocks of its own, never in a request's"),
+    "MLAAttentionSpec": _serve("mla", "one latent per token, attended over the whole prefix"),
+    "MLAAttentionSpec/compressed": _serve("compressed_mla", "one entry per tokens_per_state "
+        "tokens (DeepSeek-V4's C4/C128 caches, its indexer's keys), read over the whole prefix"),
+    "HiddenStateCacheSpec": _serve("mla", "each token's hidden state, a function of its prefix"),
+    "SlidingWindowSpec": _serve("sliding", "attends to the last sliding_window tokens only"),
+    "SlidingWindowMLASpec": _serve("sliding_mla", "MLA entries needed over the window only "
+        "(DeepSeek-V4's SWA cache and compressor states)"),
+    "SlidingWindowMLASpec/bounded_replay": _skip("not prefix-cacheable: vLLM recomputes the "
+        "window after a hit whose load does not restore it (DeepSeek-V4.1)"),
+    "ChunkedLocalAttentionSpec": _serve("chunked_local", "attends within its attention chunk: "
+        "the tokens since the current chunk began"),
+    "CircularBufferSpec": _skip("a per-request ring of not yet compressed keys, not "
+        "prefix-cacheable: vLLM gives a hit a fresh one"),
+    "HiSparseHotSpec": _skip("a HiSparse staging buffer, not prefix-cacheable: vLLM rebuilds "
+        "it from its source group"),
+    "HiSparseResidentSpec": _skip("HiSparse's reclaimable device copies, not prefix-cacheable: "
+        "vLLM rebuilds them from the host source group"),
+    "EncoderOnlyAttentionSpec": _skip("keeps no KV between steps (vLLM sizes it at 0 bytes)"),
+    "MambaSpec": _refuse("recurrent state (GDN, Mamba) is not offloaded yet: a hit needs the "
+        "one state stored at its end, which vLLM keeps only with mamba_cache_mode='align' and "
+        "enable_prefix_caching=True (kvoffload issue 10)"),
+    "CrossAttentionSpec": _refuse("the decoder's KV depends on the encoder's input, which "
+        "chunk keys do not name; vLLM has no prefix cache for encoder-decoder models either"),
+    "RSWASpec": _refuse("a generated token's KV differs between decode (windowed) and "
+        "prefill (global), so no stored block is what a later prefill would compute"),
+})  # fmt: skip
+
+
+def spec_row(spec: KVCacheSpec) -> tuple[str, SpecRow]:
+    """The table's row for one (per-layer) spec, and the row's name."""
+    cls = type(spec)
+    name = cls.__name__
+    if cls.__module__ != SPEC_MODULE or name not in SPEC_TABLE:
+        known = ", ".join(sorted({row.split("/")[0] for row in SPEC_TABLE}))
+        return name, _refuse(
+            f"an unknown KV cache spec class ({cls.__module__}.{name}); kvoffload knows {known}"
+        )
+    if name == "MLAAttentionSpec" and getattr(spec, "tokens_per_state", 1) != 1:
+        name += "/compressed"
+    if name == "SlidingWindowMLASpec" and getattr(spec, "bounded_replay", False):
+        name += "/bounded_replay"
+    return name, SPEC_TABLE[name]
+
+
+class GroupMap(NamedTuple):
+    """vLLM's groups as kvoffload sees them."""
+
+    #: The served groups, in vLLM's order.
+    layout: KVLayout
+    #: vLLM's index of each layout group (skipped groups have none).
+    group_ids: tuple[int, ...]
+    #: vLLM's index of each skipped group, and why it was skipped.
+    skipped: tuple[tuple[int, str], ...]
+    #: vLLM's group count: its block id lists have one entry per group.
+    num_vllm_groups: int
+
+    def served_block_ids(self, block_ids: Sequence[Sequence[int]]) -> tuple[Sequence[int], ...]:
+        """vLLM's per-group block ids of a request, for the layout's groups only."""
+        if len(block_ids) != self.num_vllm_groups:
             raise ConfigError(
-                f"KV cache group {g} ({len(group.layer_names)} layers): {exc}"
-            ) from None
+                f"vLLM gave block ids for {len(block_ids)} KV cache groups, the layout was "
+                f"built for {self.num_vllm_groups}"
+            )
+        return tuple(block_ids[g] for g in self.group_ids)
+
+
+def _layer_specs(spec: KVCacheSpec) -> dict[str, KVCacheSpec] | None:
+    """A worker's per-layer specs of a ``UniformTypeKVCacheSpecs`` group; None for plain specs."""
+    if type(spec).__name__ != "UniformTypeKVCacheSpecs":
+        return None
+    specs: dict[str, KVCacheSpec] = dict(spec.kv_cache_specs)
+    return specs
+
+
+def _tensor_pages(config: KVCacheConfig) -> dict[str, int]:
+    """Each layer's page from the tensors both sides share: its smaller stride.
+
+    A block-outermost tensor steps ``layer_stride`` (the page) between layers
+    and ``block_stride`` (the packed block) between blocks; a layer-outermost
+    one the reverse.
+    """
+    pages: dict[str, int] = {}
+    for tensor in getattr(config, "kv_cache_tensors", None) or ():
+        strides = [getattr(tensor, "layer_stride", 0), getattr(tensor, "block_stride", 0)]
+        positive = [int(s) for s in strides if s]
+        if positive:
+            pages.update(dict.fromkeys(tensor.layers, min(positive)))
+    return pages
+
+
+def _pages(
+    config: KVCacheConfig, g: int, group: KVCacheGroupSpec, first: KVCacheSpec
+) -> tuple[int, ...]:
+    names = list(group.layer_names)
+    shared = _tensor_pages(config)
+    pages = [shared.get(name, int(first.page_size_bytes)) for name in names]
+    if len(set(pages)) == 1:  # one page for all: the spec says it exactly (padding included)
+        pages = [int(first.page_size_bytes)] * len(names)
+    inner = _layer_specs(group.kv_cache_spec)
+    if inner is not None:
+        own = [int(inner[name].page_size_bytes) for name in names]
+        if own != pages:
+            raise ConfigError(
+                f"KV cache group {g}: the layers' pages {own} differ from what the scheduler "
+                f"side reads from vLLM's kv_cache_tensors {pages}; kvoffload cannot size "
+                "its chunks alike on both sides for this layout"
+            )
+    return tuple(pages)
+
+
+def _decide(g: int, group: KVCacheGroupSpec) -> tuple[SpecRow, KVCacheSpec]:
+    """The row of group ``g`` and the spec both sides see (a worker's first layer's)."""
+    spec = group.kv_cache_spec
+    inner = _layer_specs(spec)
+    first = next(iter(inner.values())) if inner else spec
+    if not getattr(group, "enable_kv_transfer", True):
+        return _skip("vLLM excludes it from KV transfer (enable_kv_transfer=False)"), first
+    if getattr(group, "host_resident", False):
+        return _refuse("held in vLLM's host pool (HiSparse), not in a device tensor"), first
+    name, row = spec_row(first)
+    for layer, other in (inner or {}).items():
+        other_name, other_row = spec_row(other)
+        if (other_row.action, other_row.kind) != (row.action, row.kind):
+            return _refuse(
+                f"it mixes {name} ({row.action.value} {row.kind}) with layer {layer!r}'s "
+                f"{other_name} ({other_row.action.value} {other_row.kind})"
+            ), first
+    if row.action is Action.SERVE and not getattr(first, "prefix_cacheable", True):
+        return _refuse(f"{name} says it is not prefix-cacheable"), first
+    return row, first
+
+
+def _window(kind: str, spec: Any) -> dict[str, int]:
+    """The window field of a window kind, read off the spec."""
+    if kind in ("sliding", "sliding_mla"):
+        extra = int(getattr(spec, "extra_retained_tokens", 0) or 0)
+        return {"sliding_window": int(spec.sliding_window) + extra}
+    if kind == "chunked_local":
+        return {"attention_chunk_size": int(spec.attention_chunk_size)}
+    return {}
+
+
+def group_map(kv_cache_config: KVCacheConfig) -> GroupMap:
+    """Decide every group of ``kv_cache_config`` (see the module docstring).
+
+    Raises ``ConfigError`` naming the first refused group and the reason.
+    """
+    groups, ids, skipped = [], [], []
+    for g, group in enumerate(kv_cache_config.kv_cache_groups):
+        row, first = _decide(g, group)
+        where = f"KV cache group {g} ({type(first).__name__}, {len(group.layer_names)} layers)"
+        if row.action is Action.REFUSE:
+            raise ConfigError(
+                f"KVOffloadConnector cannot offload {where}: {row.reason}. Run this model "
+                "without the connector"
+            )
+        if row.action is Action.SKIP:
+            skipped.append((g, row.reason))
+            continue
+        assert row.kind is not None  # every SERVE row names its kind
+        pages = _pages(kv_cache_config, g, group, first)
         groups.append(
             CacheGroup(
-                kind=kind,
-                tokens_per_block=int(spec.block_size),
+                kind=row.kind,
+                tokens_per_block=int(first.block_size),
                 layer_names=tuple(group.layer_names),
-                page_bytes=int(spec.page_size_bytes),
-                sliding_window=window,
+                page_bytes=max(pages),
+                layer_page_bytes=pages,
+                **_window(row.kind, first),
             )
         )
+        ids.append(g)
     if not groups:
-        raise ConfigError("KVOffloadConnector: the model has no KV cache groups to offload")
-    return KVLayout(groups=tuple(groups))
+        raise ConfigError(
+            "KVOffloadConnector: the model has no KV cache group a prefix hit can reuse "
+            f"(skipped: {skipped or 'none'}); run it without the connector"
+        )
+    return GroupMap(
+        KVLayout(tuple(groups)),
+        tuple(ids),
+        tuple(skipped),
+        len(kv_cache_config.kv_cache_groups),
+    )

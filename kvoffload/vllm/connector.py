@@ -41,7 +41,7 @@ from kvoffload.keys import namespace_of
 from kvoffload.manager.results import EventKind
 from kvoffload.messages import JobReport, TransferOrder, merge_reports
 from kvoffload.tiers.from_config import rank_probes
-from kvoffload.vllm._layout import layout_from_kv_cache_config
+from kvoffload.vllm._layout import GroupMap, group_map
 from kvoffload.vllm.scheduler import OffloadScheduler
 from kvoffload.vllm.worker import OffloadWorker
 
@@ -167,7 +167,9 @@ class KVOffloadConnector(KVConnectorBase_V1, SupportsHMA):
                 f"KVOffloadConnector: pipeline_parallel_size={parallel.pipeline_parallel_size} "
                 "is not supported yet; run with pipeline_parallel_size=1"
             )
-        self.layout: KVLayout = layout_from_kv_cache_config(kv_cache_config)
+        #: vLLM's groups as served (the layout) or skipped; see ``kvoffload.vllm._layout``.
+        self.groups: GroupMap = group_map(kv_cache_config)
+        self.layout: KVLayout = self.groups.layout
         extra = dict(vllm_config.kv_transfer_config.kv_connector_extra_config or {})
         self.world_size = parallel.tensor_parallel_size
         self.config: OffloadConfig = build_offloading_config(
@@ -218,7 +220,9 @@ class KVOffloadConnector(KVConnectorBase_V1, SupportsHMA):
     ) -> None:
         if request.request_id not in self._requests:
             return
-        block_ids = blocks.get_block_ids() if num_external_tokens else ()
+        block_ids = (
+            self.groups.served_block_ids(blocks.get_block_ids()) if num_external_tokens else ()
+        )
         self._scheduler_side().plan_load(request.request_id, block_ids, num_external_tokens)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
@@ -240,7 +244,7 @@ class KVOffloadConnector(KVConnectorBase_V1, SupportsHMA):
                 request.all_token_ids,
                 computed=computed,
                 scheduled=scheduler_output.num_scheduled_tokens.get(req_id, 0),
-                block_ids=manager.get_block_ids(req_id),
+                block_ids=self.groups.served_block_ids(manager.get_block_ids(req_id)),
                 num_prompt_tokens=request.num_prompt_tokens,
             )
         idle = scheduler_output.total_num_scheduled_tokens == 0
@@ -303,8 +307,12 @@ class KVOffloadConnector(KVConnectorBase_V1, SupportsHMA):
         from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 
         rank = get_tensor_model_parallel_rank() if self.world_size > 1 else 0
-        engine = OffloadEngine.from_config(self.config, kv_caches, self.namespace(rank))
-        self._worker = OffloadWorker(engine, report_blocks=len(self.layout.groups) == 1)
+        # Only the served groups' layers: vLLM also registers skipped groups' layers and
+        # layers that share another layer's KV (Gemma's num_kv_shared_layers).
+        served = {name: kv_caches[name] for name in self.layout.layer_names if name in kv_caches}
+        engine = OffloadEngine.from_config(self.config, served, self.namespace(rank))
+        # vLLM takes failed loads as block ids only when it has a single group.
+        self._worker = OffloadWorker(engine, report_blocks=self.groups.num_vllm_groups == 1)
 
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
         super().bind_connector_metadata(connector_metadata)
