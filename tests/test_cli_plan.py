@@ -19,7 +19,36 @@ def test_plan_prints_groups_and_budget(capsys: pytest.CaptureFixture[str]) -> No
     assert code == 0
     assert "256 chunks per worker" in out
     assert "1024" in out  # sliding tokens per chunk: 512 * 2
-    assert "group 3 (full): 16384 tokens" in out
+    assert "3      full     every token before H    128 KiB           16384 tokens" in out
+    assert "0      sliding  the 64 tokens before H" in out
+
+
+@pytest.mark.parametrize(
+    ("args", "rows"),
+    [
+        (["tiny_deepseek_v4", "--dtype", "fp8_ds_mla"], [
+            "0      sliding_mla     the 128 tokens before H  36.56 KiB ",
+            "3      compressed_mla  every token before H     1.69 KiB..36.56 KiB (3 sizes)",
+            "4      sliding_mla     the 8 tokens before H    8.44 KiB..32.06 KiB (2 sizes)",
+        ]),
+        (["tiny_qwen3_next", "--block-size", "128"], [
+            "0      mamba  the state at H        35 KiB state (page 64 KiB)  16384 states",
+            "3      full   every token before H  64 KiB                      4194304 tokens",
+        ]),
+        (["tiny_llama4", "--hybrid", "on"], [
+            "0      chunked_local  tokens since H's 1024-token chunk",
+            "3      full           every token before H",
+        ]),
+        (["tiny_llama4"], ["0      full  every token before H  8 KiB"]),
+    ],
+)  # fmt: skip
+def test_plan_shows_what_each_kind_of_group_needs(
+    args: list[str], rows: list[str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["plan", *args]) == 0
+    out = capsys.readouterr().out
+    for row in rows:
+        assert row in out, out
 
 
 def test_plan_json_matches_the_config(capsys: pytest.CaptureFixture[str]) -> None:
@@ -28,6 +57,22 @@ def test_plan_json_matches_the_config(capsys: pytest.CaptureFixture[str]) -> Non
     assert code == 0
     assert [g["tokens_per_block"] for g in plan["groups"]] == [2048, 2048, 2048, 128]
     assert plan["cpu_chunks_per_worker"] == (1 << 30) // 524288
+    assert [(g["reuse"], g["window"]) for g in plan["groups"]] == [("window", 64)] * 3 + [
+        ("prefix", None)
+    ]
+
+
+def test_plan_json_lists_each_layers_page_of_a_mixed_group(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    assert main(["plan", "tiny_deepseek_v4", "--dtype", "fp8_ds_mla", "--json"]) == 0
+    groups = json.loads(capsys.readouterr().out)["groups"]
+    assert groups[0]["page_bytes"] == 37440
+    assert groups[3]["page_bytes"] == [8640, 37440, 1728, 8640, 37440, 1728]
+    assert groups[3]["chunk_bytes"] == 2 * (8640 + 37440 + 1728)
+    qwen = main(["plan", "tiny_qwen3_next", "--json"])
+    state = json.loads(capsys.readouterr().out)["groups"][0]
+    assert qwen == 0 and state["reuse"] == "state" and "cpu_states_if_alone" in state
 
 
 def test_plan_reads_extra_config_from_a_file(

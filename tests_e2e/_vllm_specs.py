@@ -100,44 +100,48 @@ def dsv4_specs(
     engine = SimpleNamespace(cache_config=cache_config)
     specs: dict[str, KVCacheSpec] = {}
     for i, ratio in enumerate(compress_ratios):
+        # In the order the layers register (attention.py): the indexer's caches, then the
+        # SWA cache, the attention itself and its compressor.
         r, prefix = max(1, ratio), f"model.layers.{i}.attn"
+        if r == 4:
+            keys = SimpleNamespace(
+                cache_config=cache_config, head_dim=index_head_dim + index_head_dim // 128 * 4,
+                dtype=torch.uint8, compress_ratio=4,
+            )  # fmt: skip
+            specs[f"{prefix}.indexer.k_cache"] = _spec(DeepseekV4IndexerCache, keys, engine)
+            index_state = SimpleNamespace(
+                block_size=4, state_dim=2 * 2 * index_head_dim, dtype=torch.float32,
+                sliding_window=8,
+            )  # fmt: skip
+            specs[f"{prefix}.indexer.compressor.state_cache"] = _spec(
+                CompressorStateCache, index_state, engine
+            )
         swa = SimpleNamespace(
             bounded_replay=False, block_size=64, head_dim=head_dim, dtype=kv_dtype,
             window_size=window, cache_config=cache_config, packed_bytes_per_token=584,
             packed_page_alignment=576, packed_block_stride_alignment=None,
         )  # fmt: skip
-        specs[f"{prefix}.swa_cache"] = DeepseekV4SWACache.get_kv_cache_spec(swa, engine)  # type: ignore[arg-type]
+        specs[f"{prefix}.swa_cache"] = _spec(DeepseekV4SWACache, swa, engine)
         if r == 1:
             continue
         attn = SimpleNamespace(
             compress_ratio=r, kv_cache_dtype=cache_dtype, head_dim=head_dim,
             kv_cache_torch_dtype=torch.bfloat16,
         )  # fmt: skip
-        specs[prefix] = DeepseekV4Attention.get_kv_cache_spec(attn, engine)  # type: ignore[arg-type]
+        specs[prefix] = _spec(DeepseekV4Attention, attn, engine)
         coff = 1 + (r == 4)
         state = SimpleNamespace(
             block_size=4 if r == 4 else 8, state_dim=2 * coff * head_dim, dtype=torch.float32,
             sliding_window=coff * r,
         )  # fmt: skip
-        specs[f"{prefix}.compressor.state_cache"] = CompressorStateCache.get_kv_cache_spec(
-            state,  # type: ignore[arg-type]
-            engine,
-        )
-        if r != 4:
-            continue
-        keys = SimpleNamespace(
-            cache_config=cache_config, head_dim=index_head_dim + index_head_dim // 128 * 4,
-            dtype=torch.uint8, compress_ratio=4,
-        )  # fmt: skip
-        specs[f"{prefix}.indexer.k_cache"] = DeepseekV4IndexerCache.get_kv_cache_spec(keys, engine)  # type: ignore[arg-type]
-        index_state = SimpleNamespace(
-            block_size=4, state_dim=2 * 2 * index_head_dim, dtype=torch.float32, sliding_window=8
-        )
-        specs[f"{prefix}.indexer.compressor.state_cache"] = CompressorStateCache.get_kv_cache_spec(
-            index_state,  # type: ignore[arg-type]
-            engine,
-        )
+        specs[f"{prefix}.compressor.state_cache"] = _spec(CompressorStateCache, state, engine)
     return specs
+
+
+def _spec(layer_class: Any, layer: SimpleNamespace, engine: SimpleNamespace) -> KVCacheSpec:
+    """The layer class's own ``get_kv_cache_spec``, on the attributes its constructor sets."""
+    spec: KVCacheSpec = layer_class.get_kv_cache_spec(layer, engine)
+    return spec
 
 
 def llama4_specs(

@@ -13,6 +13,7 @@ against vLLM 0.33's modules.
 from __future__ import annotations
 
 import inspect
+import math
 from types import SimpleNamespace
 from typing import Any
 
@@ -298,3 +299,49 @@ def test_qwen3_next_is_refused_until_recurrent_state_is_served() -> None:
     ]  # fmt: skip
     with pytest.raises(ConfigError, match=r"group 0 .*mamba_cache_mode='align'"):
         group_map(built.scheduler)
+
+
+# -- kvoffload plan forms the groups vLLM forms -----------------------------------------------
+DEFAULT_43 = [128, 128] + [4 if i % 2 else 128 for i in range(41)]
+
+
+@pytest.mark.parametrize("ratios", [RATIOS, [0, 4, 4, 128, 0, 128, 4, 4], DEFAULT_43])
+@pytest.mark.parametrize("dtype", ["fp8_ds_mla", "bfloat16"])
+def test_plan_of_a_deepseek_v4_config_is_vllms_layout(ratios: list[int], dtype: str) -> None:
+    from kvoffload.config.hf_layout import layout_from_hf_config
+
+    config = {"model_type": "deepseek_v4", "num_hidden_layers": len(ratios),
+              "compress_ratios": ratios}  # fmt: skip
+    specs = dsv4_specs(ratios, fp8=dtype == "fp8_ds_mla")
+    vllm_layout = group_map(build(specs, KVCacheLayout.BLHNC).scheduler).layout
+    assert layout_from_hf_config(config, dtype=dtype) == vllm_layout
+
+
+@pytest.mark.parametrize("hybrid", [True, False])
+def test_plan_of_a_llama4_config_is_vllms_layout(hybrid: bool) -> None:
+    from kvoffload.config.hf_layout import layout_from_hf_config
+
+    config = {"model_type": "llama4_text", "num_hidden_layers": 8, "num_attention_heads": 16,
+              "num_key_value_heads": 8, "head_dim": 128, "hidden_size": 2048,
+              "attention_chunk_size": 8192}  # fmt: skip
+    built = build(llama4_specs(), KVCacheLayout.LBNHC, hybrid=hybrid)
+    assert layout_from_hf_config(config, block_size=128, hybrid=hybrid) == (
+        group_map(built.scheduler).layout
+    )
+
+
+def test_plan_of_a_qwen3_next_config_has_vllms_state_bytes() -> None:
+    from vllm.model_executor.layers.mamba.mamba_utils import MambaStateShapeCalculator
+
+    from kvoffload.cli.plan import example_path
+    from kvoffload.config.hf_layout import layout_from_hf_config, load_hf_config
+
+    config = load_hf_config(example_path("tiny_qwen3_next"))
+    shapes = MambaStateShapeCalculator.gated_delta_net_state_shape(
+        1, config["linear_num_key_heads"], config["linear_num_value_heads"],
+        config["linear_key_head_dim"], config["linear_value_head_dim"],
+        config["linear_conv_kernel_dim"],
+    )  # fmt: skip
+    state = sum(2 * math.prod(shape) for shape in shapes)  # bfloat16
+    layout = layout_from_hf_config(config, block_size=128)
+    assert [g.page_bytes for g in layout.groups if g.kind == "mamba"] == [state] * 3 == [35840] * 3

@@ -15,13 +15,15 @@ from typing import Any
 from kvoffload.config import OffloadConfig, build_offloading_config
 from kvoffload.config.hf_layout import layout_from_hf_config
 from kvoffload.config.keys import KEYS
+from kvoffload.config.layout import CacheGroup, Reuse
 from kvoffload.config.values import format_bytes, safe_repr
 from kvoffload.errors import ConfigError
 
 __all__ = ["EXAMPLES", "example_path", "register", "run"]
 
 #: Model configs shipped in the package, usable by name: ``kvoffload plan tiny_gemma4``.
-EXAMPLES = ("tiny_gemma4", "tiny_llama")
+EXAMPLES = ("tiny_gemma4", "tiny_llama", "tiny_deepseek_v4", "tiny_qwen3_next", "tiny_llama4")
+_HYBRID = {"auto": None, "on": True, "off": False}
 
 
 def example_path(name: str) -> Path:
@@ -47,7 +49,11 @@ def register(subparsers: Any) -> None:
         "model",
         help=f"model directory, config.json, or a bundled example: {', '.join(EXAMPLES)}",
     )
-    parser.add_argument("--dtype", default="bfloat16", help="KV cache dtype (default bfloat16)")
+    parser.add_argument(
+        "--dtype",
+        default="bfloat16",
+        help="KV cache dtype (default bfloat16; fp8_ds_mla for DeepSeek-V4 on FlashMLA)",
+    )
     parser.add_argument(
         "--block-size", type=int, default=16, help="engine tokens per block (default 16)"
     )
@@ -57,6 +63,13 @@ def register(subparsers: Any) -> None:
         help="kv_connector_extra_config as JSON, or @FILE (default: 1 GiB of CPU memory)",
     )
     parser.add_argument("--world-size", type=int, default=1, help="workers sharing the budget")
+    parser.add_argument(
+        "--hybrid",
+        choices=list(_HYBRID),
+        default="auto",
+        help="vLLM's hybrid KV cache allocator (auto: vLLM's default, off for chunked local "
+        "attention unless VLLM_ALLOW_CHUNKED_LOCAL_ATTN_WITH_HYBRID_KV_CACHE=1)",
+    )
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
     parser.set_defaults(func=run)
 
@@ -80,21 +93,48 @@ def _extra_config(text: str) -> Any:
         raise ConfigError(f"--extra-config is not valid JSON ({exc}): {safe_repr(text)}") from exc
 
 
+def _needs(group: CacheGroup) -> str:
+    """What a hit at ``H`` needs from ``group``, in words."""
+    if group.reuse is Reuse.STATE:
+        return "the state at H"
+    if group.attention_chunk_size is not None:
+        return f"tokens since H's {group.attention_chunk_size}-token chunk"
+    if group.sliding_window is not None:
+        return f"the {group.sliding_window} tokens before H"
+    return "every token before H"
+
+
+def _page_text(group: CacheGroup, engine_page: int) -> str:
+    if group.reuse is Reuse.STATE:
+        padded = f" (page {format_bytes(engine_page)})" if engine_page > group.page_bytes else ""
+        return f"{format_bytes(group.page_bytes)} state{padded}"
+    pages = sorted(set(group.layer_pages))
+    if len(pages) == 1:
+        return format_bytes(pages[0])
+    return f"{format_bytes(pages[0])}..{format_bytes(pages[-1])} ({len(pages)} sizes)"
+
+
 def plan_summary(config: OffloadConfig) -> dict[str, Any]:
     """Machine-readable plan: groups, chunk geometry and what the CPU budget holds."""
-    groups = [
-        {
+    groups = []
+    for group, span, size in zip(
+        config.layout.groups, config.tokens_per_chunk, config.chunk_bytes, strict=True
+    ):
+        entry: dict[str, Any] = {
             "kind": group.kind,
+            "reuse": group.reuse.value,
+            "window": group.sliding_window or group.attention_chunk_size,
             "layers": group.num_layers,
             "tokens_per_block": group.tokens_per_block,
+            "page_bytes": list(group.layer_pages) if group.layer_page_bytes else group.page_bytes,
             "tokens_per_chunk": span,
             "chunk_bytes": size,
-            "cpu_tokens_if_alone": config.num_cpu_chunks * span,
         }
-        for group, span, size in zip(
-            config.layout.groups, config.tokens_per_chunk, config.chunk_bytes, strict=True
-        )
-    ]
+        if group.reuse is Reuse.STATE:
+            entry["cpu_states_if_alone"] = config.num_cpu_chunks
+        else:
+            entry["cpu_tokens_if_alone"] = config.num_cpu_chunks * span
+        groups.append(entry)
     # A prefix of T tokens needs T / tokens_per_chunk chunks in every group.
     chunks_per_token = sum(1 / span for span in config.tokens_per_chunk)
     return {
@@ -110,9 +150,32 @@ def plan_summary(config: OffloadConfig) -> dict[str, Any]:
     }
 
 
+def _group_table(config: OffloadConfig, summary: dict[str, Any]) -> list[str]:
+    """One row per group: what a hit needs of it, its page, what the CPU tier holds of it alone."""
+    layout = config.layout
+    engine_page = max((g.page_bytes for g in layout.groups if g.reuse is not Reuse.STATE),
+                      default=0)  # fmt: skip
+    rows = [("group", "kind", "a hit at H needs", "page (one layer)", "CPU tier alone")]
+    for i, (group, entry) in enumerate(zip(layout.groups, summary["groups"], strict=True)):
+        holds = (
+            f"{entry['cpu_states_if_alone']} states"
+            if group.reuse is Reuse.STATE
+            else f"{entry['cpu_tokens_if_alone']} tokens"
+        )
+        rows.append((str(i), group.kind, _needs(group), _page_text(group, engine_page), holds))
+    widths = [max(len(row[c]) for row in rows) for c in range(len(rows[0]))]
+    lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip()
+             for row in rows]  # fmt: skip
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return lines
+
+
 def run(args: argparse.Namespace) -> int:
     layout = layout_from_hf_config(
-        _model_source(args.model), dtype=args.dtype, block_size=args.block_size
+        _model_source(args.model),
+        dtype=args.dtype,
+        block_size=args.block_size,
+        hybrid=_HYBRID[args.hybrid],
     )
     config = build_offloading_config(
         _extra_config(args.extra_config), layout, world_size=args.world_size
@@ -125,8 +188,7 @@ def run(args: argparse.Namespace) -> int:
     print(
         f"\nThe CPU tier holds {config.num_cpu_chunks} chunks per worker "
         f"({format_bytes(config.max_chunk_bytes)} slots): a shared prefix of about "
-        f"{summary['cpu_prefix_tokens']} tokens in every group, or per group alone:"
+        f"{summary['cpu_prefix_tokens']} tokens in every group. Per group:\n"
     )
-    for i, group in enumerate(summary["groups"]):
-        print(f"  group {i} ({group['kind']}): {group['cpu_tokens_if_alone']} tokens")
+    print("\n".join(_group_table(config, summary)))
     return 0

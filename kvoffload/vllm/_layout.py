@@ -27,7 +27,7 @@ from enum import Enum
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any, NamedTuple
 
-from kvoffload.config.layout import CacheGroup, KVLayout
+from kvoffload.config.layout import GROUP_KINDS, CacheGroup, KVLayout, Reuse
 from kvoffload.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -165,9 +165,11 @@ def _tensor_pages(config: KVCacheConfig) -> dict[str, int]:
 
 
 def _pages(
-    config: KVCacheConfig, g: int, group: KVCacheGroupSpec, first: KVCacheSpec
+    config: KVCacheConfig, g: int, group: KVCacheGroupSpec, first: KVCacheSpec, kind: str
 ) -> tuple[int, ...]:
     names = list(group.layer_names)
+    if GROUP_KINDS[kind] is Reuse.STATE:  # vLLM pads a state page; only the state is moved
+        return (int(first.real_page_size_bytes),) * len(names)
     shared = _tensor_pages(config)
     pages = [shared.get(name, int(first.page_size_bytes)) for name in names]
     if len(set(pages)) == 1:  # one page for all: the spec says it exactly (padding included)
@@ -234,7 +236,7 @@ def group_map(kv_cache_config: KVCacheConfig) -> GroupMap:
             skipped.append((g, row.reason))
             continue
         assert row.kind is not None  # every SERVE row names its kind
-        pages = _pages(kv_cache_config, g, group, first)
+        pages = _pages(kv_cache_config, g, group, first, row.kind)
         groups.append(
             CacheGroup(
                 kind=row.kind,
