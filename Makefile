@@ -12,7 +12,9 @@ VLLM_VENV  ?= .venv-vllm
 VLLM_PY     = $(VLLM_VENV)/bin/python
 VLLM_STAMP  = $(VLLM_VENV)/.installed-stamp
 
-.PHONY: setup demo plan test lint typecheck bench replay e2e vllm-setup bench-vllm clean
+VLLM033    ?= .vllm033
+
+.PHONY: setup demo plan test lint typecheck bench replay e2e vllm-setup vllm033-check bench-vllm clean
 
 setup: $(STAMP)
 
@@ -57,6 +59,14 @@ $(VLLM_STAMP): pyproject.toml
 e2e: vllm-setup
 	cd tests_e2e && ../$(VLLM_PY) -m pytest
 
+# vLLM 0.33 pins a newer torch than the CPU build, so it is not installed: its wheel's
+# Python modules (no compiled extensions) go in front of the 0.32 environment, and the
+# tests that need no engine run against them (connector API, every spec kind, DeepSeek-V4).
+vllm033-check: vllm-setup
+	test -d $(VLLM033)/vllm || $(VLLM_PY) tests_e2e/_vllm033.py $(VLLM033)
+	cd tests_e2e && PYTHONPATH=$(abspath $(VLLM033)):$(CURDIR) $(abspath $(VLLM_PY)) -m pytest \
+		test_vllm_api.py test_spec_kinds.py
+
 # Time to first token on vLLM: kvoffload (CPU tier, disk tier) against recomputation.
 bench-vllm: vllm-setup
 	$(VLLM_PY) benchmarks/vllm_ttft.py
@@ -69,4 +79,4 @@ replay: setup
 		--capacities 4000,16000,64000 --policy all
 
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) .pytest_cache .mypy_cache .ruff_cache .hypothesis .coverage
+	rm -rf $(VENV) $(VLLM_VENV) $(VLLM033) .pytest_cache .mypy_cache .ruff_cache .hypothesis .coverage

@@ -338,6 +338,24 @@ def test_a_hit_on_an_attention_chunk_boundary_needs_nothing_of_the_chunked_group
     engine.close()
 
 
+def test_a_suspended_worker_fails_orders_and_keeps_the_tiers() -> None:
+    """vLLM 0.33's sleep mode: no copy touches the released KV memory; the CPU tier stays."""
+    engine = Engine(gemma_like())
+    ids = tokens(70)
+    engine.serve("r1", ids)
+    engine.worker.suspend()
+    engine.worker.suspend()  # idempotent, as vLLM asks
+    asleep = engine.serve("r2", ids)
+    assert asleep.offered == top_hit(engine, 70)  # the chunks are still there...
+    assert not asleep.loaded_ok and asleep.failed_recving == {"r2"}  # ...but not loaded now
+    assert engine.worker.figures()["suspended_orders"] == 1  # r2's load (its chunks are stored)
+    engine.worker.resume()
+    awake = engine.serve("r3", ids)
+    assert awake.offered == top_hit(engine, 70)
+    assert awake.loaded_ok and awake.mismatched == 0
+    engine.close()
+
+
 def test_a_lookup_waits_for_a_promotion_in_flight(tmp_path: Path) -> None:
     writer = Engine(llama_like(), tmp_path)
     ids = tokens(70)

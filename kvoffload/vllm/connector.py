@@ -1,4 +1,7 @@
-"""``KVOffloadConnector``: vLLM 0.32's ``KVConnectorBase_V1`` and ``SupportsHMA`` over kvoffload.
+"""``KVOffloadConnector``: vLLM's ``KVConnectorBase_V1`` and ``SupportsHMA`` over kvoffload.
+
+Written against vLLM 0.32's connector API and checked against 0.33's, which
+only added methods (the sleep mode's, implemented below).
 
 This module is only glue: it reads vLLM's objects (requests, block tables,
 scheduler outputs, KV tensors) and hands plain values to
@@ -313,6 +316,19 @@ class KVOffloadConnector(KVConnectorBase_V1, SupportsHMA):
         engine = OffloadEngine.from_config(self.config, served, self.namespace(rank))
         # vLLM takes failed loads as block ids only when it has a single group.
         self._worker = OffloadWorker(engine, report_blocks=self.groups.num_vllm_groups == 1)
+
+    # vLLM 0.33's sleep mode; vLLM 0.32 never calls these.
+    @classmethod
+    def supports_sleep_mode(cls, kv_transfer_config: Any) -> bool:
+        return True  # the tiers outlive the device KV cache; jobs drain before it goes
+
+    def unregister_kv_caches(self) -> None:
+        if self._worker is not None:
+            self._worker.suspend()
+
+    def restore_kv_caches(self) -> None:
+        if self._worker is not None:
+            self._worker.resume()
 
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
         super().bind_connector_metadata(connector_metadata)

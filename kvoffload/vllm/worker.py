@@ -23,6 +23,12 @@ finished requests need not hold their blocks (which would also keep
 :meth:`OffloadWorker.before_forward` repeats the wait before each forward
 pass for stores submitted in between.
 
+vLLM's sleep mode (0.33: ``unregister_kv_caches`` / ``restore_kv_caches``)
+releases the device KV cache and maps it back at the same addresses:
+:meth:`OffloadWorker.suspend` first lets every job finish, and an order that
+arrives while suspended fails at once (nothing may touch the released
+memory); the tiers, in host memory and below, keep their chunks throughout.
+
 A failed load is never hidden: its blocks are reported, so vLLM recomputes
 them (invariant 3). vLLM accepts block ids only for single-group layouts
 (block ids repeat across groups of a hybrid one), so hybrid layouts report
@@ -74,6 +80,16 @@ class OffloadWorker:
         self._failed_blocks: set[int] = set()
         self._reports: dict[int, JobReport] = {}
         self._figures = Counter[str]()
+        self._suspended = False
+
+    def suspend(self) -> None:
+        """The engine's KV memory is about to be released: wait for every job first."""
+        self.engine.wait()
+        self._suspended = True
+
+    def resume(self) -> None:
+        """The engine's KV memory is mapped back: orders run again."""
+        self._suspended = False
 
     def before_forward(self) -> None:
         """Wait until earlier stores no longer read engine blocks (see the module docstring)."""
@@ -86,7 +102,9 @@ class OffloadWorker:
                 continue
             if kind is JobKind.LOAD:
                 self._loads[order.req_id] += 1
-            if not order.spans:
+            if self._suspended:  # fails at once: the engine's memory is released
+                self._figures["suspended_orders"] += 1
+            if not order.spans or self._suspended:
                 self._instant.append(order)
                 continue
             try:
