@@ -40,6 +40,30 @@ GEMMA4: dict[str, Any] = {
     "hidden_size_per_layer_input": 16,
 }
 
+#: A 4-layer Llama-4 text model: three chunked-local-attention layers (chunks of 256
+#: tokens) and one NoPE full-attention layer, a mixture of two experts. With
+#: VLLM_ALLOW_CHUNKED_LOCAL_ATTN_WITH_HYBRID_KV_CACHE=1 vLLM's CPU backend forms four KV
+#: cache groups (three chunked local, one full) of the same block size.
+LLAMA4: dict[str, Any] = {
+    "architectures": ["Llama4ForCausalLM"],
+    "model_type": "llama4_text",
+    "vocab_size": 512,
+    "hidden_size": 128,
+    "intermediate_size": 256,
+    "intermediate_size_mlp": 256,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 32,
+    "num_local_experts": 2,
+    "num_experts_per_tok": 1,
+    "interleave_moe_layer_step": 1,
+    "attention_chunk_size": 256,
+    "no_rope_layer_interval": 4,
+    "max_position_embeddings": 4096,
+    "torch_dtype": "bfloat16",
+}
+
 #: A Llama big enough that prefill costs real time on a CPU, for the TTFT benchmark.
 BIG_LLAMA: dict[str, Any] = {
     **LLAMA,
@@ -82,8 +106,8 @@ def kv_bytes_per_token(config: dict[str, Any], dtype_bytes: int = 2) -> int:
     return 2 * config["num_hidden_layers"] * config["num_key_value_heads"] * head_dim * dtype_bytes
 
 
-MODELS = {"llama": LLAMA, "gemma4": GEMMA4, "big_llama": BIG_LLAMA}
+MODELS = {"llama": LLAMA, "gemma4": GEMMA4, "llama4": LLAMA4, "big_llama": BIG_LLAMA}
 
 if __name__ == "__main__":
-    # python tests_e2e/_models.py NAME DIR: build one model (llama, gemma4, big_llama).
+    # python tests_e2e/_models.py NAME DIR: build one model (llama, gemma4, llama4, big_llama).
     print(build(MODELS[sys.argv[1]], Path(sys.argv[2])))

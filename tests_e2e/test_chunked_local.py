@@ -1,0 +1,61 @@
+"""Chunked local attention (Llama-4) through KVOffloadConnector on a real vLLM engine.
+
+vLLM keeps Llama-4's chunked layers as full attention unless
+``VLLM_ALLOW_CHUNKED_LOCAL_ATTN_WITH_HYBRID_KV_CACHE=1``; with it, the tiny
+model of ``_models.LLAMA4`` has three chunked-local groups (chunks of 256
+tokens) and one full group. A hit at ``H`` then loads, of a chunked group,
+only the blocks since ``H``'s attention chunk began (vLLM holds null blocks
+before them), and of the full group everything: the tokens must be those of
+vLLM without the connector, after its own prefix cache was reset.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from _harness import (
+    TWO_PASSES,
+    Engine,
+    Reference,
+    connector_hit,
+    needs_connector,
+    shared_prefix_prompts,
+)
+from _models import LLAMA4, build
+from test_connector import assert_served_by_connector
+
+pytestmark = needs_connector
+
+ENGINE = {"block_size": 32, "max_model_len": 4096}
+#: Four and a half attention chunks: a hit lands in the fifth, past three freed chunks.
+PROMPTS = shared_prefix_prompts(2, prefix_len=1100, suffix_len=20, vocab=512)
+
+
+@pytest.fixture(scope="module")
+def llama4(models: Path) -> str:
+    return str(build(LLAMA4, models / "llama4"))
+
+
+@pytest.mark.parametrize("blocks_per_chunk", [1, 2])
+def test_llama4_chunked_local_round_trip(
+    engine: Engine,
+    reference: Reference,
+    llama4: str,
+    blocks_per_chunk: int,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("VLLM_ALLOW_CHUNKED_LOCAL_ATTN_WITH_HYBRID_KV_CACHE", "1")
+    expected = reference(llama4, ENGINE, PROMPTS)
+    result = engine(
+        model=llama4,
+        engine=ENGINE,
+        prompts=PROMPTS,
+        passes=TWO_PASSES,
+        connector={"blocks_per_chunk": blocks_per_chunk, "cpu_bytes_to_use": "256MiB"},
+    )
+    assert result["kv_cache_groups"] == [32, 32, 32, 32]  # three chunked local, one full
+    assert_served_by_connector(result, expected)
+    hit = connector_hit(PROMPTS[0], 32 * blocks_per_chunk)
+    assert hit > 4 * 256  # past four attention chunks
+    assert result["passes"][1]["cached"][0] == hit
