@@ -150,6 +150,8 @@ REFUSED = [
     (MAMBA, {}, r"MambaSpec.*mamba_cache_mode='align' and enable_prefix_caching=True"),
     (CrossAttentionSpec(**ATTN), {}, "CrossAttentionSpec.*encoder's input"),
     (RSWASpec(**ATTN, rswa_window=64), {}, "RSWASpec.*decode"),
+    (FullAttentionSpec(**ATTN, non_causal=True), {}, "FullAttentionSpec.*prefix LM"),
+    (SinkFullAttentionSpec(**ATTN, sink_len=16, non_causal=True), {}, "prefix LM"),
     (_Custom(**ATTN), {}, "unknown KV cache spec class .*_Custom"),
     (FullAttentionSpec(**ATTN), {"host_resident": True}, "host pool"),
 ]

@@ -72,6 +72,8 @@ SPEC_TABLE: Mapping[str, SpecRow] = MappingProxyType({
     "FullAttentionSpec": _serve("full", "attends to every earlier token: the whole prefix; a "
         "sliding-window or chunked-local layer promoted to it (hybrid allocator off) keeps "
         "every block too"),
+    "FullAttentionSpec/non_causal": _refuse("attends to later tokens too (prefix LM): a "
+        "prefix's KV depends on what follows it, so vLLM turns its prefix cache off as well"),
     "SinkFullAttentionSpec": _serve("full", "full attention over the request's blocks; the "
         "static sink sits in blocks of its own, never in a request's"),
     "MLAAttentionSpec": _serve("mla", "one latent per token, attended over the whole prefix"),
@@ -111,6 +113,8 @@ def spec_row(spec: KVCacheSpec) -> tuple[str, SpecRow]:
         return name, _refuse(
             f"an unknown KV cache spec class ({cls.__module__}.{name}); kvoffload knows {known}"
         )
+    if getattr(spec, "non_causal", False):  # any full-attention class can be non-causal
+        return f"{name}/non_causal", SPEC_TABLE["FullAttentionSpec/non_causal"]
     if name == "MLAAttentionSpec" and getattr(spec, "tokens_per_state", 1) != 1:
         name += "/compressed"
     if name == "SlidingWindowMLASpec" and getattr(spec, "bounded_replay", False):
