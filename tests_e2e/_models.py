@@ -75,6 +75,10 @@ BIG_LLAMA: dict[str, Any] = {
     "num_key_value_heads": 8,
 }
 
+#: BIG_LLAMA with 6 layers: the serving benchmark's model (benchmarks/serve_chat.py), where
+#: prefill of a 2,000-token conversation takes seconds on one core.
+SERVE_LLAMA: dict[str, Any] = {**BIG_LLAMA, "num_hidden_layers": 6}
+
 
 def build(config: dict[str, Any], path: Path, seed: int = 0) -> Path:
     """Save a randomly initialised bfloat16 model of ``config`` under ``path`` (once).
@@ -106,8 +110,14 @@ def kv_bytes_per_token(config: dict[str, Any], dtype_bytes: int = 2) -> int:
     return 2 * config["num_hidden_layers"] * config["num_key_value_heads"] * head_dim * dtype_bytes
 
 
-MODELS = {"llama": LLAMA, "gemma4": GEMMA4, "llama4": LLAMA4, "big_llama": BIG_LLAMA}
+MODELS = {
+    "llama": LLAMA,
+    "gemma4": GEMMA4,
+    "llama4": LLAMA4,
+    "big_llama": BIG_LLAMA,
+    "serve_llama": SERVE_LLAMA,
+}
 
 if __name__ == "__main__":
-    # python tests_e2e/_models.py NAME DIR: build one model (llama, gemma4, llama4, big_llama).
+    # python tests_e2e/_models.py NAME DIR: build one model (a key of MODELS).
     print(build(MODELS[sys.argv[1]], Path(sys.argv[2])))

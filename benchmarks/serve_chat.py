@@ -1,0 +1,362 @@
+"""Multi-turn chat over `vllm serve` with a small engine KV cache: kvoffload against vLLM alone.
+
+A real server (``vllm.entrypoints.openai.api_server``, vLLM's CPU build here)
+and a real client (streaming completions over HTTP, ``_serve.py``). The
+conversations share a system prompt and carry their history into every
+turn; they take turns round-robin (a conversation's next turn goes to the
+back of the queue), ``--concurrency`` requests in flight, so a
+conversation's history waits behind the other conversations' turns: the
+reuse distance that a small engine cache loses and an offload tier keeps.
+
+Workloads (``--workloads``):
+
+* ``chat``: the conversations, timed, on vLLM alone and on kvoffload (CPU
+  tier), both with the same small engine cache (``--engine-blocks``);
+  median and p90 time to first token per turn, total time, tokens/s;
+* ``unique``: prompts that share nothing, timed the same way: what the
+  connector costs when it can never hit;
+* ``check``: in float32 at concurrency 1, kvoffload with the small engine
+  cache against an engine whose own cache holds every conversation (the
+  same KV, reused): the answers (token ids) must be identical, or the
+  script exits 1.
+
+Every engine gets the same ``VLLM_CPU_NUM_OF_RESERVED_CPU``: vLLM's CPU
+backend reserves one core more when any KV connector is configured
+(``vllm/utils/ompmultiprocessing.py``), so without it a 2-core machine
+computes on two cores with the connector and on one without. The cores each
+engine was bound to are read from its log and printed beside the figures.
+The model is a Llama with random weights built at run time
+(``tests_e2e/_models.py``); prompts are token ids. Run it in the vLLM
+environment::
+
+    .venv-vllm/bin/python benchmarks/serve_chat.py [--json] [--help for the sizes]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import signal
+import sys
+import tempfile
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests_e2e"))  # model builders
+
+from _chat import Ask, Conversation, conversations, converse, summary, unique_prompts
+from _models import MODELS, build, kv_bytes_per_token
+from _serve import Server, ServerError, ServerSpec, complete, running
+
+WORKLOADS = ("chat", "unique", "check")
+REQUEST_TIMEOUT_S = 1800.0
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What the sizes imply for the engines, checked before any server starts."""
+
+    model: Path
+    vocab: int
+    max_model_len: int
+    oracle_blocks: int
+    kvcache_gib: int
+
+
+def plan(args: argparse.Namespace, model: Path) -> Plan:
+    config = MODELS[args.model]
+    chat_len = args.system_tokens + args.turns * (args.user_tokens + args.answer_tokens)
+    needs = [chat_len] if {"chat", "check"} & set(args.workloads) else []
+    if "unique" in args.workloads:
+        needs.append(args.unique_tokens + args.answer_tokens)
+    bs = args.block_size
+    max_model_len = math.ceil(max(needs) / bs) * bs
+    if max_model_len > config["max_position_embeddings"]:
+        raise SystemExit(
+            f"a conversation or prompt of {max(needs)} tokens is longer than the model's "
+            f"{config['max_position_embeddings']} positions: lower --turns, --user-tokens, "
+            "--system-tokens, --answer-tokens or --unique-tokens"
+        )
+    least = max_model_len // bs + 1  # vLLM keeps one block back (its null block)
+    if args.engine_blocks < least:
+        raise SystemExit(
+            f"--engine-blocks {args.engine_blocks} cannot hold one request of {max(needs)} "
+            f"tokens ({bs} tokens a block, and vLLM keeps one block back): vLLM would refuse "
+            f"to start; give --engine-blocks {least} or more, or lower the sizes"
+        )
+    oracle = max(args.engine_blocks, args.check_conversations * math.ceil(chat_len / bs) + 8)
+    block_bytes = bs * kv_bytes_per_token(config, dtype_bytes=4)
+    gib = max(1, math.ceil(oracle * block_bytes / 2**30))
+    return Plan(model, config["vocab_size"], max_model_len, oracle, gib)
+
+
+def spec(args: argparse.Namespace, p: Plan, name: str, **kw: Any) -> ServerSpec:
+    base: dict[str, Any] = {
+        "model": p.model,
+        "dtype": args.dtype,
+        "engine_blocks": args.engine_blocks,
+        "block_size": args.block_size,
+        "max_model_len": p.max_model_len,
+        "connector": None,
+        "reserved_cpus": args.reserved_cpus,
+        "kvcache_gib": p.kvcache_gib,
+    }
+    return ServerSpec(name=name, **{**base, **kw})
+
+
+def connector(args: argparse.Namespace) -> dict[str, Any]:
+    return {"blocks_per_chunk": args.blocks_per_chunk, "cpu_bytes_to_use": args.cpu_bytes}
+
+
+def chat(args: argparse.Namespace, p: Plan, n: int) -> tuple[list[int], list[Conversation]]:
+    return conversations(n, args.turns, args.system_tokens, args.user_tokens, p.vocab)
+
+
+def asker(server: Server, answer_tokens: int) -> Ask:
+    return lambda prompt: complete(server.port, prompt, answer_tokens, REQUEST_TIMEOUT_S)
+
+
+def timed_mode(args: argparse.Namespace, p: Plan, s: ServerSpec, work: Path) -> dict[str, Any]:
+    """One server, alone on the machine: a warm-up request, then each timed workload."""
+    out: dict[str, Any] = {}
+    with running([s], work, args.start_timeout) as [server]:
+        out["server"] = server.record()
+        ask = asker(server, args.answer_tokens)
+        ask(unique_prompts(1, 64, p.vocab, seed=2)[0].questions[0])
+        for workload in ("chat", "unique"):
+            if workload not in args.workloads:
+                continue
+            system, convs = (
+                chat(args, p, args.conversations)
+                if workload == "chat"
+                else ([], unique_prompts(args.unique_prompts, args.unique_tokens, p.vocab))
+            )
+            before = server.metrics()
+            seconds = converse(ask, system, convs, args.concurrency)
+            out[workload] = summary(convs, seconds, before, server.metrics())
+            print(f"  {s.name} {workload}: {seconds:.1f} s", file=sys.stderr)
+    return out
+
+
+def check(args: argparse.Namespace, p: Plan, work: Path) -> dict[str, Any]:
+    """kvoffload with the small engine cache against a cache that holds everything, float32.
+
+    The two servers run side by side (nothing is timed here), each at
+    concurrency 1, on the same conversations.
+    """
+    # Each on a core of its own where there are two (vLLM would bind both to the first).
+    two = (os.cpu_count() or 1) >= 2
+    specs = [
+        spec(args, p, "oracle-f32", dtype="float32", engine_blocks=p.oracle_blocks, cores="0"),
+        spec(args, p, "kvoffload-f32", dtype="float32", connector=connector(args),
+             cores="1" if two else "0"),
+    ]  # fmt: skip
+    runs = [chat(args, p, args.check_conversations) for _ in specs]
+    with running(specs, work, args.start_timeout) as servers, ThreadPoolExecutor(2) as pool:
+        before = servers[1].metrics()
+        futures = [
+            pool.submit(converse, asker(server, args.answer_tokens), system, convs, 1)
+            for server, (system, convs) in zip(servers, runs, strict=True)
+        ]
+        for future in futures:
+            future.result()
+        after = servers[1].metrics()
+        records = [server.record() for server in servers]
+    oracle, kv = ([t for c in convs for t in c.turns] for _, convs in runs)
+    bs = args.block_size
+    # The oracle reused every full block of the history (all of it was computed but the
+    # last answer token), or it is no oracle.
+    oracle_full = all(
+        t.answer.cached_tokens == (t.history_tokens - 1) // bs * bs
+        for t in oracle if t.history_tokens > args.system_tokens
+    )  # fmt: skip
+    pairs = list(zip(oracle, kv, strict=True))
+    hits = "vllm:external_prefix_cache_hits_total", "vllm:prefix_cache_hits_total"
+    return {
+        "answers": len(pairs),
+        "identical": sum(a.answer.tokens == b.answer.tokens for a, b in pairs),
+        "same_cached_tokens": sum(
+            a.answer.cached_tokens == b.answer.cached_tokens for a, b in pairs
+        ),
+        "oracle_reused_all_history": oracle_full,
+        "oracle_cached_tokens": [t.answer.cached_tokens for t in oracle],
+        "kvoffload_cached_tokens": [t.answer.cached_tokens for t in kv],
+        "connector_hit_tokens": int(after[hits[0]] - before[hits[0]]),
+        "engine_hit_tokens": int(after[hits[1]] - before[hits[1]]),
+        "servers": records,
+        "oracle_engine_blocks": p.oracle_blocks,
+    }
+
+
+def ttft_cells(row: dict[str, Any]) -> str:
+    return "".join(f"{t['ttft_median_s']:>6.2f} /{t['ttft_p90_s']:>6.2f}" for t in row["per_turn"])
+
+
+def print_timed(args: argparse.Namespace, modes: dict[str, dict[str, Any]], workload: str) -> None:
+    if workload == "chat":
+        print(
+            f"\nchat: {args.conversations} conversations x {args.turns} turns "
+            f"({args.system_tokens}-token shared system prompt, {args.user_tokens} user + "
+            f"{args.answer_tokens} answer tokens a turn), concurrency {args.concurrency}"
+        )
+        turns = "".join(f"{f'turn {i + 1}':>14}" for i in range(args.turns))
+    else:
+        print(
+            f"\nunique: {args.unique_prompts} prompts x {args.unique_tokens} tokens sharing "
+            f"nothing, {args.answer_tokens} answer tokens, concurrency {args.concurrency}"
+        )
+        turns = f"{'all':>14}"
+    print(
+        f"{'mode':<10} {'total s':>8} {'tokens/s':>9}  TTFT median / p90 s:{turns} "
+        f"{'engine hits':>12} {'kvoffload hits':>15} {'preempted':>10}"
+    )
+    for name, figures in modes.items():
+        row = figures[workload]
+        print(
+            f"{name:<10} {row['seconds']:>8.1f} {row['tokens_per_s']:>9.1f}  {'':>20}"
+            f"{ttft_cells(row)} {row['engine_hit_tokens']:>12} "
+            f"{row['connector_hit_tokens']:>15} {row['preemptions']:>10}"
+        )
+    if {"vllm", "kvoffload"} <= set(modes):
+        plain, kv = modes["vllm"][workload], modes["kvoffload"][workload]
+        print(
+            f"vllm / kvoffload total time: {plain['seconds'] / kv['seconds']:.2f}x; "
+            f"median TTFT of the last turn {kv['per_turn'][-1]['ttft_median_s']:.2f} s "
+            f"with kvoffload, {plain['per_turn'][-1]['ttft_median_s']:.2f} s without"
+        )
+
+
+def print_check(args: argparse.Namespace, c: dict[str, Any]) -> None:
+    print(
+        f"\ncheck (float32, concurrency 1, {args.check_conversations} conversations x "
+        f"{args.turns} turns): {c['identical']} of {c['answers']} answers of kvoffload with "
+        f"{args.engine_blocks} engine blocks identical to those of an engine with "
+        f"{c['oracle_engine_blocks']} (its own cache holds everything"
+        f"{'' if c['oracle_reused_all_history'] else ': NOT TRUE, it lost some history'}); "
+        f"cached tokens equal on {c['same_cached_tokens']}; kvoffload loaded "
+        f"{c['connector_hit_tokens']} tokens, vLLM's own cache served "
+        f"{c['engine_hit_tokens']}; engine cores "
+        + ", ".join(f"{s['name']} {s['engine_cores']}" for s in c["servers"])
+    )
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        description=(__doc__ or "").split("\n\n")[0],
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    add = parser.add_argument
+    add(
+        "--model",
+        choices=["llama", "big_llama", "serve_llama"],
+        default="serve_llama",
+        help="a Llama of tests_e2e/_models.py (serve_llama: 6 layers, hidden 1024)",
+    )
+    add("--dtype", default="bfloat16", help="of the timed workloads; the check is float32")
+    add("--conversations", type=int, default=12)
+    add("--turns", type=int, default=4)
+    add("--system-tokens", type=int, default=1024, help="the shared system prompt")
+    add("--user-tokens", type=int, default=256, help="new tokens of each turn")
+    add("--answer-tokens", type=int, default=32, help="max_tokens of every request")
+    add("--concurrency", type=int, default=2, help="requests in flight (timed workloads)")
+    add("--unique-prompts", type=int, default=8)
+    add("--unique-tokens", type=int, default=1500)
+    add("--check-conversations", type=int, default=6, help="of the float32 check")
+    add("--engine-blocks", type=int, default=160, help="the engine's own KV cache, in blocks")
+    add("--block-size", type=int, default=32)
+    add(
+        "--blocks-per-chunk",
+        type=int,
+        default=1,
+        help="kvoffload's chunk; 1 hits at vLLM's own block boundaries, as the check needs",
+    )
+    add("--cpu-bytes", default="2GiB", help="kvoffload's CPU tier (cpu_bytes_to_use)")
+    add(
+        "--reserved-cpus",
+        type=int,
+        default=1,
+        help="VLLM_CPU_NUM_OF_RESERVED_CPU of every engine: cores kept from its OpenMP threads",
+    )
+    add("--workloads", default=",".join(WORKLOADS), help="a comma list of chat, unique, check")
+    add("--start-timeout", type=float, default=900.0, help="seconds for a server to start")
+    add("--model-dir", type=Path, help="build the model here once and reuse it")
+    add("--keep", type=Path, help="keep the servers' logs here")
+    add("--json", action="store_true", help="print one JSON object")
+    args = parser.parse_args(argv)
+    args.workloads = [w for w in args.workloads.split(",") if w]
+    if not args.workloads or set(args.workloads) - set(WORKLOADS):
+        parser.error(f"--workloads: a comma list of {', '.join(WORKLOADS)}")
+    sizes = ("conversations", "turns", "system_tokens", "user_tokens", "answer_tokens",
+             "concurrency", "unique_prompts", "unique_tokens", "check_conversations",
+             "engine_blocks", "block_size", "blocks_per_chunk")  # fmt: skip
+    for name in sizes:
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be at least 1")
+    if args.reserved_cpus < 0:
+        parser.error("--reserved-cpus must be 0 or more")
+    return args
+
+
+def measure(args: argparse.Namespace) -> dict[str, Any]:
+    """Every mode the workloads need, one server after the other (the check's two at once)."""
+    with tempfile.TemporaryDirectory(prefix="kvoffload-serve-") as tmp:
+        work = args.keep or Path(tmp)
+        work.mkdir(parents=True, exist_ok=True)
+        model = (args.model_dir or work) / args.model
+        p = plan(args, model)  # the sizes are checked before the model is built
+        build(MODELS[args.model], model)
+        print(f"model {model}; servers (logs in {work}):", file=sys.stderr)
+        modes: dict[str, dict[str, Any]] = {}
+        if {"chat", "unique"} & set(args.workloads):
+            modes["vllm"] = timed_mode(args, p, spec(args, p, "vllm"), work)
+            kv = spec(args, p, "kvoffload", connector=connector(args))
+            modes["kvoffload"] = timed_mode(args, p, kv, work)
+        checked = check(args, p, work) if "check" in args.workloads else None
+    ok = checked is None or (
+        checked["identical"] == checked["answers"] and checked["oracle_reused_all_history"]
+    )
+    setup = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
+    setup["max_model_len"] = p.max_model_len
+    return {"setup": setup, "modes": modes, "check": checked, "ok": ok}
+
+
+def print_setup(args: argparse.Namespace, modes: dict[str, dict[str, Any]]) -> None:
+    cfg = MODELS[args.model]
+    cores = ", ".join(f"{name} {m['server']['engine_cores']}" for name, m in modes.items())
+    print(
+        f"vllm serve (vLLM CPU backend), {args.model} ({cfg['num_hidden_layers']} layers, "
+        f"hidden {cfg['hidden_size']}), timed in {args.dtype}; engine KV cache "
+        f"{args.engine_blocks} blocks x {args.block_size} tokens; kvoffload CPU tier "
+        f"{args.cpu_bytes}, blocks_per_chunk {args.blocks_per_chunk}\n"
+        f"cores: VLLM_CPU_NUM_OF_RESERVED_CPU={args.reserved_cpus} in every engine"
+        + (f"; engine bound to cores: {cores}" if cores else "")
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # stop the servers on SIGTERM too
+    try:
+        result = measure(args)
+    except ServerError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    if args.json:
+        print(json.dumps(result))
+    else:
+        print_setup(args, result["modes"])
+        for workload in ("chat", "unique"):
+            if workload in args.workloads:
+                print_timed(args, result["modes"], workload)
+        if result["check"] is not None:
+            print_check(args, result["check"])
+    return 0 if result["ok"] else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

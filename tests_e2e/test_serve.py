@@ -1,0 +1,111 @@
+"""The serving benchmark (``benchmarks/serve_chat.py``) on real `vllm serve` processes.
+
+Tiny sizes: the 2-layer Llama, conversations of three turns whose history
+outgrows an engine cache of 15 blocks. The benchmark's client talks to the
+servers over HTTP, as any user's client would, and the figures asserted here
+come from the servers' answers and their /metrics.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+from _harness import needs_connector
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+from _serve import group_alive  # noqa: E402
+
+pytestmark = needs_connector
+
+#: One run of the script starts up to two servers one after the other (~1 min each here).
+TIMEOUT_S = 3 * float(os.environ.get("KVOFFLOAD_E2E_TIMEOUT", "600"))
+SCRIPT = ROOT / "benchmarks" / "serve_chat.py"
+CONVERSATIONS, TURNS = 4, 3
+# Every turn's history outgrows what the 15-block engine cache keeps of the others'.
+TINY = [
+    "--model", "llama", "--system-tokens", "128", "--user-tokens", "96",
+    "--answer-tokens", "8", "--turns", str(TURNS), "--engine-blocks", "15",
+]  # fmt: skip
+
+
+def serve_chat(*argv: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, str(SCRIPT), *TINY, *argv],
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT_S,
+        check=False,
+    )
+
+
+def run_json(llama: str, tmp_path: Path, *argv: str) -> dict[str, Any]:
+    model_dir = str(Path(llama).parent)  # the script builds (here: finds) <dir>/llama
+    proc = serve_chat("--model-dir", model_dir, "--keep", str(tmp_path), "--json", *argv)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-8000:]
+    result: dict[str, Any] = json.loads(proc.stdout)
+    return result
+
+
+def test_kvoffload_answers_equal_an_engine_that_keeps_everything(
+    llama: str, tmp_path: Path
+) -> None:
+    """float32, concurrency 1: the small engine cache plus kvoffload gives the oracle's tokens."""
+    result = run_json(llama, tmp_path, "--workloads", "check", "--check-conversations", "4")
+    check = result["check"]
+    assert result["ok"]
+    assert check["answers"] == CONVERSATIONS * TURNS
+    assert check["identical"] == check["answers"]
+    # The oracle's own cache served every full block of every history ...
+    assert check["oracle_reused_all_history"]
+    # ... and so did the small engine with kvoffload: its cached tokens are the oracle's,
+    # which the 15-block engine cache could not have kept alone (the connector loaded them).
+    assert check["kvoffload_cached_tokens"] == check["oracle_cached_tokens"]
+    assert check["connector_hit_tokens"] > 0
+    later_turns = [c for i, c in enumerate(check["kvoffload_cached_tokens"]) if i % TURNS]
+    assert min(later_turns) > 128  # more than the system prompt: the conversation's history
+    for server in check["servers"]:  # every server stopped, with its engine processes
+        assert not group_alive(server["pgid"]), server
+    assert {s["engine_cores"] for s in check["servers"]} == {"[0]", "[1]"}
+
+
+def test_timed_modes_report_hits_only_where_kvoffload_can_serve(llama: str, tmp_path: Path) -> None:
+    """The timed path: vLLM alone and kvoffload, chat and unique prompts, concurrency 2."""
+    result = run_json(
+        llama, tmp_path, "--workloads", "chat,unique", "--conversations", str(CONVERSATIONS),
+        "--unique-prompts", "3", "--unique-tokens", "300", "--dtype", "float32",
+    )  # fmt: skip
+    modes = result["modes"]
+    assert set(modes) == {"vllm", "kvoffload"}
+    for figures in modes.values():
+        chat, unique = figures["chat"], figures["unique"]
+        assert chat["requests"] == CONVERSATIONS * TURNS and unique["requests"] == 3
+        assert chat["generated_tokens"] == 8 * chat["requests"]
+        assert len(chat["per_turn"]) == TURNS
+        assert all(0 < t["ttft_median_s"] <= t["ttft_p90_s"] for t in chat["per_turn"])
+        assert unique["connector_hit_tokens"] == 0  # nothing to hit
+        assert not group_alive(figures["server"]["pgid"])
+        # The cores are pinned the same way in both modes (one reserved, as asked).
+        assert figures["server"]["engine_cores"] == modes["vllm"]["server"]["engine_cores"]
+    assert modes["vllm"]["chat"]["connector_hit_tokens"] == 0
+    kv_chat, plain_chat = modes["kvoffload"]["chat"], modes["vllm"]["chat"]
+    assert kv_chat["connector_hit_tokens"] > 0
+    cached = [t["cached_tokens_median"] for t in kv_chat["per_turn"]]
+    plain = [t["cached_tokens_median"] for t in plain_chat["per_turn"]]
+    assert cached[-1] > plain[-1]  # the last turn's history came back from kvoffload
+
+
+def test_sizes_an_engine_would_refuse_are_refused_before_any_server_starts(
+    tmp_path: Path,
+) -> None:
+    proc = serve_chat("--workloads", "check", "--engine-blocks", "8", "--keep", str(tmp_path))
+    assert proc.returncode != 0
+    assert "--engine-blocks 8 cannot hold one request of 440 tokens" in proc.stderr
+    assert "give --engine-blocks 15 or more" in proc.stderr
+    assert not list(tmp_path.glob("*.log"))  # no server was started
