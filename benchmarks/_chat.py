@@ -14,8 +14,9 @@ import random
 import statistics
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -63,12 +64,28 @@ def unique_prompts(n: int, tokens: int, vocab: int, seed: int = 1) -> list[Conve
     return [Conversation([[rng.randrange(1, vocab) for _ in range(tokens)]]) for _ in range(n)]
 
 
+@contextmanager
+def threads(n: int) -> Iterator[ThreadPoolExecutor]:
+    """A thread pool that, on an error or Ctrl-C, does not wait for its requests to end.
+
+    They end when the caller stops the servers they wait on (a plain ``with``
+    would wait for them first, up to the request timeout).
+    """
+    pool = ThreadPoolExecutor(n)
+    try:
+        yield pool
+    except BaseException:
+        pool.shutdown(wait=False, cancel_futures=True)
+        raise
+    pool.shutdown()
+
+
 def converse(ask: Ask, system: list[int], convs: list[Conversation], concurrency: int) -> float:
     """Run every conversation to its end, ``concurrency`` requests in flight; the wall time."""
     ready = deque(convs)
     in_flight: dict[Future[Completion], tuple[Conversation, list[int]]] = {}
     started = time.perf_counter()
-    with ThreadPoolExecutor(concurrency) as pool:
+    with threads(concurrency) as pool:
         while ready or in_flight:
             while ready and len(in_flight) < concurrency:
                 conv = ready.popleft()

@@ -41,7 +41,6 @@ import os
 import signal
 import sys
 import tempfile
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -49,7 +48,15 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests_e2e"))  # model builders
 
-from _chat import Ask, Conversation, conversations, converse, summary, unique_prompts
+from _chat import (
+    Ask,
+    Conversation,
+    conversations,
+    converse,
+    summary,
+    threads,
+    unique_prompts,
+)
 from _models import MODELS, build, kv_bytes_per_token
 from _serve import Server, ServerError, ServerSpec, complete, running
 
@@ -157,7 +164,7 @@ def check(args: argparse.Namespace, p: Plan, work: Path) -> dict[str, Any]:
              cores="1" if two else "0"),
     ]  # fmt: skip
     runs = [chat(args, p, args.check_conversations) for _ in specs]
-    with running(specs, work, args.start_timeout) as servers, ThreadPoolExecutor(2) as pool:
+    with running(specs, work, args.start_timeout) as servers, threads(2) as pool:
         before = servers[1].metrics()
         futures = [
             pool.submit(converse, asker(server, args.answer_tokens), system, convs, 1)
