@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import statistics
 import subprocess
@@ -70,15 +71,20 @@ def conversations(
     return earlier, last
 
 
-def run_engine(spec: dict[str, Any], work: Path, name: str) -> dict[str, Any]:
+def run_engine(spec: dict[str, Any], work: Path, name: str, reserved_cpus: int) -> dict[str, Any]:
+    """One engine process on ``spec``; its result (``_runner.py``'s format)."""
     spec_path, out_path = work / f"{name}.spec.json", work / f"{name}.out.json"
     spec_path.write_text(json.dumps(spec))
+    # The same in every mode: vLLM's CPU backend reserves one core more when a KV
+    # connector is configured (vllm/utils/ompmultiprocessing.py), where it binds threads.
+    env = {**os.environ, "VLLM_CPU_NUM_OF_RESERVED_CPU": str(reserved_cpus)}
     started = time.perf_counter()
     proc = subprocess.run(
         [sys.executable, str(RUNNER), str(spec_path), str(out_path)],
         capture_output=True,
         text=True,
         check=False,
+        env=env,
     )
     (work / f"{name}.log").write_text(proc.stdout + proc.stderr)
     if proc.returncode != 0 or not out_path.exists():
@@ -90,8 +96,9 @@ def run_engine(spec: dict[str, Any], work: Path, name: str) -> dict[str, Any]:
     return result
 
 
-def row(name: str, passes: list[dict[str, Any]], n: int) -> dict[str, Any]:
+def row(name: str, result: dict[str, Any], n: int) -> dict[str, Any]:
     """The figures of timed pass ``n`` of one mode."""
+    passes = result["passes"]
     p = passes[n]
     ttft = statistics.median(p["prompt_seconds"])
     out: dict[str, Any] = {
@@ -100,6 +107,7 @@ def row(name: str, passes: list[dict[str, Any]], n: int) -> dict[str, Any]:
         "vllm_ttft_ms": 1000 * statistics.median(p["ttft"]) if p.get("ttft") else None,
         "cached_tokens": statistics.median(p["cached"]),
         "tokens": p["tokens"],
+        "torch_threads": result["torch_threads"],
     }
     if p.get("figures"):
         out["loaded_tokens"] = figure_delta(passes, n, "scheduler", "loaded_tokens")
@@ -120,6 +128,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--block-size", type=int, default=32, help="vLLM's block_size")
     parser.add_argument("--blocks-per-chunk", type=int, default=4)
     parser.add_argument("--model-dir", type=Path, help="build the model here once and reuse it")
+    parser.add_argument(
+        "--reserved-cpus",
+        type=int,
+        default=1,
+        help="VLLM_CPU_NUM_OF_RESERVED_CPU of every engine process (the same in every mode)",
+    )
     parser.add_argument("--keep", type=Path, help="keep specs, results and logs here")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     args = parser.parse_args(argv)
@@ -166,20 +180,32 @@ def main(argv: list[str] | None = None) -> int:
             },
             work,
             "recompute",
+            args.reserved_cpus,
         )
         with_cpu = run_engine(
-            {**base, "connector": connector, "passes": [warmup, fill, timed]}, work, "kvoffload-cpu"
+            {**base, "connector": connector, "passes": [warmup, fill, timed]},
+            work,
+            "kvoffload-cpu",
+            args.reserved_cpus,
         )
-        run_engine({**base, "connector": on_disk, "passes": [fill]}, work, "kvoffload-disk-store")
+        run_engine(
+            {**base, "connector": on_disk, "passes": [fill]},
+            work,
+            "kvoffload-disk-store",
+            args.reserved_cpus,
+        )
         with_disk = run_engine(
-            {**base, "connector": on_disk, "passes": [warmup, timed]}, work, "kvoffload-disk"
+            {**base, "connector": on_disk, "passes": [warmup, timed]},
+            work,
+            "kvoffload-disk",
+            args.reserved_cpus,
         )
 
     rows = [
-        row("recompute", plain["passes"], 3),
-        row("kvoffload cpu", with_cpu["passes"], 2),
-        row("kvoffload disk", with_disk["passes"], 1),
-        row("vllm prefix cache", plain["passes"], 2),
+        row("recompute", plain, 3),
+        row("kvoffload cpu", with_cpu, 2),
+        row("kvoffload disk", with_disk, 1),
+        row("vllm prefix cache", plain, 2),
     ]
     reference_ms, reference_tokens = rows[0]["ttft_ms"], rows[0]["tokens"]
     for r in rows:
@@ -192,6 +218,7 @@ def main(argv: list[str] | None = None) -> int:
         "stored_history_tokens": len(last[0]) - args.turn_tokens,
         "block_size": args.block_size,
         "blocks_per_chunk": args.blocks_per_chunk,
+        "reserved_cpus": args.reserved_cpus,
     }
     if args.json:
         print(json.dumps({"setup": setup, "rows": rows}))
@@ -200,18 +227,20 @@ def main(argv: list[str] | None = None) -> int:
         f"{args.conversations} conversations; timed turn: {len(last[0])} tokens, "
         f"{setup['stored_history_tokens']} of them from earlier turns "
         f"({args.system_tokens} shared system prompt); Llama {args.layers} layers, "
-        f"hidden {args.hidden}; chunks of {args.blocks_per_chunk} x {args.block_size} tokens"
+        f"hidden {args.hidden}; chunks of {args.blocks_per_chunk} x {args.block_size} tokens; "
+        f"VLLM_CPU_NUM_OF_RESERVED_CPU={args.reserved_cpus} in every engine process"
     )
     print(
         f"{'mode':<18} {'TTFT ms':>9} {'vLLM TTFT':>10} {'cached':>7} {'from disk':>10} "
-        f"{'recompute/mode':>15}  same tokens"
+        f"{'recompute/mode':>15}  same tokens  torch threads"
     )
     for r in rows:
         vllm_ttft = f"{r['vllm_ttft_ms']:.0f}" if r["vllm_ttft_ms"] is not None else "-"
         disk_chunks = r.get("lower_hit_chunks", "-")
         print(
             f"{r['mode']:<18} {r['ttft_ms']:>9.0f} {vllm_ttft:>10} {r['cached_tokens']:>7.0f} "
-            f"{disk_chunks!s:>10} {r['ratio_vs_recompute']:>14.2f}x  {r['same_tokens']}"
+            f"{disk_chunks!s:>10} {r['ratio_vs_recompute']:>14.2f}x  {r['same_tokens']!s:<11}  "
+            f"{r['torch_threads']}"
         )
     return 0 if all(r["same_tokens"] for r in rows) else 1
 

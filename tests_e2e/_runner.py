@@ -35,6 +35,7 @@ The result::
       "error": null | "traceback text of an exception raised at engine start",
       "start_seconds": 3.2,
       "kv_cache_groups": [2048, ...],   # vLLM's tokens per block, per KV cache group
+      "torch_threads": 2, "cpu_affinity": [0, 1],  # what the engine computes with
       "passes": [{"tokens": [[...], ...], "cached": [288, ...], "finish": ["length", ...],
                   "seconds": 0.4, "prompt_seconds": [...], "ttft": [...] | null,
                   "figures": {"scheduler": {...}, "worker": {...}},
@@ -184,10 +185,15 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
         llm = LLM(model=spec["model"], **engine)
     except Exception as exc:  # the test reads the message
         return {"error": "".join(traceback.format_exception(exc)), "passes": [], "figures": {}}
+    import torch
+
     result: dict[str, Any] = {
         "error": None,
         "start_seconds": time.perf_counter() - started,
         "kv_cache_groups": _kv_cache_groups(llm),
+        # What the engine (in this process) computes with: its torch threads, its cores.
+        "torch_threads": torch.get_num_threads(),
+        "cpu_affinity": sorted(os.sched_getaffinity(0)),
         "passes": [],
     }
     params = SamplingParams(temperature=0.0, max_tokens=spec.get("max_tokens", 8), ignore_eos=True)
