@@ -14,7 +14,7 @@ VLLM_STAMP  = $(VLLM_VENV)/.installed-stamp
 
 VLLM033    ?= .vllm033
 
-.PHONY: setup demo plan test lint typecheck bench replay e2e vllm-setup vllm033-check bench-vllm clean
+.PHONY: setup demo plan test lint typecheck bench replay e2e vllm-setup vllm033-check bench-vllm bench-serve clean
 
 setup: $(STAMP)
 
@@ -70,6 +70,11 @@ vllm033-check: vllm-setup
 # Time to first token on vLLM: kvoffload (CPU tier, disk tier) against recomputation.
 bench-vllm: vllm-setup
 	$(VLLM_PY) benchmarks/vllm_ttft.py
+
+# Multi-turn chat over `vllm serve`, kvoffload against vLLM alone with the same small engine
+# cache and the same cores, and a float32 exactness check (49 min on 2 busy shared cores).
+bench-serve: vllm-setup
+	$(VLLM_PY) benchmarks/serve_chat.py
 
 bench: setup
 	$(VENV)/bin/kvoffload bench --tier all
