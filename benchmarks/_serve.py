@@ -129,8 +129,8 @@ class Server:
         raise ServerError(f"{self.spec.name}: not ready in time:\n{self.log_tail()}")
 
     def stop(self) -> None:
-        """SIGTERM to the whole group, SIGKILL to what is left of it after 30 s."""
-        for sig, wait_s in ((signal.SIGTERM, 30.0), (signal.SIGKILL, 10.0)):
+        """SIGTERM to the whole group, SIGKILL to what is left of it after 15 s."""
+        for sig, wait_s in ((signal.SIGTERM, 15.0), (signal.SIGKILL, 10.0)):
             try:
                 os.killpg(self.proc.pid, sig)
             except ProcessLookupError:

@@ -18,7 +18,12 @@ of the history is the connector:
 * ``vllm prefix cache``: vLLM's own cache, not reset (the ideal, for scale).
 
 Every mode runs in its own engine process (``tests_e2e/_runner.py``) and
-first warms up on an unrelated prompt. The model has random weights (Llama,
+first warms up on an unrelated prompt. Every engine process gets the same
+``VLLM_CPU_NUM_OF_RESERVED_CPU`` (``--reserved-cpus``): where vLLM binds the
+engine's threads (its multiprocessing executor) it reserves one core more when
+a KV connector is configured. The runner's engine is in-process (uniprocess
+executor, no binding), so each mode computes with torch's threads, which the
+table shows per mode. The model has random weights (Llama,
 8 layers, hidden size 1024 by default), big enough that prefill costs real
 time on a CPU. Run it in the vLLM environment::
 
