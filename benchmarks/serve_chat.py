@@ -157,11 +157,12 @@ def check(args: argparse.Namespace, p: Plan, work: Path) -> dict[str, Any]:
     concurrency 1, on the same conversations.
     """
     # Each on a core of its own where there are two (vLLM would bind both to the first).
-    two = (os.cpu_count() or 1) >= 2
+    cpus = [str(cpu) for cpu in sorted(os.sched_getaffinity(0))]
     specs = [
-        spec(args, p, "oracle-f32", dtype="float32", engine_blocks=p.oracle_blocks, cores="0"),
+        spec(args, p, "oracle-f32", dtype="float32", engine_blocks=p.oracle_blocks,
+             cores=cpus[0]),
         spec(args, p, "kvoffload-f32", dtype="float32", connector=connector(args),
-             cores="1" if two else "0"),
+             cores=cpus[1 % len(cpus)]),
     ]  # fmt: skip
     runs = [chat(args, p, args.check_conversations) for _ in specs]
     with running(specs, work, args.start_timeout) as servers, threads(2) as pool:
