@@ -15,12 +15,23 @@ namespace, so two groups, two chunk sizes or two namespaces never share a key.
 Token ids may be any int64 value, negative included: engines do not produce
 them, but hashing them is well defined and refusing them would cost a pass
 over every request. Floats, bools and out-of-range values are refused.
+
+**More than tokens** (DESIGN.md, invariant 6). A request's KV also depends on
+its tenant's cache salt, its LoRA adapter, its multimodal inputs and prompt
+embeddings; :class:`KeyExtras` carries them into the chain. Salt and adapter
+apply to every position, so they go into the chain's seed (every key of the
+request differs from an unsalted one's). A multimodal item or embeddings
+apply to the positions they cover, so they go into exactly the chunks that
+overlap them, after the chunk's token ids; the chain carries them forward,
+as vLLM's block hashes do. A request without extras hashes exactly as
+before, so chunks stored by earlier versions stay valid. Everything mixed in
+is content, never a per-process id, so keys stay equal across processes and
+machines: the disk and remote tiers are shared by restarts and by engines.
 """
 
 from __future__ import annotations
 
 import hashlib
-import json
 import struct
 from collections.abc import Sequence
 from typing import Protocol
@@ -29,19 +40,20 @@ import numpy as np
 import numpy.typing as npt
 
 from kvoffload._checks import checked_int
+from kvoffload._key_extras import KEY_BYTES, KeyExtras, MMItem, PromptEmbeds, canonical
 from kvoffload.errors import ConfigError
 
 __all__ = [
     "KEY_BYTES",
+    "KeyExtras",
+    "MMItem",
+    "PromptEmbeds",
     "extend_prefix_keys",
     "namespace_of",
     "prefix_keys",
     "prefix_keys_for_layout",
     "short_key",
 ]
-
-#: Length of every chunk key and namespace, in bytes (128 bits).
-KEY_BYTES = 16
 
 _SEED_TAG = b"kvoffload/prefix-key/v1\x00"
 _NAMESPACE_TAG = b"kvoffload/namespace/v1\x00"
@@ -97,24 +109,47 @@ def _token_array(token_ids: object) -> npt.NDArray[np.int64]:
     return array.astype(_INT64, copy=False)
 
 
-def _chain_seed(group_idx: int, tokens_per_chunk: int, namespace: bytes) -> bytes:
+def _chain_seed(
+    group_idx: int, tokens_per_chunk: int, namespace: bytes, extras: KeyExtras | None
+) -> bytes:
+    """The key before chunk 0; a request's salt and adapter are hashed onto it."""
     checked_int("group_idx", group_idx, minimum=0, maximum=2**32 - 1)
     if not isinstance(namespace, bytes):
         raise ConfigError(f"namespace must be bytes, got {type(namespace).__name__}")
+    if extras is not None and not isinstance(extras, KeyExtras):
+        raise ConfigError(f"extras must be KeyExtras or None, got {type(extras).__name__}")
     header = _SEED_TAG + struct.pack("<IQ", group_idx, tokens_per_chunk)
-    return hashlib.blake2b(header + namespace, digest_size=KEY_BYTES).digest()
+    seed = hashlib.blake2b(header + namespace, digest_size=KEY_BYTES).digest()
+    tag = None if extras is None else extras.request_tag()
+    if tag is not None:  # the seed has a fixed length, so seed + tag is unambiguous
+        seed = hashlib.blake2b(seed + tag, digest_size=KEY_BYTES).digest()
+    return seed
 
 
-def _chain(previous: bytes, tokens: npt.NDArray[np.int64], tokens_per_chunk: int) -> list[bytes]:
-    """Keys of the full chunks of ``tokens``, chained onto ``previous``."""
+def _chain(
+    previous: bytes,
+    tokens: npt.NDArray[np.int64],
+    tokens_per_chunk: int,
+    first_chunk: int = 0,
+    extras: KeyExtras | None = None,
+) -> list[bytes]:
+    """Keys of the full chunks of ``tokens`` (chunk ``first_chunk`` on), chained onto ``previous``.
+
+    A chunk's token bytes have a fixed length, so the extras appended after
+    them (:meth:`KeyExtras.chunk_tag`) can never be mistaken for tokens.
+    """
     count = len(tokens) // tokens_per_chunk
     data = memoryview(tokens[: count * tokens_per_chunk].tobytes())
     step = tokens_per_chunk * _INT64.itemsize
     blake2b = hashlib.blake2b
     keys: list[bytes] = []
-    for start in range(0, count * step, step):
+    tag = extras.chunk_tag if extras is not None and extras.per_chunk else None
+    for i, start in enumerate(range(0, count * step, step)):
         hasher = blake2b(previous, digest_size=KEY_BYTES)
         hasher.update(data[start : start + step])
+        if tag is not None:
+            first = (first_chunk + i) * tokens_per_chunk
+            hasher.update(tag(first, first + tokens_per_chunk))
         previous = hasher.digest()
         keys.append(previous)
     return keys
@@ -125,15 +160,18 @@ def prefix_keys(
     tokens_per_chunk: int,
     group_idx: int = 0,
     namespace: bytes = b"",
+    *,
+    extras: KeyExtras | None = None,
 ) -> list[bytes]:
     """One key per *full* chunk of ``token_ids``; a trailing partial chunk gets none.
 
     ``key[i]`` names tokens ``[0, (i + 1) * tokens_per_chunk)`` of group
-    ``group_idx`` in ``namespace`` (see :func:`namespace_of`).
+    ``group_idx`` in ``namespace`` (see :func:`namespace_of`), and whatever
+    ``extras`` says those tokens depend on.
     """
     tokens_per_chunk = checked_int("tokens_per_chunk", tokens_per_chunk)
-    seed = _chain_seed(group_idx, tokens_per_chunk, namespace)
-    return _chain(seed, _token_array(token_ids), tokens_per_chunk)
+    seed = _chain_seed(group_idx, tokens_per_chunk, namespace, extras)
+    return _chain(seed, _token_array(token_ids), tokens_per_chunk, 0, extras)
 
 
 def extend_prefix_keys(
@@ -142,6 +180,8 @@ def extend_prefix_keys(
     tokens_per_chunk: int,
     group_idx: int = 0,
     namespace: bytes = b"",
+    *,
+    extras: KeyExtras | None = None,
 ) -> list[bytes]:
     """The keys of ``token_ids`` after the ``len(keys)`` already computed by :func:`prefix_keys`.
 
@@ -150,7 +190,7 @@ def extend_prefix_keys(
     ``keys + extend_prefix_keys(keys, ...) == prefix_keys(...)``.
     """
     tokens_per_chunk = checked_int("tokens_per_chunk", tokens_per_chunk)
-    seed = _chain_seed(group_idx, tokens_per_chunk, namespace)
+    seed = _chain_seed(group_idx, tokens_per_chunk, namespace, extras)
     tokens = _token_array(token_ids)
     done = len(keys)
     if done * tokens_per_chunk > len(tokens):
@@ -159,13 +199,15 @@ def extend_prefix_keys(
             f"{done * tokens_per_chunk} token ids, got {len(tokens)}"
         )
     previous = keys[-1] if done else seed
-    return _chain(previous, tokens[done * tokens_per_chunk :], tokens_per_chunk)
+    return _chain(previous, tokens[done * tokens_per_chunk :], tokens_per_chunk, done, extras)
 
 
 def prefix_keys_for_layout(
     token_ids: Sequence[int] | npt.NDArray[np.integer],
     tokens_per_chunk: Sequence[int],
     namespace: bytes = b"",
+    *,
+    extras: KeyExtras | None = None,
 ) -> list[list[bytes]]:
     """Keys of every group: ``tokens_per_chunk[g]`` is group ``g``'s chunk span in tokens.
 
@@ -178,7 +220,10 @@ def prefix_keys_for_layout(
         )
     spans = [checked_int(f"tokens_per_chunk[{g}]", t) for g, t in enumerate(tokens_per_chunk)]
     tokens = _token_array(token_ids)
-    return [_chain(_chain_seed(g, span, namespace), tokens, span) for g, span in enumerate(spans)]
+    return [
+        _chain(_chain_seed(g, span, namespace, extras), tokens, span, 0, extras)
+        for g, span in enumerate(spans)
+    ]
 
 
 def namespace_of(model_id: str, dtype: object, layout: _Layout) -> bytes:
@@ -210,5 +255,4 @@ def namespace_of(model_id: str, dtype: object, layout: _Layout) -> bytes:
             fields["layer_page_bytes"] = [int(p) for p in g.layer_page_bytes]
         groups.append(fields)
     document = {"model": model_id, "dtype": dtype_name, "groups": groups}
-    encoded = json.dumps(document, sort_keys=True, separators=(",", ":")).encode()
-    return hashlib.blake2b(_NAMESPACE_TAG + encoded, digest_size=KEY_BYTES).digest()
+    return hashlib.blake2b(_NAMESPACE_TAG + canonical(document), digest_size=KEY_BYTES).digest()

@@ -35,6 +35,7 @@ class KeyType(Enum):
     """How a raw value is read; ``label`` is what documentation shows."""
 
     INT = ("int", values.to_int)
+    FRACTION = ("fraction", values.to_fraction)
     SIZE = ("bytes", values.to_size)
     BOOL = ("bool", values.to_bool)
     POLICY = ("policy name", values.to_str)
@@ -153,6 +154,10 @@ KEYS: tuple[Key, ...] = (
         "2 and more filter out one-off prefixes).", bounds=_SIGHTINGS),
     Key("offload_prompt_only", KeyType.BOOL,
         "Offload only chunks that lie wholly inside the prompt, not generated tokens."),
+    Key("tenant_cpu_share", KeyType.FRACTION,
+        "Most of the CPU tier one tenant (one `cache_salt`; requests without one are a "
+        "tenant too) may hold, as a fraction of its chunks: a tenant at its share evicts "
+        "its own chunks, never the others'. Unset: no limit."),
     Key("disk_path", KeyType.PATH,
         "Directory of the disk tier (created 0700). Unset: no disk tier. "
         "Needs `disk_bytes_to_use`."),

@@ -50,6 +50,8 @@ class OffloadConfig:
     store_threshold: int = 1
     #: Offload only chunks wholly inside the prompt.
     offload_prompt_only: bool = False
+    #: Most of the CPU tier's chunks one tenant (cache salt) may hold; None: no limit.
+    tenant_cpu_share: float | None = None
     #: Directory of the disk tier, or None for no disk tier.
     disk_path: str | None = None
     #: Byte budget of the disk tier (0, outside the key's range, when there is none).
@@ -128,6 +130,8 @@ class OffloadConfig:
             ("eviction_policy", self.eviction_policy),
             ("store_threshold", str(self.store_threshold)),
             ("offload_prompt_only", str(self.offload_prompt_only).lower()),
+            ("tenant_cpu_share", "off" if self.tenant_cpu_share is None
+             else f"{self.tenant_cpu_share:g} of the CPU tier per tenant"),
             ("disk tier", disk),
             ("remote tier", self._remote_text()),
         ]  # fmt: skip

@@ -29,6 +29,7 @@ __all__ = [
     "safe_repr",
     "to_bool",
     "to_env_name",
+    "to_fraction",
     "to_int",
     "to_path",
     "to_remote_url",
@@ -150,6 +151,22 @@ def to_bool(key: str, value: object) -> bool:
     if isinstance(value, str) and value.strip().lower() in ("true", "false"):
         return value.strip().lower() == "true"
     raise _reject(key, value, "true or false")
+
+
+def to_fraction(key: str, value: object) -> float:
+    """A number in ``(0, 1]``: ``0.25``, ``"0.25"``, ``1``; never 0, a percentage or a bool."""
+    expected = "a fraction greater than 0 and at most 1, such as 0.25"
+    number: float | None = None
+    if isinstance(value, int | float) and not isinstance(value, bool):
+        number = float(value)
+    elif isinstance(value, str):
+        try:
+            number = float(value.strip())
+        except ValueError:
+            number = None
+    if number is None or not math.isfinite(number) or not 0.0 < number <= 1.0:
+        raise _reject(key, value, expected)
+    return number
 
 
 def to_str(key: str, value: object) -> str:

@@ -19,12 +19,13 @@ changes, so a ``ProtocolError`` leaves the index exactly as it was.
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING
 
 from kvoffload._checks import checked_int
 from kvoffload.errors import ConfigError, IntegrityError, ProtocolError
 from kvoffload.keys import short_key
+from kvoffload.manager._tenants import TenantShares
 from kvoffload.manager.policies.admission import AdmissionFilter
 from kvoffload.manager.policy import EvictionPolicy
 from kvoffload.manager.results import EventKind, IndexEvent, LoadResult, StoreResult
@@ -61,7 +62,9 @@ class OffloadManager:
     ``policy`` is a registry name (see ``kvoffload.registry.POLICIES``) or an
     :class:`EvictionPolicy` built for ``num_chunks``. With ``record_events``
     false, ``take_events`` always returns ``[]`` (replays need no events and
-    should not accumulate them).
+    should not accumulate them). With ``tenant_share`` (a fraction in
+    ``(0, 1]``), no tenant named to ``prepare_store`` holds more than that
+    share of the slots (see :mod:`kvoffload.manager._tenants`).
     """
 
     def __init__(
@@ -70,10 +73,12 @@ class OffloadManager:
         policy: str | EvictionPolicy | None = None,
         *,
         record_events: bool = True,
+        tenant_share: float | None = None,
     ) -> None:
         checked_int("num_chunks", num_chunks)
         self.capacity = num_chunks
         self.policy = _make_policy(policy, num_chunks)
+        self.tenants = None if tenant_share is None else TenantShares(num_chunks, tenant_share)
         # Asking a policy without an admission hook per key would only cost time.
         self._filters_admission = type(self.policy).admit is not EvictionPolicy.admit
         self.record_events = record_events
@@ -84,19 +89,8 @@ class OffloadManager:
         self._free: list[int] = list(range(num_chunks - 1, -1, -1))
         self._events: list[IndexEvent] = []
         self._counters = dict.fromkeys(
-            (
-                "lookups",
-                "hits",
-                "misses",
-                "stores",
-                "store_failures",
-                "evictions",
-                "rejected",
-                "removed",
-                "resets",
-            ),
-            0,
-        )
+            ("lookups", "hits", "misses", "stores", "store_failures", "evictions", "rejected",
+             "removed", "resets"), 0)  # fmt: skip
 
     @classmethod
     def from_config(cls, config: OffloadConfig, *, record_events: bool = True) -> OffloadManager:
@@ -104,12 +98,13 @@ class OffloadManager:
 
         ``eviction_policy`` picks the policy; a ``store_threshold`` above 1
         wraps it in an :class:`AdmissionFilter` that stores a chunk on that
-        many sightings.
+        many sightings; ``tenant_cpu_share`` caps each tenant's chunks.
         """
         policy: EvictionPolicy = POLICIES.create(config.eviction_policy, config.num_cpu_chunks)
         if config.store_threshold > 1:
             policy = AdmissionFilter(policy, sightings=config.store_threshold)
-        return cls(config.num_cpu_chunks, policy, record_events=record_events)
+        share = config.tenant_cpu_share
+        return cls(config.num_cpu_chunks, policy, record_events=record_events, tenant_share=share)
 
     # -- queries -------------------------------------------------------------
     def lookup(self, keys: Sequence[bytes]) -> int:
@@ -186,9 +181,12 @@ class OffloadManager:
             if key not in ready:
                 state = "still being stored" if key in self._storing else "not stored"
                 raise ProtocolError(f"prepare_load: chunk {short_key(key)} is {state}")
-        pins = self._pins
+        pins, tenants = self._pins, self.tenants
         for key in keys:
-            pins[key] = pins.get(key, 0) + 1
+            held = pins.get(key, 0)
+            pins[key] = held + 1
+            if tenants is not None and not held:
+                tenants.pinned(key, +1)
         return LoadResult(tuple(keys), tuple([ready[key] for key in keys]))
 
     def complete_load(self, keys: Sequence[bytes]) -> None:
@@ -207,15 +205,19 @@ class OffloadManager:
                 pins[key] = left
             else:
                 del pins[key]
+                if self.tenants is not None:
+                    self.tenants.pinned(key, -1)
 
     # -- stores --------------------------------------------------------------
     def prepare_store(
-        self, keys: Sequence[bytes], *, admit_all: bool = False
+        self, keys: Sequence[bytes], *, admit_all: bool = False, tenant: str | None = None
     ) -> StoreResult | None:
         """Reserve slots for the missing ``keys``, evicting unprotected ready chunks if needed.
 
         ``admit_all`` skips the policy's admission (a promotion from a lower
         tier: the chunk already proved worth keeping, and a load depends on it).
+        ``tenant`` owns the new chunks; with tenant shares on, a tenant at its
+        cap makes room from its own chunks first (``None`` if it cannot).
 
         Already-ready keys are skipped and protected from this call's
         evictions; in-flight keys and duplicates are skipped. Room is checked
@@ -238,19 +240,28 @@ class OffloadManager:
                 missing.append(key)
         if len(missing) > len(self._free) + self._evictable(found):
             return None
+        tenants = self.tenants
+        if tenants is not None and not tenants.fits(tenant, len(missing), found, self._pins):
+            return None
         if self._filters_admission and not admit_all:
             admit = self.policy.admit
             admitted = [key for key in missing if admit(key)]
             self._counters["rejected"] += len(missing) - len(admitted)
         else:
             admitted = missing
-        evicted = self._evict(len(admitted) - len(self._free), found)
+        evicted: list[bytes] = []
+        if tenants is not None:
+            own = tenants.over_cap(tenant, len(admitted))
+            evicted = self._evict(own, found, tenants.others(tenant))
+        evicted += self._evict(len(admitted) - len(self._free), found)
         free = self._free
         slots = []
         for key in admitted:
             slot = free.pop()
             storing[key] = slot
             slots.append(slot)
+        if tenants is not None:
+            tenants.reserve(admitted, tenant)
         return StoreResult(tuple(admitted), tuple(slots), tuple(evicted))
 
     def complete_store(self, keys: Sequence[bytes], success: bool = True) -> None:
@@ -279,11 +290,15 @@ class OffloadManager:
                 if record is not None:
                     record(IndexEvent(_STORED, key, slot))
             self._counters["stores"] += len(keys)
+            if self.tenants is not None:
+                self.tenants.stored(keys)
         else:
             free = self._free
             for key in keys:
                 free.append(storing.pop(key))
             self._counters["store_failures"] += len(keys)
+            if self.tenants is not None:
+                self.tenants.dropped(keys, ready=False)
 
     # -- housekeeping --------------------------------------------------------
     def take_events(self) -> list[IndexEvent]:
@@ -324,6 +339,8 @@ class OffloadManager:
             self._free.append(slot)
             if record is not None:
                 record(IndexEvent(_REMOVED, key, slot))
+        if self.tenants is not None:
+            self.tenants.dropped(dropped, ready=True)
         self.policy.reset()
         for key in ready:
             self.policy.insert(key)
@@ -336,6 +353,8 @@ class OffloadManager:
 
         check_index(self._ready, self._storing, self._pins, self._free, self.capacity)
         self.policy.check_integrity(self._ready.keys())
+        if self.tenants is not None:
+            self.tenants.check(self._ready.keys(), self._storing.keys(), self._pins.keys())
 
     # -- internals -------------------------------------------------------------
     def _evictable(self, found: set[bytes]) -> int:
@@ -343,12 +362,20 @@ class OffloadManager:
         pins = self._pins
         return len(self._ready) - len(pins) - sum(1 for key in found if key not in pins)
 
-    def _evict(self, need: int, found: set[bytes]) -> list[bytes]:
-        """Have the policy pick ``need`` victims, check them, then free their slots."""
+    def _evict(
+        self, need: int, found: set[bytes], spare: Callable[[bytes], bool] | None = None
+    ) -> list[bytes]:
+        """Have the policy pick ``need`` victims, check them, then free their slots.
+
+        ``spare`` protects more chunks (another tenant's, for a tenant at its cap).
+        """
         if need <= 0:
             return []
         pins, ready = self._pins, self._ready
-        victims = self.policy.evict(need, lambda key: key in pins or key in found)
+        if spare is None:
+            victims = self.policy.evict(need, lambda key: key in pins or key in found)
+        else:
+            victims = self.policy.evict(need, lambda key: key in pins or key in found or spare(key))
         bad = [k for k in victims if k not in ready or k in pins or k in found]
         if len(victims) != need or bad or len(set(victims)) != need:
             shown = ", ".join(short_key(k) for k in bad[:3])
@@ -364,4 +391,6 @@ class OffloadManager:
             if record is not None:
                 record(IndexEvent(_REMOVED, key, slot))
         self._counters["evictions"] += need
+        if self.tenants is not None:
+            self.tenants.dropped(victims, ready=True)
         return victims

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from kvoffload.keys import extend_prefix_keys
+from kvoffload.keys import KeyExtras, extend_prefix_keys
 
 __all__ = ["RequestState", "add_range", "covered"]
 
@@ -45,6 +45,8 @@ class RequestState:
     valid: list[list[tuple[int, int]]]
     next_chunk: list[int]
     retry: list[set[int]]
+    #: What the request's KV depends on besides its tokens (salt, adapter, ...).
+    extras: KeyExtras | None = None
     #: The engine's own hit at the last lookup, and the hit we offered.
     local_hit: int = 0
     offered: int = 0
@@ -52,13 +54,19 @@ class RequestState:
     finished: bool = False
 
     @classmethod
-    def empty(cls, num_groups: int) -> RequestState:
+    def empty(cls, num_groups: int, extras: KeyExtras | None = None) -> RequestState:
         return cls(
             [[] for _ in range(num_groups)],
             [[] for _ in range(num_groups)],
             [0] * num_groups,
             [set() for _ in range(num_groups)],
+            extras,
         )
+
+    @property
+    def tenant(self) -> str | None:
+        """Whose share of the CPU tier the request's chunks count against (its salt)."""
+        return None if self.extras is None else self.extras.tenant
 
     def mark_valid(self, start: int, stop: int, group: int | None = None) -> None:
         """Tokens ``[start, stop)`` of ``group`` (or of every group) now hold real KV."""
@@ -84,4 +92,6 @@ class RequestState:
         for g, span in enumerate(tokens_per_chunk):
             keys, want = self.keys[g], tokens // span
             if len(keys) < want:
-                keys += extend_prefix_keys(keys, token_ids[: want * span], span, g, namespace)
+                keys += extend_prefix_keys(
+                    keys, token_ids[: want * span], span, g, namespace, extras=self.extras
+                )

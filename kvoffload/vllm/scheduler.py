@@ -29,6 +29,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from kvoffload.config import OffloadConfig
+from kvoffload.keys import KeyExtras
 from kvoffload.manager.offload_manager import OffloadManager
 from kvoffload.manager.results import IndexEvent
 from kvoffload.messages import JobKind, JobReport, TransferOrder, merge_reports
@@ -94,8 +95,18 @@ class OffloadScheduler:
              "lower_hit_chunks", "resets"), 0)  # fmt: skip
 
     # -- lookups ------------------------------------------------------------------
-    def lookup(self, req_id: str, token_ids: Sequence[int], local_hit: int) -> int | None:
+    def lookup(
+        self,
+        req_id: str,
+        token_ids: Sequence[int],
+        local_hit: int,
+        extras: KeyExtras | None = None,
+    ) -> int | None:
         """Tokens beyond ``local_hit`` the tiers can serve: 0, ``H - local_hit``, or ``None``.
+
+        ``extras`` is what the request's KV depends on besides ``token_ids``
+        (salt, LoRA adapter, multimodal inputs, embeddings): it goes into
+        every key of the request, here and when its chunks are stored.
 
         ``None`` (vLLM: ask again at a later step) when the best hit needs a
         chunk another job is storing or promoting right now: waiting a step
@@ -104,7 +115,7 @@ class OffloadScheduler:
         call twice); it remembers the request's keys and what it offered.
         """
         self._figures["lookups"] += 1
-        req = self._request(req_id)
+        req = self._request(req_id, extras)
         top = (len(token_ids) - 1) // self.alignment * self.alignment  # one token is computed
         req.local_hit, req.offered = local_hit, 0
         if top <= local_hit:
@@ -143,7 +154,7 @@ class OffloadScheduler:
         local = hit - num_external
         req.mark_valid(0, local)
         pieces = self._load_pieces(req, block_ids, local, hit)
-        slots, lost, job = self._reserve([key for piece in pieces for key in piece.keys])
+        slots, lost, job = self._reserve([k for p in pieces for k in p.keys], req.tenant)
         spans, unloadable = load_spans(pieces, block_ids, slots, lost, self.bpc)
         # Every chunk of the hit was used, vLLM's own hits included; the tail first
         # so that the chain head, which every longer hit needs, is the most recent.
@@ -182,7 +193,9 @@ class OffloadScheduler:
                 pieces.append(LoadPiece(g, c0, first, stop, keys))
         return pieces
 
-    def _reserve(self, keys: list[bytes]) -> tuple[dict[bytes, int], set[bytes], _Job]:
+    def _reserve(
+        self, keys: list[bytes], tenant: str | None
+    ) -> tuple[dict[bytes, int], set[bytes], _Job]:
         """Slots for ``keys``: pins for CPU-resident ones, promotion slots for the rest.
 
         Returns key -> slot, the keys that got no slot, and a job holding the
@@ -194,7 +207,7 @@ class OffloadScheduler:
         slots = dict(zip(resident, self.index.prepare_load(resident).slots, strict=True))
         promoted: tuple[bytes, ...] = ()
         if lower:
-            reserved = self.index.prepare_store(lower, admit_all=True)
+            reserved = self.index.prepare_store(lower, admit_all=True, tenant=tenant)
             if reserved is not None:
                 promoted = reserved.keys
                 slots.update(zip(reserved.keys, reserved.slots, strict=True))
@@ -232,7 +245,7 @@ class OffloadScheduler:
         chosen.sort(key=lambda gc: ((gc[1] + 1) * self.tokens_per_chunk[gc[0]], gc[0]))
         keys = [req.keys[g][c] for g, c in chosen]
         reserved, n = None, min(len(keys), self.index.room())
-        while n > 0 and (reserved := self.index.prepare_store(keys[:n])) is None:
+        while n > 0 and (reserved := self.index.prepare_store(keys[:n], tenant=req.tenant)) is None:
             n //= 2
         for g, c in chosen[n if reserved is not None else 0 :]:
             req.retry[g].add(c)  # no room now (stores in flight): try again next step
@@ -355,10 +368,12 @@ class OffloadScheduler:
             probe.close()
 
     # -- internals ----------------------------------------------------------------------
-    def _request(self, req_id: str) -> RequestState:
+    def _request(self, req_id: str, extras: KeyExtras | None = None) -> RequestState:
+        """The request's state; created with ``extras`` at first sight (they never change)."""
         req = self._requests.get(req_id)
         if req is None:
-            req = self._requests[req_id] = RequestState.empty(len(self.tokens_per_chunk))
+            req = RequestState.empty(len(self.tokens_per_chunk), extras)
+            self._requests[req_id] = req
         return req
 
     def _new_job_id(self) -> int:
