@@ -104,6 +104,44 @@ def build(config: dict[str, Any], path: Path, seed: int = 0) -> Path:
     return path
 
 
+def build_lora_adapter(model: Path, path: Path, seed: int, rank: int = 8) -> Path:
+    """A PEFT LoRA adapter of ``rank`` on ``q_proj`` and ``v_proj`` with random weights (once).
+
+    Written the way vLLM reads adapters (``adapter_config.json`` and
+    ``adapter_model.safetensors``); the weights are large enough to change
+    what the model generates.
+    """
+    path = Path(path)
+    if (path / "adapter_model.safetensors").exists():
+        return path
+    import torch
+    from safetensors.torch import save_file
+
+    config = json.loads((Path(model) / "config.json").read_text())
+    hidden = config["hidden_size"]
+    head_dim = config.get("head_dim", hidden // config["num_attention_heads"])
+    outputs = {"q_proj": config["num_attention_heads"] * head_dim,
+               "v_proj": config["num_key_value_heads"] * head_dim}  # fmt: skip
+    generator = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for layer in range(config["num_hidden_layers"]):
+        for module, out in outputs.items():
+            base = f"base_model.model.model.layers.{layer}.self_attn.{module}"
+            a = torch.randn(rank, hidden, generator=generator) * 0.5
+            b = torch.randn(out, rank, generator=generator) * 0.5
+            tensors[f"{base}.lora_A.weight"] = a.to(torch.bfloat16)
+            tensors[f"{base}.lora_B.weight"] = b.to(torch.bfloat16)
+    partial = path.with_name(f"{path.name}.partial-{os.getpid()}")
+    partial.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(partial / "adapter_model.safetensors"))
+    adapter = {"peft_type": "LORA", "r": rank, "lora_alpha": 16, "bias": "none",
+               "target_modules": list(outputs)}  # fmt: skip
+    (partial / "adapter_config.json").write_text(json.dumps(adapter))
+    shutil.rmtree(path, ignore_errors=True)
+    partial.rename(path)
+    return path
+
+
 def kv_bytes_per_token(config: dict[str, Any], dtype_bytes: int = 2) -> int:
     """KV bytes one token takes over all layers of a plain-attention model like ``LLAMA``."""
     head_dim = config.get("head_dim", config["hidden_size"] // config["num_attention_heads"])

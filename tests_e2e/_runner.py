@@ -15,7 +15,8 @@ The spec (every key but ``model`` and ``prompts`` optional)::
       "failure_policy": "recompute",             # kv_load_failure_policy (vLLM's default
                                                  #   when absent: "fail")
       "kv_transfer_config": {...},               # or the whole kv_transfer_config instead
-      "prompts": [[1, 2, 3], ...],               # token ids
+      "prompts": [[1, 2, 3], ...],               # token ids, or {"prompt_token_ids": [...],
+                                                 #   "cache_salt": "t1", "lora": [name, id, path]}
       "max_tokens": 8,
       "passes": [{}, {"reset": true}]            # one generate() of all prompts each
     }
@@ -40,7 +41,8 @@ The result::
                   "seconds": 0.4, "prompt_seconds": [...], "ttft": [...] | null,
                   "figures": {"scheduler": {...}, "worker": {...}},
                   "acted": {"corrupted_files": 12, ...}}],
-      "figures": {"scheduler": {...}, "worker": {...}}   # after the last pass
+      "figures": {"scheduler": {...}, "worker": {...}},  # after the last pass
+      "metrics": {"vllm:prompt_tokens_total": 123.0, ...} # when stats are logged, else {}
     }
 
 ``cached`` is ``RequestOutput.num_cached_tokens`` (vLLM's prefix cache and
@@ -48,7 +50,10 @@ the connector together); ``figures`` are ``KVOffloadConnector.figures()`` of
 the live connectors of this process, keyed by role (the engine runs in this
 process: ``VLLM_ENABLE_V1_MULTIPROCESSING=0``). ``ttft`` is vLLM's
 ``first_token_latency`` per prompt when the engine logs stats
-(``"disable_log_stats": false`` in ``engine``), else null.
+(``"disable_log_stats": false`` in ``engine``), else null; ``metrics`` are
+then vLLM's Prometheus figures after the last pass (``llm.get_metrics()``):
+counters and gauges summed over their labels, histograms as ``NAME_count``
+and ``NAME_sum``.
 """
 
 from __future__ import annotations
@@ -131,6 +136,20 @@ def _kv_cache_groups(llm: Any) -> list[int] | None:
         return None
 
 
+def _metrics(llm: Any) -> dict[str, float]:
+    """vLLM's Prometheus figures of this engine, summed over labels (needs logged stats)."""
+    from vllm.v1.metrics.reader import Counter, Gauge, Histogram
+
+    out: dict[str, float] = {}
+    for metric in llm.get_metrics():
+        if isinstance(metric, Counter | Gauge):
+            out[metric.name] = out.get(metric.name, 0.0) + float(metric.value)
+        elif isinstance(metric, Histogram):
+            for suffix, value in (("_count", metric.count), ("_sum", metric.sum)):
+                out[metric.name + suffix] = out.get(metric.name + suffix, 0.0) + float(value)
+    return out
+
+
 def _act(llm: Any, step: dict[str, Any]) -> dict[str, Any]:
     acted: dict[str, Any] = {}
     if step.get("corrupt"):
@@ -143,6 +162,22 @@ def _act(llm: Any, step: dict[str, Any]) -> dict[str, Any]:
             raise RuntimeError("vLLM could not reset its prefix cache")
         acted["reset"] = True
     return acted
+
+
+def _prompt(entry: Any) -> tuple[dict[str, Any], Any]:
+    """vLLM's prompt and LoRA request of one spec prompt (token ids, or a dict with more)."""
+    if not isinstance(entry, dict):
+        return {"prompt_token_ids": entry}, None
+    prompt = {"prompt_token_ids": entry["prompt_token_ids"]}
+    if entry.get("cache_salt") is not None:
+        prompt["cache_salt"] = entry["cache_salt"]
+    lora = None
+    if entry.get("lora") is not None:
+        from vllm.lora.request import LoRARequest
+
+        name, lora_id, path = entry["lora"]
+        lora = LoRARequest(name, lora_id, path)
+    return prompt, lora
 
 
 def _record(outputs: list[Any]) -> dict[str, Any]:
@@ -199,23 +234,28 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
     params = SamplingParams(temperature=0.0, max_tokens=spec.get("max_tokens", 8), ignore_eos=True)
     for step in spec.get("passes", [{}]):
         acted = _act(llm, step)
-        prompts = [{"prompt_token_ids": ids} for ids in step.get("prompts", spec["prompts"])]
+        prompts, loras = zip(
+            *[_prompt(p) for p in step.get("prompts", spec["prompts"])], strict=True
+        )
         started = time.perf_counter()
         if step.get("one_by_one"):
             outputs, seconds = [], []
-            for prompt in prompts:
+            for prompt, lora in zip(prompts, loras, strict=True):
                 if step.get("reset_each"):
                     _act(llm, {"reset": True})
                 t0 = time.perf_counter()
-                outputs += llm.generate([prompt], params, use_tqdm=False)
+                outputs += llm.generate([prompt], params, use_tqdm=False, lora_request=lora)
                 seconds.append(time.perf_counter() - t0)
         else:
-            outputs, seconds = llm.generate(prompts, params, use_tqdm=False), None
+            lora_list = list(loras) if any(loras) else None
+            outputs = llm.generate(list(prompts), params, use_tqdm=False, lora_request=lora_list)
+            seconds = None
         record = _record(outputs)
         record.update(seconds=time.perf_counter() - started, prompt_seconds=seconds, acted=acted)
         record["figures"] = _figures() if "kv_transfer_config" in engine else {}
         result["passes"].append(record)
     result["figures"] = _figures() if "kv_transfer_config" in engine else {}
+    result["metrics"] = {} if engine.get("disable_log_stats", True) else _metrics(llm)
     return result
 
 

@@ -44,6 +44,7 @@ from kvoffload.keys import namespace_of
 from kvoffload.manager.results import EventKind
 from kvoffload.messages import JobReport, TransferOrder, merge_reports
 from kvoffload.tiers.from_config import rank_probes
+from kvoffload.vllm._extras import ExtrasReader, Unkeyable
 from kvoffload.vllm._layout import GroupMap, group_map
 from kvoffload.vllm.scheduler import OffloadScheduler
 from kvoffload.vllm.worker import OffloadWorker
@@ -133,14 +134,24 @@ class _Deltas:
         return None if stats.is_empty() else stats
 
 
-def _skip_request(request: Request) -> bool:
-    """Requests whose KV depends on more than token ids (LoRA, images, salts) are not offloaded."""
-    return bool(
-        request.lora_request is not None
-        or request.mm_features
-        or request.cache_salt
-        or request.prompt_token_ids is None
-    )
+def _refuse_draft_kv(vllm_config: VllmConfig) -> None:
+    """Speculative methods whose drafter keeps KV of its own are refused at start, by name.
+
+    An EAGLE, MTP or draft-model drafter writes KV beside the target's, and
+    its KV at a chunk's last position depends on the token after the chunk
+    (which the chunk's key does not name) and is written after the step's
+    stores. Offloading it would hand the drafter stale KV; outputs would stay
+    exact (the target verifies every draft), but acceptance would drop in a
+    way nothing here measures. Methods without drafter KV (ngram, suffix,
+    medusa, mlp_speculator) are served.
+    """
+    spec = vllm_config.speculative_config
+    if spec is not None and spec.uses_draft_kv_cache():
+        raise ConfigError(
+            f"KVOffloadConnector: speculative decoding with method {spec.method!r} keeps a "
+            "drafter's KV cache, which the connector cannot offload yet; use a method without "
+            "one (ngram, suffix, medusa, mlp_speculator) or run without the connector"
+        )
 
 
 class KVOffloadConnector(KVConnectorBase_V1, SupportsHMA):
@@ -165,6 +176,7 @@ class KVOffloadConnector(KVConnectorBase_V1, SupportsHMA):
             )
         super().__init__(vllm_config, role, kv_cache_config)
         parallel = vllm_config.parallel_config
+        _refuse_draft_kv(vllm_config)
         if parallel.pipeline_parallel_size != 1:
             raise ConfigError(
                 f"KVOffloadConnector: pipeline_parallel_size={parallel.pipeline_parallel_size} "
@@ -183,6 +195,8 @@ class KVOffloadConnector(KVConnectorBase_V1, SupportsHMA):
         self._scheduler: OffloadScheduler | None = None
         self._worker: OffloadWorker | None = None
         self._requests: dict[str, Request] = {}
+        self._extras = ExtrasReader()
+        self._unkeyable: dict[str, int] = {}  # reason -> requests served without offloading
         self._deltas = _Deltas()
         if role is KVConnectorRole.SCHEDULER:
             namespaces = [self.namespace(rank) for rank in range(self.world_size)]
@@ -202,7 +216,9 @@ class KVOffloadConnector(KVConnectorBase_V1, SupportsHMA):
     def figures(self) -> dict[str, Any]:
         """This side's counters: offered and loaded tokens (scheduler), jobs and bytes (worker)."""
         if self._scheduler is not None:
-            return self._scheduler.figures()
+            out: dict[str, Any] = self._scheduler.figures()
+            out["unkeyable_requests"] = sum(self._unkeyable.values())
+            return out
         return self._worker.figures() if self._worker is not None else {}
 
     # ==============================================================================
@@ -212,11 +228,23 @@ class KVOffloadConnector(KVConnectorBase_V1, SupportsHMA):
         self, request: Request, num_computed_tokens: int
     ) -> tuple[int | None, bool]:
         scheduler = self._scheduler_side()
-        if _skip_request(request):
-            return 0, False
-        self._requests[request.request_id] = request
-        hit = scheduler.lookup(request.request_id, request.all_token_ids, num_computed_tokens)
+        req_id = request.request_id
+        extras = None
+        if req_id not in self._requests:  # a repeated lookup: its state holds the extras
+            try:
+                extras = self._extras.read(request)
+            except Unkeyable as exc:
+                self._refuse(str(exc))
+                return 0, False
+            self._requests[req_id] = request
+        hit = scheduler.lookup(req_id, request.all_token_ids, num_computed_tokens, extras)
         return hit, bool(hit)
+
+    def _refuse(self, reason: str) -> None:
+        """A request whose KV inputs cannot be keyed is served without offloading; log once."""
+        if reason not in self._unkeyable:
+            logger.warning("kvoffload: requests are served without offloading: %s", reason)
+        self._unkeyable[reason] = self._unkeyable.get(reason, 0) + 1
 
     def update_state_after_alloc(
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int

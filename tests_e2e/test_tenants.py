@@ -1,0 +1,152 @@
+"""Tenants and LoRA adapters on a real engine: each is offloaded, and only ever served its own KV.
+
+Every pass but the first resets vLLM's prefix cache, so a cached token is
+one the connector loaded. A pass whose requests must not hit shows 0 cached
+tokens and no loaded tokens; a pass whose requests must hit shows the
+connector's whole-chunk hit; and every request generates the tokens it
+generates without the connector.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+import pytest
+from _harness import (
+    LLAMA_ENGINE,
+    Engine,
+    Reference,
+    connector_hit,
+    delta,
+    needs_connector,
+    random_prompts,
+)
+from _models import build_lora_adapter
+
+pytestmark = needs_connector
+
+CONNECTOR = {"blocks_per_chunk": 1, "cpu_bytes_to_use": "64MiB"}
+SYSTEM = random_prompts(1, 256, 512, seed=7)[0]  # 8 chunks of 32 tokens shared by everyone
+SUFFIXES = random_prompts(5, 40, 512, seed=8)
+
+
+def request(suffix: int, salt: str | None = None, lora: list[Any] | None = None) -> dict[str, Any]:
+    return {"prompt_token_ids": SYSTEM + SUFFIXES[suffix], "cache_salt": salt, "lora": lora}
+
+
+def expected_tokens(reference: dict[str, Any], prompts: list[dict[str, Any]]) -> dict[str, Any]:
+    """Prompt (as JSON) -> the tokens the run without the connector generated for it."""
+    tokens = reference["passes"][0]["tokens"]
+    return {json.dumps(p, sort_keys=True): t for p, t in zip(prompts, tokens, strict=True)}
+
+
+def check_pass(result: dict[str, Any], n: int, expected: dict[str, Any], cached: list[int]) -> None:
+    """Pass ``n``: the reference's tokens, these cached tokens, all of them loaded by us."""
+    done, prompts = result["passes"][n], result["spec_prompts"][n]
+    for prompt, tokens in zip(prompts, done["tokens"], strict=True):
+        assert tokens == expected[json.dumps(prompt, sort_keys=True)], f"pass {n}: other tokens"
+    assert done["cached"] == cached, (n, done["cached"])
+    assert delta(result, n, "scheduler", "loaded_tokens") == sum(cached)
+    assert delta(result, n, "scheduler", "hit_tokens") == sum(cached)
+
+
+def run_passes(run: Engine, passes: list[list[dict[str, Any]]], /, **spec: Any) -> dict[str, Any]:
+    steps = [{"prompts": p, **({"reset": True} if i else {})} for i, p in enumerate(passes)]
+    result = run(passes=steps, prompts=passes[0], connector=CONNECTOR, **spec)
+    assert result["error"] is None, result["error"]
+    result["spec_prompts"] = passes
+    scheduler = result["figures"]["scheduler"]
+    assert scheduler["failed_loads"] == 0 and scheduler["unkeyable_requests"] == 0
+    return result
+
+
+def test_tenants_hit_their_own_chunks_and_never_another_salts(
+    engine: Engine, reference: Reference, llama: str
+) -> None:
+    alice1, alice2 = request(0, "alice"), request(1, "alice")
+    bob1, bob2 = request(2, "bob"), request(3, "bob")
+    plain = request(4)
+    everything = [alice1, alice2, bob1, bob2, plain]
+    expected = expected_tokens(reference(llama, LLAMA_ENGINE, everything), everything)  # type: ignore[arg-type]
+    result = run_passes(
+        engine,
+        [[alice1], [bob1, plain], [alice2, bob2]],
+        model=llama,
+        engine=LLAMA_ENGINE,
+    )
+    shared = len(SYSTEM)  # the system prompt: 8 whole chunks of 32 tokens
+    check_pass(result, 0, expected, [0])
+    # alice's chunks are all the connector holds: bob and the unsalted request miss them.
+    check_pass(result, 1, expected, [0, 0])
+    # Each tenant's second request hits its own copy of the system prompt.
+    check_pass(result, 2, expected, [shared, shared])
+    stored = result["passes"][1]["figures"]["scheduler"]["stored_chunks"]
+    assert stored >= 3 * len(SYSTEM) // 32  # three separate copies of the system prompt
+
+
+def test_a_lora_adapter_is_offloaded_and_serves_only_its_own_weights(
+    engine: Engine, reference: Reference, llama: str, models: Path
+) -> None:
+    adapter_a = build_lora_adapter(Path(llama), models / "lora_a", seed=1)
+    adapter_b = build_lora_adapter(Path(llama), models / "lora_b", seed=2)
+    same_as_a = models / "lora_a_copy"  # the same weights under another name and path
+    shutil.copytree(adapter_a, same_as_a, dirs_exist_ok=True)
+    # max_loras covers every adapter of a batch: with fewer slots than adapters, vLLM 0.32's
+    # CPU build gave the base request another adapter's tokens (even without the connector).
+    engine_args = {**LLAMA_ENGINE, "enable_lora": True, "max_lora_rank": 8, "max_loras": 4}
+    with_a, with_b = (
+        request(0, lora=["a", 1, str(adapter_a)]),
+        request(0, lora=["b", 2, str(adapter_b)]),
+    )
+    with_copy, base = request(0, lora=["a-copy", 3, str(same_as_a)]), request(0)
+    everything = [with_a, with_b, with_copy, base]
+    ref = reference(llama, engine_args, everything)  # type: ignore[arg-type]
+    expected = expected_tokens(ref, everything)
+    tokens = ref["passes"][0]["tokens"]
+    assert tokens[0] != tokens[3] and tokens[0] != tokens[1]  # the adapters change the output
+    assert tokens[0] == tokens[2]
+    result = run_passes(
+        engine, [[with_a], [with_b, base], [with_a], [with_copy]], model=llama, engine=engine_args
+    )
+    hit = connector_hit(with_a["prompt_token_ids"], 32)
+    check_pass(result, 0, expected, [0])
+    check_pass(result, 1, expected, [0, 0])  # another adapter, or none: no hit
+    check_pass(result, 2, expected, [hit])  # adapter a's chunks come back
+    check_pass(result, 3, expected, [hit])  # keyed by the weights, not the name or path
+
+
+@pytest.mark.parametrize("method", ["ngram"])
+def test_speculative_decoding_hits_and_generates_the_same_tokens(
+    engine: Engine, llama: str, method: str
+) -> None:
+    """ngram drafting: the same prefix hits and tokens as without speculative decoding."""
+    motif = random_prompts(1, 20, 512, seed=9)[0]
+    prompt = (motif * 15)[:290]  # repetitive: the n-gram drafter finds proposals
+    spec = {"method": method, "num_speculative_tokens": 3, "prompt_lookup_max": 4,
+            "prompt_lookup_min": 2}  # fmt: skip
+    args = {**LLAMA_ENGINE, "speculative_config": spec, "disable_log_stats": False}
+    result = engine(model=llama, engine=args, prompts=[prompt], passes=[{}, {"reset": True}],
+                    connector=CONNECTOR, max_tokens=32)  # fmt: skip
+    assert result["error"] is None, result["error"]
+    base = engine(model=llama, engine=LLAMA_ENGINE, prompts=[prompt], max_tokens=32)
+    assert base["error"] is None, base["error"]  # no connector, no speculative decoding
+    for done in result["passes"]:
+        assert done["tokens"] == base["passes"][0]["tokens"]
+    assert result["passes"][1]["cached"] == [connector_hit(prompt, 32)]
+    assert delta(result, 1, "scheduler", "loaded_tokens") == connector_hit(prompt, 32)
+    drafted = result["metrics"].get("vllm:spec_decode_num_draft_tokens", 0)
+    accepted = result["metrics"].get("vllm:spec_decode_num_accepted_tokens", 0)
+    assert drafted > 0 and accepted > 0, result["metrics"]
+
+
+def test_a_drafter_with_kv_of_its_own_is_refused_at_start(engine: Engine, llama: str) -> None:
+    """A draft model keeps KV beside the target's: refused by name, not served stale."""
+    spec = {"method": "draft_model", "model": llama, "num_speculative_tokens": 2}
+    result = engine(model=llama, engine={**LLAMA_ENGINE, "speculative_config": spec},
+                    prompts=[SYSTEM], connector=CONNECTOR)  # fmt: skip
+    assert result["error"] is not None, "the engine started"
+    assert "ConfigError" in result["error"]
+    assert "method 'draft_model'" in result["error"] and "ngram" in result["error"]
