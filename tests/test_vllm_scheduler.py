@@ -23,9 +23,9 @@ import torch
 from kvoffload import build_offloading_config
 from kvoffload.config.layout import CacheGroup, KVLayout
 from kvoffload.engine import JobKind, OffloadEngine
-from kvoffload.keys import namespace_of
+from kvoffload.keys import KeyExtras, namespace_of
 from kvoffload.messages import JobReport
-from kvoffload.tiers.disk import DiskProbe
+from kvoffload.tiers.from_config import lower_probes
 from kvoffload.transfer import allocate_kv_caches
 from kvoffload.vllm import worker as worker_module
 from kvoffload.vllm.scheduler import NULL_BLOCK, OffloadScheduler
@@ -110,7 +110,7 @@ class Engine:
         }
         engine = OffloadEngine.from_config(self.config, self.caches, ns)
         self.worker = OffloadWorker(engine, report_blocks=len(layout.groups) == 1)
-        lower = [DiskProbe(tmp, ns)] if probes and tmp is not None else []
+        lower = lower_probes(self.config, ns) if probes else []
         self.scheduler = OffloadScheduler(self.config, ns, lower, world_size=world_size)
         self.free = list(range(NUM_BLOCKS - 1, 0, -1))  # block 0 is the null block
 
@@ -163,9 +163,11 @@ class Engine:
             self.scheduler.on_report(report)
         return polled
 
-    def serve(self, req_id: str, ids: list[int], local_hit: int = 0) -> Served:
+    def serve(
+        self, req_id: str, ids: list[int], local_hit: int = 0, extras: KeyExtras | None = None
+    ) -> Served:
         """One request through lookup, load, prefill, store and finish."""
-        offered = self.scheduler.lookup(req_id, ids, local_hit)
+        offered = self.scheduler.lookup(req_id, ids, local_hit, extras)
         hit = local_hit + (offered or 0)
         table = self.allocate(len(ids), hit)
         self.compute(table, ids, 0, local_hit)  # vLLM's own prefix cache had these
