@@ -60,7 +60,7 @@ def test_a_salted_chunk_is_a_hit_for_its_own_salt_only(
         assert figures["cpu_hit_chunks"] > 0 and figures["lower_hit_chunks"] == 0
     else:
         assert figures["lower_hit_chunks"] > 0 and figures["cpu_hit_chunks"] == 0
-        assert reader.worker.engine.traffic()[tier].loads == figures["lower_hit_chunks"]
+        assert reader.worker.engine.stats()[tier].loads == figures["lower_hit_chunks"]
     reader.close()
 
 

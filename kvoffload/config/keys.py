@@ -108,6 +108,8 @@ class Key:
 
     def range_text(self) -> str:
         """The accepted range of a numeric key, as the key table shows it ('' for others)."""
+        if self.type is KeyType.FRACTION:
+            return "above 0, up to 1"
         return self.bounds.text(self.type is KeyType.SIZE) if self.bounds else ""
 
     def default_text(self) -> str:
