@@ -18,8 +18,9 @@ The spec (every key but ``model`` and ``prompts`` optional)::
       "prompts": [[1, 2, 3], ...],               # token ids, or {"prompt_token_ids": [...],
                                                  #   "cache_salt": "t1", "lora": [name, id, path]}
       "max_tokens": 8,
-      "passes": [{}, {"reset": true}]            # one generate() of all prompts each
-    }
+      "passes": [{}, {"reset": true}],           # one generate() of all prompts each
+      "kv_events": true                          # vLLM's KV events on, published over ZMQ
+    }                                            #   to this process (each pass's "events")
 
 Each pass may first act: ``reset`` (``llm.reset_prefix_cache()``, vLLM's own
 cache only), ``reset_connector`` (the same with ``reset_connector=True``),
@@ -44,6 +45,10 @@ The result::
       "figures": {"scheduler": {...}, "worker": {...}},  # after the last pass
       "metrics": {"vllm:prompt_tokens_total": 123.0, ...} # when stats are logged, else {}
     }
+
+With ``kv_events`` each pass records the KV events vLLM published during it
+(``"events"``: msgpack maps as routers receive them, GPU and connector
+alike), received on a loopback ZMQ socket this process binds.
 
 ``cached`` is ``RequestOutput.num_cached_tokens`` (vLLM's prefix cache and
 the connector together); ``figures`` are ``KVOffloadConnector.figures()`` of
@@ -150,6 +155,59 @@ def _metrics(llm: Any) -> dict[str, float]:
     return out
 
 
+class _EventSink:
+    """vLLM's KV events, read back through the ZMQ publisher's replay socket.
+
+    The live PUB stream drops what is sent before a subscription reaches it
+    (vLLM 0.32 lost the first batch here even after the connection's
+    handshake), so events are fetched from the publisher's replay buffer by
+    sequence number instead: every batch, in order, exactly once.
+    """
+
+    def __init__(self) -> None:
+        import zmq
+
+        context = zmq.Context.instance()
+        self._live = context.socket(zmq.SUB)  # where the publisher connects; not read
+        live = self._live.bind_to_random_port("tcp://127.0.0.1")
+        probe = context.socket(zmq.REP)
+        replay = probe.bind_to_random_port("tcp://127.0.0.1")
+        probe.close(linger=0)  # a free port for the publisher to bind its replay socket
+        self._replay = context.socket(zmq.DEALER)  # one request, many replies
+        self._replay.connect(f"tcp://127.0.0.1:{replay}")
+        self._next = 0
+        self.config = {"enable_kv_cache_events": True, "publisher": "zmq",
+                       "endpoint": f"tcp://127.0.0.1:{live}",
+                       "replay_endpoint": f"tcp://127.0.0.1:{replay}"}  # fmt: skip
+
+    def _fetch(self) -> list[dict[str, Any]]:
+        """Every batch from the next sequence number on, as the replay socket sends them."""
+        import msgspec
+
+        self._replay.send_multipart((b"", self._next.to_bytes(8, "big")))
+        events: list[dict[str, Any]] = []
+        while True:
+            if not self._replay.poll(60_000):
+                raise RuntimeError("vLLM's KV event replay socket did not answer")
+            _empty, _topic, seq, payload = self._replay.recv_multipart()
+            number = int.from_bytes(seq, "big", signed=True)
+            if number < 0:  # the end-of-sequence marker
+                return events
+            _ts, batch, *_ = msgspec.msgpack.decode(payload)
+            events += [_plain(event) for event in batch]
+            self._next = number + 1
+
+    def take(self, quiet_s: float = 1.0) -> list[dict[str, Any]]:
+        """Events published since the last call, once none came for ``quiet_s``."""
+        events = self._fetch()
+        while True:
+            time.sleep(quiet_s)  # the publisher thread may still be sending
+            more = self._fetch()
+            if not more:
+                return events
+            events += more
+
+
 def _act(llm: Any, step: dict[str, Any]) -> dict[str, Any]:
     acted: dict[str, Any] = {}
     if step.get("corrupt"):
@@ -203,6 +261,9 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
         "seed": 0,
         **spec.get("engine", {}),
     }
+    sink = _EventSink() if spec.get("kv_events") else None
+    if sink is not None:
+        engine["kv_events_config"] = sink.config
     if spec.get("kv_transfer_config") is not None:
         engine["kv_transfer_config"] = spec["kv_transfer_config"]
     elif spec.get("connector") is not None:
@@ -253,6 +314,8 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
         record = _record(outputs)
         record.update(seconds=time.perf_counter() - started, prompt_seconds=seconds, acted=acted)
         record["figures"] = _figures() if "kv_transfer_config" in engine else {}
+        if sink is not None:
+            record["events"] = sink.take()
         result["passes"].append(record)
     result["figures"] = _figures() if "kv_transfer_config" in engine else {}
     result["metrics"] = {} if engine.get("disable_log_stats", True) else _metrics(llm)

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
-from vllm.distributed.kv_events import BlockRemoved, BlockStored, KVCacheEvent
+from vllm.distributed.kv_events import KVCacheEvent
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
@@ -41,9 +41,9 @@ from kvoffload.config.layout import KVLayout
 from kvoffload.engine import JobKind, OffloadEngine
 from kvoffload.errors import ConfigError, ProtocolError
 from kvoffload.keys import namespace_of
-from kvoffload.manager.results import EventKind
 from kvoffload.messages import JobReport, TransferOrder, merge_reports
 from kvoffload.tiers.from_config import rank_probes
+from kvoffload.vllm._events import ChunkEvents
 from kvoffload.vllm._extras import ExtrasReader, Unkeyable
 from kvoffload.vllm._layout import GroupMap, group_map
 from kvoffload.vllm.scheduler import OffloadScheduler
@@ -198,6 +198,7 @@ class KVOffloadConnector(KVConnectorBase_V1, SupportsHMA):
         self._extras = ExtrasReader()
         self._unkeyable: dict[str, int] = {}  # reason -> requests served without offloading
         self._deltas = _Deltas()
+        self._events: ChunkEvents | None = None
         if role is KVConnectorRole.SCHEDULER:
             namespaces = [self.namespace(rank) for rank in range(self.world_size)]
             self._scheduler = OffloadScheduler(
@@ -206,6 +207,13 @@ class KVOffloadConnector(KVConnectorBase_V1, SupportsHMA):
                 rank_probes(self.config, namespaces),
                 world_size=self.world_size,
             )
+            events = vllm_config.kv_events_config
+            if events is not None and events.enable_kv_cache_events:
+                self._events = ChunkEvents(
+                    self.layout, self.config.blocks_per_chunk, kv_cache_config
+                )
+            else:  # vLLM drains take_events every step; nothing to build or publish
+                self._scheduler.index.record_events = False
         _LIVE.add(self)
 
     def namespace(self, rank: int) -> bytes:
@@ -254,7 +262,10 @@ class KVOffloadConnector(KVConnectorBase_V1, SupportsHMA):
         block_ids = (
             self.groups.served_block_ids(blocks.get_block_ids()) if num_external_tokens else ()
         )
-        self._scheduler_side().plan_load(request.request_id, block_ids, num_external_tokens)
+        scheduler = self._scheduler_side()
+        order = scheduler.plan_load(request.request_id, block_ids, num_external_tokens)
+        if order is not None and self._events is not None:
+            self._events.describe(request, order, block_ids, scheduler.index.storing_mask)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         scheduler = self._scheduler_side()
@@ -270,14 +281,17 @@ class KVOffloadConnector(KVConnectorBase_V1, SupportsHMA):
             request = self._requests.get(req_id)
             if request is None or manager is None:
                 continue
-            scheduler.plan_store(
+            block_ids = self.groups.served_block_ids(manager.get_block_ids(req_id))
+            order = scheduler.plan_store(
                 req_id,
                 request.all_token_ids,
                 computed=computed,
                 scheduled=scheduler_output.num_scheduled_tokens.get(req_id, 0),
-                block_ids=self.groups.served_block_ids(manager.get_block_ids(req_id)),
+                block_ids=block_ids,
                 num_prompt_tokens=request.num_prompt_tokens,
             )
+            if order is not None and self._events is not None:
+                self._events.describe(request, order, block_ids, scheduler.index.storing_mask)
         idle = scheduler_output.total_num_scheduled_tokens == 0
         return KVOffloadMetadata(tuple(scheduler.take_orders()), idle=idle)
 
@@ -301,23 +315,11 @@ class KVOffloadConnector(KVConnectorBase_V1, SupportsHMA):
         return False, None  # the worker finished reading its blocks before vLLM frees them
 
     def take_events(self) -> Iterable[KVCacheEvent]:
-        events: list[KVCacheEvent] = []
-        for event in self._scheduler_side().take_events():
-            if event.kind is EventKind.STORED:
-                events.append(
-                    BlockStored(
-                        block_hashes=[event.key],
-                        parent_block_hash=None,
-                        token_ids=[],
-                        block_size=0,
-                        lora_id=None,
-                        medium="CPU",
-                        lora_name=None,
-                    )
-                )
-            else:
-                events.append(BlockRemoved(block_hashes=[event.key], medium="CPU"))
-        return events
+        """The CPU tier's changes as vLLM's events (see :mod:`kvoffload.vllm._events`)."""
+        scheduler = self._scheduler_side()
+        if self._events is None:
+            return []
+        return self._events.events(scheduler.take_events(), scheduler.index.storing_mask)
 
     def reset_cache(self) -> bool | None:
         return self._scheduler_side().reset()
