@@ -138,6 +138,8 @@ class JobResult:
     errors: tuple[str, ...] = ()
     #: Bytes copied between engine tensors and CPU slots.
     bytes_moved: int = 0
+    #: From submission to the result: what the job's request waited (queueing included).
+    seconds: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)

@@ -56,6 +56,9 @@ def test_a_salted_chunk_is_a_hit_for_its_own_salt_only(
     assert served.loaded_ok and served.mismatched == 0
     figures = sched.figures()
     assert figures["hit_tokens"] == served.offered  # the misses above offered nothing
+    assert (
+        figures["hit_tokens_by_tier"] == figures["loaded_tokens_by_tier"] == {tier: served.offered}
+    )
     if tier == "cpu":
         assert figures["cpu_hit_chunks"] > 0 and figures["lower_hit_chunks"] == 0
     else:

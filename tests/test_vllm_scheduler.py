@@ -491,3 +491,13 @@ def test_reset_drops_cpu_chunks_and_preemption_forgets_validity() -> None:
     blocks = [b for span in order.spans for b in span.blocks.block_ids]
     assert blocks and not set(blocks) & set(table[0][:4])  # the first 16 tokens' blocks
     engine.close()
+
+
+def test_tokens_are_credited_to_the_tiers_their_chunks_came_from() -> None:
+    """A load of chunks from two tiers splits its tokens by chunk count; shares add up."""
+    from kvoffload.vllm._request import tier_shares
+
+    assert tier_shares(96, ["cpu", "cpu", "disk"]) == {"cpu": 64, "disk": 32}
+    assert tier_shares(100, ["cpu", "disk", "redis"]) == {"cpu": 33, "disk": 33, "redis": 34}
+    assert tier_shares(10, []) == {} and tier_shares(0, ["cpu"]) == {}
+    assert sum(tier_shares(1001, ["cpu"] * 7 + ["disk"] * 5).values()) == 1001

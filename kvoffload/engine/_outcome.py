@@ -20,11 +20,12 @@ class Outcome:
     errors: list[str] = field(default_factory=list)
     nbytes: int = 0
 
-    def result(self, job_id: int, kind: JobKind) -> JobResult:
+    def result(self, job_id: int, kind: JobKind, seconds: float = 0.0) -> JobResult:
         if not self.failed:
             status = JobStatus.SUCCESS
         else:
             status = JobStatus.PARTIAL if self.done else JobStatus.FAILED
         blocks = {g: tuple(ids) for g, ids in self.failed_blocks.items()}
         return JobResult(job_id, kind, status, tuple(self.done), tuple(self.failed), blocks,
-                         tuple(self.promoted), tuple(self.errors), self.nbytes)  # fmt: skip
+                         tuple(self.promoted), tuple(self.errors), self.nbytes,
+                         seconds)  # fmt: skip

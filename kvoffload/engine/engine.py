@@ -204,7 +204,7 @@ class OffloadEngine:
         with self._cond:
             self._pending += 1
             self._reading += kind is JobKind.STORE
-        self._pool.submit(self._run, job_id, kind, tuple(spans), after)
+        self._pool.submit(self._run, job_id, kind, tuple(spans), after, time.perf_counter())
         return job_id
 
     def _run(
@@ -213,6 +213,7 @@ class OffloadEngine:
         kind: JobKind,
         spans: tuple[ChunkSpan, ...],
         after: torch.cuda.Event | None,
+        submitted: float,
     ) -> None:
         outcome = Outcome()
         reading = kind is JobKind.STORE
@@ -232,7 +233,7 @@ class OffloadEngine:
             self._crashed(kind, spans, outcome, exc)
         if reading:
             self._sources_released()
-        self._finish(outcome.result(job_id, kind))
+        self._finish(outcome.result(job_id, kind, time.perf_counter() - submitted))
 
     def _sources_released(self) -> None:
         with self._cond:

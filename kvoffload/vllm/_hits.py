@@ -83,6 +83,8 @@ class HitFinder:
         self.tokens_per_chunk = tuple(tokens_per_chunk)
         self.index = index
         self.probes = tuple(probes)
+        #: Keys the last :meth:`availability` found in a lower tier -> that tier's name.
+        self.found_in: dict[bytes, str] = {}
 
     def find(self, keys: Sequence[Sequence[bytes]], local_hit: int, top: int, step: int) -> Hit:
         """The longest hit ``H <= top``, stepping down by ``step``; ``H <= local_hit`` if none.
@@ -109,6 +111,7 @@ class HitFinder:
         """
         out: list[dict[int, Availability]] = []
         wanted: list[tuple[int, int, bytes]] = []
+        self.found_in = {}
         for g, span in enumerate(self.tokens_per_chunk):
             first, stop = local_hit // span, top // span
             group_keys = keys[g][first:stop]
@@ -130,9 +133,10 @@ class HitFinder:
             if not wanted:
                 break
             answers = probe.contains_many([key for _, _, key in wanted])
-            for (g, c, _), yes in zip(wanted, answers, strict=True):
+            for (g, c, key), yes in zip(wanted, answers, strict=True):
                 if yes:
                     out[g][c] = Availability.READY
+                    self.found_in[key] = probe.name
             wanted = [w for w, yes in zip(wanted, answers, strict=True) if not yes]
         return out
 

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from kvoffload.keys import KeyExtras, extend_prefix_keys
+from kvoffload.messages import JobReport, TransferOrder
 
-__all__ = ["RequestState", "add_range", "covered"]
+__all__ = ["JobState", "RequestState", "add_range", "covered", "tier_shares"]
 
 
 def add_range(ranges: list[tuple[int, int]], start: int, stop: int) -> None:
@@ -47,6 +49,8 @@ class RequestState:
     retry: list[set[int]]
     #: What the request's KV depends on besides its tokens (salt, adapter, ...).
     extras: KeyExtras | None = None
+    #: Keys the last lookup found in a lower tier -> that tier's name.
+    found_in: dict[bytes, str] = field(default_factory=dict)
     #: The engine's own hit at the last lookup, and the hit we offered.
     local_hit: int = 0
     offered: int = 0
@@ -95,3 +99,36 @@ class RequestState:
                 keys += extend_prefix_keys(
                     keys, token_ids[: want * span], span, g, namespace, extras=self.extras
                 )
+
+
+@dataclass(slots=True)
+class JobState:
+    """An order in flight, until every worker reported it."""
+
+    order: TransferOrder
+    #: Load: CPU-resident chunks pinned for it, and chunks promoted from lower tiers.
+    pinned: tuple[bytes, ...] = ()
+    promoted: tuple[bytes, ...] = ()
+    #: Load: tokens it serves and the ``(group, start, stop)`` token ranges it makes valid.
+    tokens: int = 0
+    ranges: tuple[tuple[int, int, int], ...] = ()
+    #: Load: its tokens by the tier their chunks come from (see :func:`tier_shares`).
+    tiers: dict[str, int] = field(default_factory=dict)
+    report: JobReport | None = None
+
+
+def tier_shares(tokens: int, chunk_tiers: Sequence[str]) -> dict[str, int]:
+    """``tokens`` split over tiers in proportion to the chunks each serves; sums to ``tokens``.
+
+    A load's chunks may come from several tiers (the CPU tier holds the head
+    of a prefix, the disk its tail); each tier is credited its share, the
+    rounding remainder going to the tier with the most chunks.
+    """
+    counts = Counter(chunk_tiers)
+    if not counts or tokens <= 0:
+        return {}
+    total = sum(counts.values())
+    shares = {tier: tokens * n // total for tier, n in counts.items()}
+    top = max(counts, key=lambda tier: (counts[tier], tier))
+    shares[top] += tokens - sum(shares.values())
+    return shares

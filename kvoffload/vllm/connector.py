@@ -33,7 +33,10 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorWorkerMetadata,
     SupportsHMA,
 )
-from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
+    KVConnectorPromMetrics,
+    KVConnectorStats,
+)
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from kvoffload.config import OffloadConfig, build_offloading_config
@@ -44,8 +47,10 @@ from kvoffload.keys import namespace_of
 from kvoffload.messages import JobReport, TransferOrder, merge_reports
 from kvoffload.tiers.from_config import rank_probes
 from kvoffload.vllm._events import ChunkEvents
-from kvoffload.vllm._extras import ExtrasReader, Unkeyable
+from kvoffload.vllm._extras import ExtrasReader, Unkeyable, refuse_draft_kv
 from kvoffload.vllm._layout import GroupMap, group_map
+from kvoffload.vllm._metrics import Deltas, key, scheduler_figures, worker_figures
+from kvoffload.vllm._prom import KVOffloadPromMetrics, KVOffloadStats
 from kvoffload.vllm.scheduler import OffloadScheduler
 from kvoffload.vllm.worker import OffloadWorker
 
@@ -100,60 +105,6 @@ class KVOffloadWorkerMetadata(KVConnectorWorkerMetadata):
         return KVOffloadWorkerMetadata(merged)
 
 
-@dataclass
-class KVOffloadStats(KVConnectorStats):
-    """Counter deltas of one interval; vLLM sums them across workers and logs them."""
-
-    def reset(self) -> None:
-        self.data = dict[str, Any]()
-
-    def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
-        merged = dict(self.data)
-        for name, value in other.data.items():
-            merged[name] = merged.get(name, 0) + value
-        return KVOffloadStats(data=merged)
-
-    def reduce(self) -> dict[str, int | float]:
-        return {name: value for name, value in self.data.items() if value}
-
-    def is_empty(self) -> bool:
-        return not any(self.data.values())
-
-
-class _Deltas:
-    """Turns cumulative counters into per-interval deltas for ``get_kv_connector_stats``."""
-
-    def __init__(self) -> None:
-        self._last: dict[str, int] = {}
-
-    def take(self, figures: dict[str, Any]) -> KVOffloadStats | None:
-        now = {k: v for k, v in figures.items() if isinstance(v, int) and not isinstance(v, bool)}
-        delta = {k: v - self._last.get(k, 0) for k, v in now.items()}
-        self._last = now
-        stats = KVOffloadStats(data={k: v for k, v in delta.items() if v})
-        return None if stats.is_empty() else stats
-
-
-def _refuse_draft_kv(vllm_config: VllmConfig) -> None:
-    """Speculative methods whose drafter keeps KV of its own are refused at start, by name.
-
-    An EAGLE, MTP or draft-model drafter writes KV beside the target's, and
-    its KV at a chunk's last position depends on the token after the chunk
-    (which the chunk's key does not name) and is written after the step's
-    stores. Offloading it would hand the drafter stale KV; outputs would stay
-    exact (the target verifies every draft), but acceptance would drop in a
-    way nothing here measures. Methods without drafter KV (ngram, suffix,
-    medusa, mlp_speculator) are served.
-    """
-    spec = vllm_config.speculative_config
-    if spec is not None and spec.uses_draft_kv_cache():
-        raise ConfigError(
-            f"KVOffloadConnector: speculative decoding with method {spec.method!r} keeps a "
-            "drafter's KV cache, which the connector cannot offload yet; use a method without "
-            "one (ngram, suffix, medusa, mlp_speculator) or run without the connector"
-        )
-
-
 class KVOffloadConnector(KVConnectorBase_V1, SupportsHMA):
     """Offloads KV chunks of every cache group to CPU, disk and lower tiers, and loads them back.
 
@@ -176,7 +127,7 @@ class KVOffloadConnector(KVConnectorBase_V1, SupportsHMA):
             )
         super().__init__(vllm_config, role, kv_cache_config)
         parallel = vllm_config.parallel_config
-        _refuse_draft_kv(vllm_config)
+        refuse_draft_kv(vllm_config)
         if parallel.pipeline_parallel_size != 1:
             raise ConfigError(
                 f"KVOffloadConnector: pipeline_parallel_size={parallel.pipeline_parallel_size} "
@@ -197,7 +148,8 @@ class KVOffloadConnector(KVConnectorBase_V1, SupportsHMA):
         self._requests: dict[str, Request] = {}
         self._extras = ExtrasReader()
         self._unkeyable: dict[str, int] = {}  # reason -> requests served without offloading
-        self._deltas = _Deltas()
+        self._deltas = Deltas()
+        self._rank = 0
         self._events: ChunkEvents | None = None
         if role is KVConnectorRole.SCHEDULER:
             namespaces = [self.namespace(rank) for rank in range(self.world_size)]
@@ -342,6 +294,7 @@ class KVOffloadConnector(KVConnectorBase_V1, SupportsHMA):
         rank = get_tensor_model_parallel_rank() if self.world_size > 1 else 0
         # Only the served groups' layers: vLLM also registers skipped groups' layers and
         # layers that share another layer's KV (Gemma's num_kv_shared_layers).
+        self._rank = rank
         served = {name: kv_caches[name] for name in self.layout.layer_names if name in kv_caches}
         engine = OffloadEngine.from_config(self.config, served, self.namespace(rank))
         # vLLM takes failed loads as block ids only when it has a single group.
@@ -406,13 +359,36 @@ class KVOffloadConnector(KVConnectorBase_V1, SupportsHMA):
         return KVOffloadWorkerMetadata({r.job_id: r for r in reports}) if reports else None
 
     def get_kv_connector_stats(self) -> KVConnectorStats | None:
-        return self._deltas.take(self.figures())
+        """This side's figures of the step (see :mod:`kvoffload.vllm._metrics`), or None."""
+        if self._scheduler is not None:
+            payload = self._deltas.take(*scheduler_figures(self.figures()))
+        elif self._worker is not None:
+            figures = self._worker.figures()
+            tiers = self._worker.engine.stats()
+            jobs = {name: n for name, n in figures.items() if name != "tiers"}
+            seconds = self._worker.take_seconds()
+            samples = {key(f"{kind}_seconds"): v for kind, v in seconds.items()}
+            payload = self._deltas.take(*worker_figures(tiers, jobs, self._rank), samples)
+        else:
+            return None
+        return None if payload is None else KVOffloadStats(data=payload)
 
     @classmethod
     def build_kv_connector_stats(
         cls, data: dict[str, Any] | None = None
     ) -> KVConnectorStats | None:
-        return KVOffloadStats(data=dict(data or {}))
+        return KVOffloadStats(data=dict(data or {"c": {}, "g": {}, "h": {}}))
+
+    @classmethod
+    def build_prom_metrics(
+        cls,
+        vllm_config: VllmConfig,
+        metric_types: dict[type, type],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> KVConnectorPromMetrics | None:
+        """``vllm:kvoffload_*`` series in vLLM's ``/metrics`` (see :mod:`kvoffload.vllm._prom`)."""
+        return KVOffloadPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     def shutdown(self) -> None:
         if self._worker is not None:

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 from kvoffload.config import OffloadConfig
 from kvoffload.keys import KeyExtras
@@ -35,27 +34,13 @@ from kvoffload.manager.results import IndexEvent
 from kvoffload.messages import JobKind, JobReport, TransferOrder, merge_reports
 from kvoffload.tiers.base import TierProbe
 from kvoffload.vllm._hits import HitFinder, needed_tokens
-from kvoffload.vllm._request import RequestState, covered
+from kvoffload.vllm._request import JobState, RequestState, covered, tier_shares
 from kvoffload.vllm._spans import LoadPiece, load_spans, store_spans
 
 __all__ = ["NULL_BLOCK", "OffloadScheduler", "TierProbe"]
 
 #: vLLM's placeholder block id for blocks a group does not hold (outside a window).
 NULL_BLOCK = 0
-
-
-@dataclass(slots=True)
-class _Job:
-    """An order in flight, until every worker reported it."""
-
-    order: TransferOrder
-    #: Load: CPU-resident chunks pinned for it, and chunks promoted from lower tiers.
-    pinned: tuple[bytes, ...] = ()
-    promoted: tuple[bytes, ...] = ()
-    #: Load: tokens it serves and the ``(group, start, stop)`` token ranges it makes valid.
-    tokens: int = 0
-    ranges: tuple[tuple[int, int, int], ...] = ()
-    report: JobReport | None = None
 
 
 class OffloadScheduler:
@@ -85,7 +70,7 @@ class OffloadScheduler:
         self.alignment = math.lcm(*self.tokens_per_chunk)
         self.hits = HitFinder(self.layout, self.tokens_per_chunk, self.index, self.probes)
         self._requests: dict[str, RequestState] = {}
-        self._jobs: dict[int, _Job] = {}
+        self._jobs: dict[int, JobState] = {}
         self._orders: list[TransferOrder] = []
         self._next_job = 1
         self._figures = dict.fromkeys(
@@ -93,6 +78,8 @@ class OffloadScheduler:
              "failed_load_tokens", "loads", "failed_loads", "unloadable_chunks", "stores",
              "stored_chunks", "failed_store_chunks", "skipped_store_chunks", "cpu_hit_chunks",
              "lower_hit_chunks", "resets"), 0)  # fmt: skip
+        #: hit_tokens / loaded_tokens -> tier -> tokens (see ``tier_shares``).
+        self._by_tier: dict[str, dict[str, int]] = {"hit_tokens": {}, "loaded_tokens": {}}
 
     # -- lookups ------------------------------------------------------------------
     def lookup(
@@ -122,6 +109,7 @@ class OffloadScheduler:
             return 0
         req.extend_keys(token_ids, top, self.tokens_per_chunk, self.namespace)
         hit = self.hits.find(req.keys, local_hit, top, self.alignment)
+        req.found_in = self.hits.found_in
         if hit.tokens <= local_hit:
             return 0
         if hit.pending:
@@ -164,6 +152,9 @@ class OffloadScheduler:
         self.index.touch(used[::-1])
         order = TransferOrder(self._new_job_id(), req_id, JobKind.LOAD, spans, unloadable)
         job.order, job.tokens = order, num_external
+        tiers = ["cpu"] * len(job.pinned) + [req.found_in.get(k, "lower") for k in job.promoted]
+        job.tiers = tier_shares(num_external, tiers)
+        self._count_tiers("hit_tokens", job.tiers)
         job.ranges = tuple(
             (p.group, p.first * self.layout.groups[p.group].tokens_per_block, hit) for p in pieces
         )
@@ -195,7 +186,7 @@ class OffloadScheduler:
 
     def _reserve(
         self, keys: list[bytes], tenant: str | None
-    ) -> tuple[dict[bytes, int], set[bytes], _Job]:
+    ) -> tuple[dict[bytes, int], set[bytes], JobState]:
         """Slots for ``keys``: pins for CPU-resident ones, promotion slots for the rest.
 
         Returns key -> slot, the keys that got no slot, and a job holding the
@@ -213,7 +204,7 @@ class OffloadScheduler:
                 slots.update(zip(reserved.keys, reserved.slots, strict=True))
         lost = set(lower) - set(promoted)
         placeholder = TransferOrder(0, "", JobKind.LOAD, ())
-        return slots, lost, _Job(placeholder, pinned=tuple(resident), promoted=promoted)
+        return slots, lost, JobState(placeholder, pinned=tuple(resident), promoted=promoted)
 
     # -- stores -----------------------------------------------------------------------
     def plan_store(
@@ -258,7 +249,7 @@ class OffloadScheduler:
         ]
         spans = store_spans(chunks, block_ids, self.bpc)
         order = TransferOrder(self._new_job_id(), req_id, JobKind.STORE, spans)
-        self._queue(req, _Job(order))
+        self._queue(req, JobState(order))
         self._figures["stores"] += 1
         return order
 
@@ -302,7 +293,7 @@ class OffloadScheduler:
             del self._jobs[report.job_id]
             self._complete(job, job.report)
 
-    def _complete(self, job: _Job, report: JobReport) -> None:
+    def _complete(self, job: JobState, report: JobReport) -> None:
         order, index, figures = job.order, self.index, self._figures
         failed = report.failed_keys
         if order.kind is JobKind.LOAD:
@@ -315,6 +306,7 @@ class OffloadScheduler:
             req = self._requests.get(order.req_id)
             if report.ok:
                 figures["loaded_tokens"] += job.tokens
+                self._count_tiers("loaded_tokens", job.tiers)
                 if req is not None:
                     for g, lo, hi in job.ranges:
                         req.mark_valid(lo, hi, group=g)
@@ -355,10 +347,11 @@ class OffloadScheduler:
     def take_events(self) -> list[IndexEvent]:
         return self.index.take_events()
 
-    def figures(self) -> dict[str, int]:
-        """Counters since start: offered and loaded tokens, stores, failures, index state."""
-        out = dict(self._figures)
+    def figures(self) -> dict[str, int | dict[str, int]]:
+        """Counters since start: offered and loaded tokens (also by tier), stores, index state."""
+        out: dict[str, int | dict[str, int]] = dict(self._figures)
         out.update({f"index_{name}": value for name, value in self.index.stats().items()})
+        out.update({f"{name}_by_tier": dict(tiers) for name, tiers in self._by_tier.items()})
         out["jobs_in_flight"] = len(self._jobs)
         out["requests_tracked"] = len(self._requests)
         return out
@@ -376,11 +369,16 @@ class OffloadScheduler:
             self._requests[req_id] = req
         return req
 
+    def _count_tiers(self, name: str, tokens: dict[str, int]) -> None:
+        counts = self._by_tier[name]
+        for tier, n in tokens.items():
+            counts[tier] = counts.get(tier, 0) + n
+
     def _new_job_id(self) -> int:
         job_id, self._next_job = self._next_job, self._next_job + 1
         return job_id
 
-    def _queue(self, req: RequestState, job: _Job) -> None:
+    def _queue(self, req: RequestState, job: JobState) -> None:
         self._jobs[job.order.job_id] = job
         req.jobs.add(job.order.job_id)
         self._orders.append(job.order)

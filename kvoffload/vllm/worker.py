@@ -38,7 +38,7 @@ the request instead, and vLLM recomputes it from its own prefix-cache hit.
 from __future__ import annotations
 
 import logging
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
@@ -80,6 +80,8 @@ class OffloadWorker:
         self._failed_blocks: set[int] = set()
         self._reports: dict[int, JobReport] = {}
         self._figures = Counter[str]()
+        #: Seconds of each finished job by kind, until taken (bounded: no one may take them).
+        self._seconds = {kind: deque[float](maxlen=10_000) for kind in JobKind}
         self._suspended = False
 
     def suspend(self) -> None:
@@ -137,6 +139,8 @@ class OffloadWorker:
         done = [(self._orders.pop(r.job_id), r) for r in self.engine.get_finished()]
         instant, self._instant = self._instant, []
         for order, result in [*done, *((o, None) for o in instant)]:
+            if result is not None:
+                self._seconds[order.kind].append(result.seconds)
             report = JobReport.of(order, result)
             self._record(order, report)
             if order.kind is JobKind.LOAD:
@@ -179,6 +183,13 @@ class OffloadWorker:
         """Engine block ids whose load failed since the last call (single-group layouts)."""
         blocks, self._failed_blocks = self._failed_blocks, set()
         return blocks
+
+    def take_seconds(self) -> dict[str, list[float]]:
+        """Durations of the jobs finished since the last call, by kind (``load``, ``store``)."""
+        out = {kind.value: list(samples) for kind, samples in self._seconds.items()}
+        for samples in self._seconds.values():
+            samples.clear()
+        return out
 
     def take_reports(self) -> list[JobReport]:
         """Job reports since the last call, for the scheduler side."""

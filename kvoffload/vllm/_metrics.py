@@ -1,0 +1,183 @@
+"""The connector's figures as vLLM carries them each step, and as Prometheus series.
+
+This is the one place that maps kvoffload's figures (the scheduler side's
+counters, each tier's :class:`~kvoffload.tiers.stats.TierStats`, the jobs'
+durations) to metrics; :mod:`kvoffload.vllm._prom` only registers and feeds
+what :data:`SERIES` lists. It imports neither vLLM nor torch.
+
+**The payload** (``KVConnectorStats.data``) of one step, from each side::
+
+    {"c": {"name|tier": delta},           # counters: growth since the side's last step
+     "g": {"name|tier|rank": value},      # gauges: the value now, where it changed
+     "h": {"name|tier": [seconds, ...]}}  # histograms: the samples of the step
+
+``tier`` is ``""`` where none applies. vLLM merges the workers' payloads and
+the scheduler's with :func:`merge` (counters add, gauges of a rank replace,
+samples extend), so each figure is produced by one side only: the logical
+token counts by the scheduler (once, whatever the tensor-parallel size),
+bytes and usage by the workers that hold them. Gauges keep their rank, and
+the exporter combines ranks per series (bytes add up; every rank holds a
+shard of the same chunks, so chunk counts do not).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from kvoffload.tiers.stats import TierStats
+
+__all__ = ["SERIES", "Deltas", "Series", "merge", "scheduler_figures", "worker_figures"]
+
+SEP = "|"
+Payload = dict[str, dict[str, Any]]
+
+
+@dataclass(frozen=True, slots=True)
+class Series:
+    """One Prometheus series, ``vllm:kvoffload_<name>``, with vLLM's labels (+ ``tier``)."""
+
+    name: str
+    kind: Literal["counter", "gauge", "histogram"]
+    help: str
+    tiered: bool = True
+    #: Gauges: how the tensor-parallel ranks' values combine.
+    ranks: Literal["sum", "max"] = "sum"
+
+
+SERIES: tuple[Series, ...] = (
+    Series("hit_tokens", "counter",
+           "Prompt tokens of hits vLLM accepted, by the tier their chunks come from"),
+    Series("loaded_tokens", "counter", "Prompt tokens loaded into the engine, by tier"),
+    Series("stored_bytes", "counter", "Payload bytes stored, by tier"),
+    Series("loaded_bytes", "counter", "Payload bytes loaded, by tier"),
+    Series("failed_loads", "counter", "Chunk loads that failed (corrupt, I/O, server down)"),
+    Series("failed_stores", "counter",
+           "Chunk stores a tier failed, or the remote queue dropped"),
+    Series("evictions", "counter", "Chunks evicted to make room, by tier"),
+    Series("usage_bytes", "gauge",
+           "Bytes a tier holds now (tiers kvoffload bounds: cpu, disk)"),
+    Series("usage_chunks", "gauge", "Chunks a tier holds now (cpu, disk)", ranks="max"),
+    Series("remote_queue_bytes", "gauge", "Bytes of stores waiting for the remote tier"),
+    Series("load_seconds", "histogram",
+           "Load jobs, from submission to result (what a request waits)", tiered=False),
+    Series("store_seconds", "histogram",
+           "Store jobs, from submission to result", tiered=False),
+    Series("unkeyable_requests", "counter",
+           "Requests served without offloading: their KV inputs cannot be keyed",
+           tiered=False),
+)  # fmt: skip
+
+#: Buckets of the job histograms, in seconds: a CPU-tier load takes milliseconds, a disk
+#: or remote load of many chunks up to seconds.
+BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+
+
+def key(name: str, tier: str = "", rank: int | None = None) -> str:
+    return SEP.join([name, tier] if rank is None else [name, tier, str(rank)])
+
+
+def scheduler_figures(figures: Mapping[str, Any]) -> tuple[dict[str, float], dict[str, float]]:
+    """Cumulative counters and gauges of the scheduler side, keyed ``name|tier``.
+
+    Every plain counter of ``OffloadScheduler.figures()`` goes in (the log line
+    shows them); tokens by tier and the CPU index's evictions become series.
+    """
+    counters: dict[str, float] = {}
+    gauges: dict[str, float] = {}
+    for name, value in figures.items():
+        if isinstance(value, Mapping):
+            base = name.removesuffix("_by_tier")
+            counters.update({key(base, tier): n for tier, n in value.items()})
+        elif name.removeprefix("index_") in _GAUGES:
+            gauges[key(name)] = value
+        elif name not in ("hit_tokens", "loaded_tokens"):  # by tier above
+            counters[key(name)] = value
+    counters[key("evictions", "cpu")] = figures.get("index_evictions", 0)
+    return counters, gauges
+
+
+#: The scheduler side's figures that are current values (of the index, or in flight).
+_GAUGES = frozenset(("capacity", "used", "ready", "storing", "pinned", "free",
+                     "jobs_in_flight", "requests_tracked"))  # fmt: skip
+
+
+def worker_figures(
+    tiers: Mapping[str, TierStats], jobs: Mapping[str, int], rank: int
+) -> tuple[dict[str, float], dict[str, float]]:
+    """Cumulative counters and gauges of one worker: its tiers and its job counters."""
+    counters = {key(name): float(n) for name, n in jobs.items()}
+    gauges: dict[str, float] = {}
+    for tier, s in tiers.items():
+        counters[key("stored_bytes", tier)] = s.store_bytes
+        counters[key("loaded_bytes", tier)] = s.load_bytes
+        counters[key("failed_loads", tier)] = s.corrupt + s.load_failures
+        counters[key("failed_stores", tier)] = s.store_failures + s.dropped
+        if tier != "cpu":  # the CPU tier's evictions are the index's (scheduler side)
+            counters[key("evictions", tier)] = s.evictions
+        if s.capacity_bytes:  # a remote server's own usage is not known here
+            gauges[key("usage_bytes", tier, rank)] = s.used_bytes
+            gauges[key("usage_chunks", tier, rank)] = s.chunks
+        if "queue_bytes" in s.gauges:
+            gauges[key("remote_queue_bytes", tier, rank)] = s.gauges["queue_bytes"]
+    return counters, gauges
+
+
+class Deltas:
+    """Turns one side's cumulative figures into per-step payloads (changes only)."""
+
+    def __init__(self) -> None:
+        self._counters: dict[str, float] = {}
+        self._gauges: dict[str, float] = {}
+
+    def take(
+        self,
+        counters: Mapping[str, float],
+        gauges: Mapping[str, float],
+        samples: Mapping[str, Iterable[float]] | None = None,
+    ) -> Payload | None:
+        """What changed since the last call, or ``None`` if nothing did.
+
+        A counter seen for the first time goes out even at 0, so that its
+        series exists in ``/metrics`` before anything happens to it.
+        """
+        last_c, last_g = self._counters, self._gauges
+        c = {k: v - last_c.get(k, 0) for k, v in counters.items()
+             if k not in last_c or v != last_c[k]}  # fmt: skip
+        g = {k: v for k, v in gauges.items() if last_g.get(k) != v}
+        h = {k: list(v) for k, v in (samples or {}).items() if v}
+        self._counters, self._gauges = dict(counters), dict(gauges)
+        if not (c or g or h):
+            return None
+        return {"c": c, "g": g, "h": h}
+
+
+def merge(a: Mapping[str, Any], b: Mapping[str, Any]) -> Payload:
+    """Two payloads as one: counters add, a rank's gauge takes ``b``'s value, samples extend."""
+    c = dict(a.get("c", {}))
+    for k, v in b.get("c", {}).items():
+        c[k] = c.get(k, 0) + v
+    g = {**a.get("g", {}), **b.get("g", {})}
+    h = {k: list(v) for k, v in a.get("h", {}).items()}
+    for k, v in b.get("h", {}).items():
+        h.setdefault(k, []).extend(v)
+    return {"c": c, "g": g, "h": h}
+
+
+def log_line(data: Mapping[str, Any]) -> dict[str, int | float]:
+    """One interval's payload as the flat figures vLLM logs (``KV Transfer metrics: ...``)."""
+    out: dict[str, int | float] = {}
+    for k, v in data.get("c", {}).items():
+        name, tier = k.split(SEP)
+        if v:
+            out[f"{name}[{tier}]" if tier else name] = v
+    for k, v in data.get("g", {}).items():
+        name, tier, *rank = k.split(SEP)
+        label = ",".join(x for x in (tier, *(f"rank{r}" for r in rank)) if x)
+        out[f"{name}[{label}]" if label else name] = v
+    for k, samples in data.get("h", {}).items():
+        name = k.split(SEP)[0]
+        out[f"{name}_count"] = len(samples)
+        out[f"{name}_mean_ms"] = round(1000 * sum(samples) / len(samples), 3)
+    return out

@@ -1,0 +1,106 @@
+"""The connector's figures as vLLM carries them: deltas, gauges by rank, samples, one log line.
+
+(The series in a real ``vllm serve``'s ``/metrics`` are checked in
+``tests_e2e/test_prometheus.py``.)
+"""
+
+from __future__ import annotations
+
+from kvoffload.tiers.stats import TierCounters
+from kvoffload.vllm._metrics import (
+    SERIES,
+    Deltas,
+    key,
+    log_line,
+    merge,
+    scheduler_figures,
+    worker_figures,
+)
+
+
+def test_counters_travel_as_deltas_and_gauges_only_when_they_change() -> None:
+    deltas = Deltas()
+    first = deltas.take({"a|": 5, "b|cpu": 0}, {"used|cpu|0": 3})
+    assert first == {"c": {"a|": 5, "b|cpu": 0}, "g": {"used|cpu|0": 3}, "h": {}}  # 0: it exists
+    assert deltas.take({"a|": 5, "b|cpu": 0}, {"used|cpu|0": 3}) is None  # nothing moved
+    second = deltas.take({"a|": 7, "b|cpu": 1}, {"used|cpu|0": 3}, {"load_seconds|": [0.1]})
+    assert second == {"c": {"a|": 2, "b|cpu": 1}, "g": {}, "h": {"load_seconds|": [0.1]}}
+    assert deltas.take({"a|": 7, "b|cpu": 1}, {"used|cpu|0": 0}) == {
+        "c": {}, "g": {"used|cpu|0": 0}, "h": {}
+    }  # fmt: skip
+
+
+def test_merge_adds_counters_keeps_each_ranks_gauge_and_extends_samples() -> None:
+    rank0 = {"c": {"x|disk": 2}, "g": {"u|disk|0": 10}, "h": {"s|": [0.1]}}
+    rank1 = {"c": {"x|disk": 3}, "g": {"u|disk|1": 12}, "h": {"s|": [0.2]}}
+    merged = merge(rank0, rank1)
+    assert merged == {"c": {"x|disk": 5}, "g": {"u|disk|0": 10, "u|disk|1": 12},
+                      "h": {"s|": [0.1, 0.2]}}  # fmt: skip
+    assert merge(merged, {"g": {"u|disk|0": 11}})["g"]["u|disk|0"] == 11
+    assert rank0["h"]["s|"] == [0.1]  # the inputs are not changed
+
+
+def test_scheduler_figures_split_tokens_by_tier_and_index_gauges() -> None:
+    figures = {"lookups": 4, "hit_tokens": 96, "loaded_tokens": 96,
+               "hit_tokens_by_tier": {"cpu": 64, "disk": 32},
+               "loaded_tokens_by_tier": {"cpu": 64, "disk": 32},
+               "index_evictions": 3, "index_used": 7, "index_capacity": 10,
+               "jobs_in_flight": 1, "unkeyable_requests": 2}  # fmt: skip
+    counters, gauges = scheduler_figures(figures)
+    assert counters[key("hit_tokens", "disk")] == 32
+    assert counters[key("loaded_tokens", "cpu")] == 64
+    assert counters[key("evictions", "cpu")] == 3
+    assert counters[key("unkeyable_requests")] == 2 and counters[key("lookups")] == 4
+    assert key("hit_tokens") not in counters  # only by tier
+    assert gauges == {"index_used|": 7, "index_capacity|": 10, "jobs_in_flight|": 1}
+
+
+def test_worker_figures_read_each_tiers_stats_record() -> None:
+    cpu, disk, redis = TierCounters("cpu"), TierCounters("disk"), TierCounters("redis", ["queued"])
+    cpu.add(stores=2, store_bytes=200, loads=1, load_bytes=100)
+    disk.add(stores=2, store_bytes=200, corrupt=1, load_failures=1, evictions=1, dropped=0)
+    redis.add(store_failures=1, dropped=2)
+    tiers = {
+        "cpu": cpu.snapshot(used_bytes=200, chunks=2, capacity_bytes=1000),
+        "disk": disk.snapshot(used_bytes=8192, chunks=1, capacity_bytes=10**6),
+        "redis": redis.snapshot(gauges={"queue_bytes": 300, "up": 1}),
+    }
+    counters, gauges = worker_figures(tiers, {"load_jobs": 1}, rank=1)
+    assert counters[key("stored_bytes", "cpu")] == 200
+    assert counters[key("loaded_bytes", "cpu")] == 100
+    assert counters[key("failed_loads", "disk")] == 2
+    assert counters[key("failed_stores", "redis")] == 3
+    assert counters[key("evictions", "disk")] == 1 and key("evictions", "cpu") not in counters
+    assert counters[key("load_jobs")] == 1
+    assert gauges == {
+        "usage_bytes|cpu|1": 200,
+        "usage_chunks|cpu|1": 2,
+        "usage_bytes|disk|1": 8192,
+        "usage_chunks|disk|1": 1,
+        "remote_queue_bytes|redis|1": 300,
+    }  # fmt: skip  (no usage for the remote server: kvoffload does not know it)
+
+
+def test_the_log_line_names_tiers_ranks_and_job_latency() -> None:
+    data = {"c": {"hit_tokens|cpu": 64, "lookups|": 2, "zero|": 0},
+            "g": {"usage_bytes|disk|0": 10, "index_used|": 3},
+            "h": {"load_seconds|": [0.001, 0.003]}}  # fmt: skip
+    assert log_line(data) == {
+        "hit_tokens[cpu]": 64, "lookups": 2, "usage_bytes[disk,rank0]": 10, "index_used": 3,
+        "load_seconds_count": 2, "load_seconds_mean_ms": 2.0,
+    }  # fmt: skip
+
+
+def test_every_series_has_a_producer() -> None:
+    """Each exported series is filled by one side's figures (a typo would be a dead series)."""
+    tiers = {"disk": TierCounters("disk").snapshot(capacity_bytes=1)}
+    redis = {"redis": TierCounters("redis").snapshot(gauges={"queue_bytes": 0})}
+    scheduler = scheduler_figures(
+        {"hit_tokens_by_tier": {"cpu": 1}, "loaded_tokens_by_tier": {"cpu": 1},
+         "unkeyable_requests": 0}
+    )  # fmt: skip
+    names = {k.split("|")[0] for part in scheduler for k in part}
+    for part in (*worker_figures(tiers, {}, 0), *worker_figures(redis, {}, 0)):
+        names |= {k.split("|")[0] for k in part}
+    names |= {"load_seconds", "store_seconds"}  # the worker's job samples
+    assert {s.name for s in SERIES} <= names
