@@ -1,9 +1,10 @@
 """The vLLM adapter: ``"kv_connector": "KVOffloadConnector"`` from ``kvoffload.vllm``.
 
-Only :mod:`kvoffload.vllm.connector` imports vLLM, and only when the
-connector is first asked for, so the plain logic
-(:mod:`~kvoffload.vllm.scheduler`, :mod:`~kvoffload.vllm.worker`) imports and
-is tested without vLLM installed.
+Only :mod:`kvoffload.vllm.connector` and the modules it alone uses (``_layout``,
+``_events``, ``_prom``) import vLLM, and only when the connector is first asked
+for, so the plain logic (:mod:`~kvoffload.vllm.scheduler`,
+:mod:`~kvoffload.vllm.worker`, ``_extras``, ``_metrics``) imports and is tested
+without vLLM installed.
 """
 
 from __future__ import annotations
