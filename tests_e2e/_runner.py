@@ -222,10 +222,26 @@ def _act(llm: Any, step: dict[str, Any]) -> dict[str, Any]:
     return acted
 
 
-def _prompt(entry: Any) -> tuple[dict[str, Any], Any]:
-    """vLLM's prompt and LoRA request of one spec prompt (token ids, or a dict with more)."""
+def _embeddings(model: str, token_ids: list[int], scale: float) -> Any:
+    """The model's input embeddings of ``token_ids`` (times ``scale``), as a prompt's embeds."""
+    from safetensors import safe_open
+
+    with safe_open(str(Path(model) / "model.safetensors"), framework="pt") as f:
+        table = f.get_tensor("model.embed_tokens.weight")
+    return table[token_ids] * scale
+
+
+def _prompt(entry: Any, model: str = "") -> tuple[dict[str, Any], Any]:
+    """vLLM's prompt and LoRA request of one spec prompt (token ids, or a dict with more).
+
+    ``{"embeds_of": [token ids], "scale": 1.0}`` is a prompt of embeddings: the
+    model's own embeddings of those tokens, scaled.
+    """
     if not isinstance(entry, dict):
         return {"prompt_token_ids": entry}, None
+    if "embeds_of" in entry:
+        embeds = _embeddings(model, entry["embeds_of"], entry.get("scale", 1.0))
+        return {"prompt_embeds": embeds}, None
     prompt = {"prompt_token_ids": entry["prompt_token_ids"]}
     if entry.get("cache_salt") is not None:
         prompt["cache_salt"] = entry["cache_salt"]
@@ -295,9 +311,8 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
     params = SamplingParams(temperature=0.0, max_tokens=spec.get("max_tokens", 8), ignore_eos=True)
     for step in spec.get("passes", [{}]):
         acted = _act(llm, step)
-        prompts, loras = zip(
-            *[_prompt(p) for p in step.get("prompts", spec["prompts"])], strict=True
-        )
+        entries = step.get("prompts", spec["prompts"])
+        prompts, loras = zip(*[_prompt(p, spec["model"]) for p in entries], strict=True)
         started = time.perf_counter()
         if step.get("one_by_one"):
             outputs, seconds = [], []

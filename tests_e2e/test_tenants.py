@@ -118,6 +118,28 @@ def test_a_lora_adapter_is_offloaded_and_serves_only_its_own_weights(
     check_pass(result, 3, expected, [hit])  # keyed by the weights, not the name or path
 
 
+def test_prompt_embeddings_are_offloaded_and_hit_only_the_same_embeddings(
+    engine: Engine, reference: Reference, llama: str
+) -> None:
+    """A prompt of embeddings (the model's own, of token ids) hits its own chunks only."""
+    tokens = SYSTEM + SUFFIXES[0]
+    as_embeds = {"embeds_of": tokens}
+    scaled = {"embeds_of": tokens, "scale": 1.5}  # other embeddings, the same (zero) token ids
+    engine_args = {**LLAMA_ENGINE, "enable_prompt_embeds": True}
+    everything = [tokens, as_embeds, scaled]
+    expected = expected_tokens(reference(llama, engine_args, everything), everything)  # type: ignore[arg-type]
+    assert expected[json.dumps(tokens)] == expected[json.dumps(as_embeds, sort_keys=True)]
+    result = run_passes(
+        engine, [[tokens], [as_embeds], [as_embeds], [scaled, tokens]], model=llama,
+        engine=engine_args,
+    )  # fmt: skip
+    hit = connector_hit(tokens, 32)
+    check_pass(result, 0, expected, [0])
+    check_pass(result, 1, expected, [0])  # the token ids' chunks are not the embeddings'
+    check_pass(result, 2, expected, [hit])
+    check_pass(result, 3, expected, [0, hit])  # other embeddings miss; the token ids hit
+
+
 @pytest.mark.parametrize("method", ["ngram"])
 def test_speculative_decoding_hits_and_generates_the_same_tokens(
     engine: Engine, llama: str, method: str
