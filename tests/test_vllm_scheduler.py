@@ -220,6 +220,10 @@ def test_a_stored_prefix_comes_back_bit_exact(layout: KVLayout) -> None:
     assert figures["loaded_tokens"] == figures["hit_tokens"] == again.offered
     assert figures["index_pinned"] == 0 and figures["jobs_in_flight"] == 0
     engine.scheduler.index.check_integrity()
+    seconds = engine.worker.take_seconds()  # each job's time, for the latency histograms
+    assert len(seconds["load"]) == len(seconds["store"]) == 1  # r1 stored, r2 loaded
+    assert all(s > 0 for s in seconds["load"] + seconds["store"])
+    assert engine.worker.take_seconds() == {"load": [], "store": []}
     engine.close()
 
 
