@@ -29,6 +29,7 @@ download on the worker, a missing directory).
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
 from typing import Any
 
@@ -36,6 +37,8 @@ from kvoffload.errors import ConfigError
 from kvoffload.keys import KeyExtras, MMItem, PromptEmbeds
 
 __all__ = ["ExtrasReader", "Unkeyable", "adapter_digest", "refuse_draft_kv"]
+
+logger = logging.getLogger("kvoffload")
 
 #: The files vLLM loads an adapter from (vllm/lora/lora_model.py, peft_helper.py).
 ADAPTER_CONFIG = "adapter_config.json"
@@ -108,6 +111,19 @@ class ExtrasReader:
     def __init__(self) -> None:
         #: (adapter id, path) -> its digest, or why it has none.
         self._adapters: dict[tuple[int, str], bytes | str] = {}
+        #: Why requests were served without offloading -> how many.
+        self._refused: dict[str, int] = {}
+
+    @property
+    def refused(self) -> int:
+        """Requests served without offloading because :meth:`read` refused them."""
+        return sum(self._refused.values())
+
+    def refuse(self, reason: str) -> None:
+        """Count a request :meth:`read` refused; each reason is logged once."""
+        if reason not in self._refused:
+            logger.warning("kvoffload: requests are served without offloading: %s", reason)
+        self._refused[reason] = self._refused.get(reason, 0) + 1
 
     def read(self, request: Any) -> KeyExtras | None:
         """The request's extras, ``None`` for a plain one; :class:`Unkeyable` if unkeyable."""

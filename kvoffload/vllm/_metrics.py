@@ -24,11 +24,22 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from kvoffload.tiers.stats import TierStats
 
-__all__ = ["SERIES", "Deltas", "Series", "merge", "scheduler_figures", "worker_figures"]
+if TYPE_CHECKING:
+    from kvoffload.vllm.worker import OffloadWorker
+
+__all__ = [
+    "SERIES",
+    "Deltas",
+    "Series",
+    "merge",
+    "scheduler_figures",
+    "worker_figures",
+    "worker_payload",
+]
 
 SEP = "|"
 Payload = dict[str, dict[str, Any]]
@@ -122,6 +133,14 @@ def worker_figures(
         if "queue_bytes" in s.gauges:
             gauges[key("remote_queue_bytes", tier, rank)] = s.gauges["queue_bytes"]
     return counters, gauges
+
+
+def worker_payload(worker: OffloadWorker, rank: int, deltas: Deltas) -> Payload | None:
+    """One worker's payload of the step: its tiers, its job counters and the jobs' seconds."""
+    jobs = {name: n for name, n in worker.figures().items() if name != "tiers"}
+    counters, gauges = worker_figures(worker.engine.stats(), jobs, rank)
+    samples = {key(f"{kind}_seconds"): v for kind, v in worker.take_seconds().items()}
+    return deltas.take(counters, gauges, samples)
 
 
 class Deltas:

@@ -49,7 +49,7 @@ from kvoffload.tiers.from_config import rank_probes
 from kvoffload.vllm._events import ChunkEvents
 from kvoffload.vllm._extras import ExtrasReader, Unkeyable, refuse_draft_kv
 from kvoffload.vllm._layout import GroupMap, group_map
-from kvoffload.vllm._metrics import Deltas, key, scheduler_figures, worker_figures
+from kvoffload.vllm._metrics import Deltas, scheduler_figures, worker_payload
 from kvoffload.vllm._prom import KVOffloadPromMetrics, KVOffloadStats
 from kvoffload.vllm.scheduler import OffloadScheduler
 from kvoffload.vllm.worker import OffloadWorker
@@ -147,7 +147,6 @@ class KVOffloadConnector(KVConnectorBase_V1, SupportsHMA):
         self._worker: OffloadWorker | None = None
         self._requests: dict[str, Request] = {}
         self._extras = ExtrasReader()
-        self._unkeyable: dict[str, int] = {}  # reason -> requests served without offloading
         self._deltas = Deltas()
         self._rank = 0
         self._events: ChunkEvents | None = None
@@ -162,7 +161,7 @@ class KVOffloadConnector(KVConnectorBase_V1, SupportsHMA):
             events = vllm_config.kv_events_config
             if events is not None and events.enable_kv_cache_events:
                 self._events = ChunkEvents(
-                    self.layout, self.config.blocks_per_chunk, kv_cache_config
+                    self.groups, self.config.blocks_per_chunk, kv_cache_config
                 )
             else:  # vLLM drains take_events every step; nothing to build or publish
                 self._scheduler.index.record_events = False
@@ -177,7 +176,7 @@ class KVOffloadConnector(KVConnectorBase_V1, SupportsHMA):
         """This side's counters: offered and loaded tokens (scheduler), jobs and bytes (worker)."""
         if self._scheduler is not None:
             out: dict[str, Any] = self._scheduler.figures()
-            out["unkeyable_requests"] = sum(self._unkeyable.values())
+            out["unkeyable_requests"] = self._extras.refused
             return out
         return self._worker.figures() if self._worker is not None else {}
 
@@ -194,17 +193,11 @@ class KVOffloadConnector(KVConnectorBase_V1, SupportsHMA):
             try:
                 extras = self._extras.read(request)
             except Unkeyable as exc:
-                self._refuse(str(exc))
+                self._extras.refuse(str(exc))
                 return 0, False
             self._requests[req_id] = request
         hit = scheduler.lookup(req_id, request.all_token_ids, num_computed_tokens, extras)
         return hit, bool(hit)
-
-    def _refuse(self, reason: str) -> None:
-        """A request whose KV inputs cannot be keyed is served without offloading; log once."""
-        if reason not in self._unkeyable:
-            logger.warning("kvoffload: requests are served without offloading: %s", reason)
-        self._unkeyable[reason] = self._unkeyable.get(reason, 0) + 1
 
     def update_state_after_alloc(
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
@@ -363,12 +356,7 @@ class KVOffloadConnector(KVConnectorBase_V1, SupportsHMA):
         if self._scheduler is not None:
             payload = self._deltas.take(*scheduler_figures(self.figures()))
         elif self._worker is not None:
-            figures = self._worker.figures()
-            tiers = self._worker.engine.stats()
-            jobs = {name: n for name, n in figures.items() if name != "tiers"}
-            seconds = self._worker.take_seconds()
-            samples = {key(f"{kind}_seconds"): v for kind, v in seconds.items()}
-            payload = self._deltas.take(*worker_figures(tiers, jobs, self._rank), samples)
+            payload = worker_payload(self._worker, self._rank, self._deltas)
         else:
             return None
         return None if payload is None else KVOffloadStats(data=payload)
