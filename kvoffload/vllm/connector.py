@@ -284,10 +284,9 @@ class KVOffloadConnector(KVConnectorBase_V1, SupportsHMA):
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 
-        rank = get_tensor_model_parallel_rank() if self.world_size > 1 else 0
+        rank = self._rank = get_tensor_model_parallel_rank() if self.world_size > 1 else 0
         # Only the served groups' layers: vLLM also registers skipped groups' layers and
         # layers that share another layer's KV (Gemma's num_kv_shared_layers).
-        self._rank = rank
         served = {name: kv_caches[name] for name in self.layout.layer_names if name in kv_caches}
         engine = OffloadEngine.from_config(self.config, served, self.namespace(rank))
         # vLLM takes failed loads as block ids only when it has a single group.
