@@ -12,14 +12,17 @@ import subprocess
 import sys
 import textwrap
 import threading
+import time
 from pathlib import Path
 
 import numpy as np
 import pytest
+from _disk import indexed_keys, reservations
 
 from kvoffload import TIERS, ConfigError, CorruptChunkError, IntegrityError, TierError
 from kvoffload.tiers._chunk_file import file_bytes
 from kvoffload.tiers._direct_io import ALIGN, aligned_empty
+from kvoffload.tiers._disk_repair import STALE_TEMP_S
 from kvoffload.tiers.disk import DiskTier
 
 REPO = Path(__file__).resolve().parents[1]
@@ -48,9 +51,13 @@ def holds(tier: DiskTier, key: bytes) -> bool:
 
 
 def lru_keys(tier: DiskTier) -> list[bytes]:
-    """The indexed keys, least recently used first: the order eviction picks (private state)."""
-    with tier._lock:
-        return list(tier._index)
+    """The keys the shared index file holds for the tier's namespace, least recently used
+    first: the order eviction picks (read from the index as another process would)."""
+    return indexed_keys(tier.directory.parent, bytes.fromhex(tier.directory.name))
+
+
+def chunk_names(directory: Path) -> list[str]:
+    return sorted(p.name for p in directory.iterdir() if p.suffix == ".kv")
 
 
 @pytest.fixture
@@ -124,9 +131,9 @@ def test_directories_are_0700_and_names_are_hex(tmp_path: Path) -> None:
     assert stat.S_IMODE(root.parent.stat().st_mode) == 0o700  # missing parents too
     assert stat.S_IMODE(tier.directory.stat().st_mode) == 0o700
     assert re.fullmatch(r"[0-9a-f]{32}", tier.directory.name)
-    names = [p.name for p in tier.directory.iterdir()]
-    assert names == ["00ff6b6579.kv"]
-    assert stat.S_IMODE((tier.directory / names[0]).stat().st_mode) == 0o600
+    assert chunk_names(tier.directory) == ["00ff6b6579.kv"]
+    for path in [*tier.directory.iterdir(), *root.glob("kvoffload-index.sqlite3*")]:
+        assert stat.S_IMODE(path.stat().st_mode) == 0o600, path.name  # chunk, owner, index
 
 
 def test_bad_keys_and_buffers_fail_the_call(tier: DiskTier) -> None:
@@ -143,7 +150,7 @@ def test_bad_keys_and_buffers_fail_the_call(tier: DiskTier) -> None:
     stats = tier.stats()
     assert (stats.store_failures, stats.stores) == (4, 0)
     assert (stats.misses, stats.load_failures, stats.loads) == (1, 1, 0)
-    assert list(tier.directory.iterdir()) == []
+    assert [p.suffix for p in tier.directory.iterdir()] == [".owner"]  # no chunk, no temp file
 
 
 def test_flipped_payload_byte_is_corrupt_and_dropped(tier: DiskTier) -> None:
@@ -225,8 +232,10 @@ def test_budget_evicts_least_recently_used(tmp_path: Path) -> None:
     stats = tier.stats()
     assert stats.evictions == 2 and stats.evicted_bytes == 2 * file_bytes(n)
     assert stats.used_bytes == 3 * file_bytes(n) == stats.capacity_bytes
-    tier.put(key_of(4), payload(key_of(5), n))  # replacing a chunk evicts nothing
-    assert tier.stats().evictions == 2
+    # A replacement reserves its whole file before the old one goes (both are on disk until
+    # the rename), so at full budget it evicts the least recently used chunk first.
+    tier.put(key_of(4), payload(key_of(5), n))
+    assert tier.stats().evictions == 3 and lru_keys(tier) == [key_of(3), key_of(4)]
     assert np.array_equal(load(tier, key_of(4), n), payload(key_of(5), n))
     tier.check_integrity()
 
@@ -239,7 +248,8 @@ def test_chunk_bigger_than_the_budget_fails(tmp_path: Path) -> None:
     stats = tier.stats()
     assert (stats.store_failures, stats.stores, stats.evictions) == (1, 1, 0)
     assert lru_keys(tier) == [key_of(1)]
-    assert len(list(tmp_path.rglob("*"))) == 2  # namespace dir and the one chunk
+    assert chunk_names(tier.directory) == [f"{key_of(1).hex()}.kv"]
+    assert not list(tier.directory.glob("*.tmp"))
 
 
 def _deny_writes(directory: Path) -> str | None:
@@ -359,10 +369,17 @@ def test_sigkill_mid_write_leaves_nothing_half_written(tmp_path: Path) -> None:
         proc.wait()
         proc.stdout.close()
     left = [p for p in ns_dir.iterdir() if p.suffix == ".tmp"]  # usually the killed write
-    (ns_dir / f"{key_of(10**6).hex()}.00112233.tmp").write_bytes(b"half a chunk")
+    stale = ns_dir / f"{key_of(10**6).hex()}.00112233.tmp"  # an older version's: no owner
+    stale.write_bytes(b"half a chunk")
+    old = time.time() - STALE_TEMP_S - 60
+    os.utime(stale, (old, old))
+    recent = ns_dir / f"{key_of(10**6 + 1).hex()}.44556677.tmp"  # its writer may be alive
+    recent.write_bytes(b"half a chunk")
     tier = DiskTier(tmp_path, 256 << 20, NS)
-    assert not [p for p in ns_dir.iterdir() if p.suffix == ".tmp"]
+    assert [p.name for p in ns_dir.iterdir() if p.suffix == ".tmp"] == [recent.name]
     assert tier.stats().counters["temp_files_cleaned"] == len(left) + 1
+    assert reservations(tmp_path) == []  # the killed store's reservation is released
+    assert len(list(ns_dir.glob("*.owner"))) == 1  # the new tier's; the dead one's is gone
     keys = lru_keys(tier)
     assert len(keys) >= 3
     for key in keys:
@@ -373,19 +390,19 @@ def test_sigkill_mid_write_leaves_nothing_half_written(tmp_path: Path) -> None:
     tier.check_integrity()
 
 
-def test_warm_restart_finds_chunks_in_mtime_order(tmp_path: Path) -> None:
+def test_warm_restart_keeps_the_lru_order(tmp_path: Path) -> None:
     first = DiskTier(tmp_path, 1 << 20, NS)
     for i in range(3):
         first.put(key_of(i), payload(key_of(i), 3000 + i))
+    load(first, key_of(1), 3001)
+    load(first, key_of(0), 3000)  # now 2 is the oldest, then 1, then 0
     first.close()
     with pytest.raises(TierError, match="closed"):
         first.put(key_of(9), payload(key_of(9), 10))
     first.close()  # idempotent
-    for age, i in enumerate((1, 2, 0)):  # make 1 the oldest, then 2, then 0
-        os.utime(tmp_path / NS.hex() / f"{key_of(i).hex()}.kv", ns=(10**18, 10**18 + age))
     second = TIERS.create("disk", str(tmp_path), 1 << 20, NS)
     assert isinstance(second, DiskTier)
-    assert lru_keys(second) == [key_of(1), key_of(2), key_of(0)]
+    assert lru_keys(second) == [key_of(2), key_of(1), key_of(0)]
     for i in range(3):
         assert np.array_equal(load(second, key_of(i), 3000 + i), payload(key_of(i), 3000 + i))
     second.check_integrity()
@@ -394,11 +411,28 @@ def test_warm_restart_finds_chunks_in_mtime_order(tmp_path: Path) -> None:
     assert other.directory != second.directory
 
 
+def test_chunk_files_without_an_index_are_indexed_in_mtime_order(tmp_path: Path) -> None:
+    """An index removed (or a directory from a version without one): the files are adopted."""
+    first = DiskTier(tmp_path, 1 << 20, NS)
+    for i in range(3):
+        first.put(key_of(i), payload(key_of(i), 3000 + i))
+    first.close()
+    for path in tmp_path.glob("kvoffload-index.sqlite3*"):
+        path.unlink()
+    for age, i in enumerate((1, 2, 0)):  # make 1 the oldest, then 2, then 0
+        os.utime(tmp_path / NS.hex() / f"{key_of(i).hex()}.kv", ns=(10**18, 10**18 + age))
+    second = DiskTier(tmp_path, 1 << 20, NS)
+    assert lru_keys(second) == [key_of(1), key_of(2), key_of(0)]
+    assert second.stats().used_bytes == sum(file_bytes(3000 + i) for i in range(3))
+    for i in range(3):
+        assert np.array_equal(load(second, key_of(i), 3000 + i), payload(key_of(i), 3000 + i))
+    second.check_integrity()
+
+
 def test_restart_with_a_smaller_budget_evicts_the_oldest(tmp_path: Path) -> None:
     first = DiskTier(tmp_path, 1 << 20, NS)
     for i in range(4):
         first.put(key_of(i), payload(key_of(i), 5000))
-        os.utime(chunk_file(first, key_of(i)), ns=(10**18, 10**18 + i))
     smaller = DiskTier(tmp_path, 2 * file_bytes(5000), NS)
     assert lru_keys(smaller) == [key_of(2), key_of(3)]
     assert not chunk_file(first, key_of(0)).exists() and not chunk_file(first, key_of(1)).exists()

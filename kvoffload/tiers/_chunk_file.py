@@ -38,7 +38,6 @@ import os
 import struct
 import zlib
 from collections.abc import Callable
-from pathlib import Path
 from typing import NamedTuple
 
 import numpy as np
@@ -170,76 +169,67 @@ class ChunkFileIO:
         self.algorithm = algorithm
         self._buffers = BufferPool(max_bytes=64 << 20)
 
-    def _flags(self) -> int:
-        return os.O_CLOEXEC | (O_DIRECT if self.direct else 0)
+    @property
+    def open_flags(self) -> int:
+        """Flags to open a chunk file with for :meth:`write` and :meth:`read_into`."""
+        return O_DIRECT if self.direct else 0
 
     def _zero_copy(self, buf: ChunkBuffer) -> bool:
         return not self.direct or is_aligned(buf)
 
-    def write(self, path: Path, name: tuple[bytes, bytes], payload: ChunkBuffer) -> None:
-        """Create ``path`` (must not exist) holding ``payload`` as chunk ``name``
-        (namespace, key); raise ``OSError`` on failure (the caller removes ``path``)."""
+    def write(self, fd: int, name: tuple[bytes, bytes], payload: ChunkBuffer) -> None:
+        """Write ``payload`` as chunk ``name`` (namespace, key) into the new, empty file
+        ``fd`` (opened with :attr:`open_flags`); raise ``OSError`` on failure."""
         namespace, key = name
         n, body = payload.nbytes, payload.nbytes - payload.nbytes % ALIGN
         staged = not self._zero_copy(payload)
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | self._flags(), 0o600)
-        try:
-            with self._buffers.lease(file_bytes(n) if staged else 2 * ALIGN) as scratch:
-                header = scratch[:ALIGN]
-                pack_header(header, namespace, key, n, self.algorithm)
-                if staged:
-                    scratch[ALIGN : ALIGN + n] = payload
-                    scratch[ALIGN + n :] = 0
-                    iov = [scratch]
-                else:
-                    tail = scratch[ALIGN:]
-                    tail[: n - body] = payload[body:]
-                    tail[n - body :] = 0
-                    iov = [header, payload[:body]] + ([tail] if body < n else [])
-                seal_header(header, len(key), _CHECKSUMS[self.algorithm](payload.data))
-                written = os.pwritev(fd, [buf.data for buf in iov if buf.nbytes], 0)
-                if written != file_bytes(n):
-                    raise OSError(errno.ENOSPC, f"short write: {written} of {file_bytes(n)} B")
-        finally:
-            os.close(fd)
+        with self._buffers.lease(file_bytes(n) if staged else 2 * ALIGN) as scratch:
+            header = scratch[:ALIGN]
+            pack_header(header, namespace, key, n, self.algorithm)
+            if staged:
+                scratch[ALIGN : ALIGN + n] = payload
+                scratch[ALIGN + n :] = 0
+                iov = [scratch]
+            else:
+                tail = scratch[ALIGN:]
+                tail[: n - body] = payload[body:]
+                tail[n - body :] = 0
+                iov = [header, payload[:body]] + ([tail] if body < n else [])
+            seal_header(header, len(key), _CHECKSUMS[self.algorithm](payload.data))
+            written = os.pwritev(fd, [buf.data for buf in iov if buf.nbytes], 0)
+            if written != file_bytes(n):
+                raise OSError(errno.ENOSPC, f"short write: {written} of {file_bytes(n)} B")
 
-    def read_into(self, path: Path, name: tuple[bytes, bytes], out: ChunkBuffer) -> bool:
-        """Fill ``out`` from ``path``, verified against chunk ``name`` (namespace, key).
+    def read_into(self, fd: int, name: tuple[bytes, bytes], out: ChunkBuffer) -> None:
+        """Fill ``out`` from the chunk file ``fd`` (opened with :attr:`open_flags`), verified
+        against chunk ``name`` (namespace, key).
 
-        ``False`` if there is no such file (a miss, not an error). Raises
-        ``OSError``, ``CorruptChunkError`` (bad header, truncated, checksum
-        mismatch) or ``TierError`` (the chunk is intact but not ``out.nbytes`` long).
+        Raises ``OSError``, ``CorruptChunkError`` (bad header, truncated,
+        checksum mismatch) or ``TierError`` (the chunk is intact but not
+        ``out.nbytes`` long).
         """
         n, body = out.nbytes, out.nbytes - out.nbytes % ALIGN
         staged = not self._zero_copy(out)
-        try:
-            fd = os.open(path, os.O_RDONLY | self._flags())
-        except FileNotFoundError:
-            return False
-        try:
-            with self._buffers.lease(file_bytes(n) if staged else 2 * ALIGN) as scratch:
-                header = scratch[:ALIGN]
-                size = os.fstat(fd).st_size
-                if size != file_bytes(n):
-                    _explain_size(fd, header, name, n, size)
-                tail = scratch[ALIGN:]
-                iov = [scratch] if staged else [header, out[:body]] + ([tail] if body < n else [])
-                got = os.preadv(fd, [buf.data for buf in iov if buf.nbytes], 0)
-                if got != file_bytes(n):
-                    raise CorruptChunkError(f"truncated chunk file: read {got} B")
-                checked = _check_header(header, name, n)
-                if staged:
-                    out[:] = scratch[ALIGN : ALIGN + n]
-                elif body < n:
-                    out[body:] = tail[: n - body]
-        finally:
-            os.close(fd)
+        with self._buffers.lease(file_bytes(n) if staged else 2 * ALIGN) as scratch:
+            header = scratch[:ALIGN]
+            size = os.fstat(fd).st_size
+            if size != file_bytes(n):
+                _explain_size(fd, header, name, n, size)
+            tail = scratch[ALIGN:]
+            iov = [scratch] if staged else [header, out[:body]] + ([tail] if body < n else [])
+            got = os.preadv(fd, [buf.data for buf in iov if buf.nbytes], 0)
+            if got != file_bytes(n):
+                raise CorruptChunkError(f"truncated chunk file: read {got} B")
+            checked = _check_header(header, name, n)
+            if staged:
+                out[:] = scratch[ALIGN : ALIGN + n]
+            elif body < n:
+                out[body:] = tail[: n - body]
         actual = _CHECKSUMS[checked.algorithm](out.data)
         if actual != checked.payload_sum:
             raise CorruptChunkError(
                 f"payload checksum mismatch: {actual:#x} != stored {checked.payload_sum:#x}"
             )
-        return True
 
 
 def pack_record(namespace: bytes, key: bytes, payload: ChunkBuffer) -> np.ndarray:

@@ -18,7 +18,6 @@ import mmap
 import os
 import threading
 from collections.abc import Iterator
-from pathlib import Path
 
 import numpy as np
 
@@ -52,19 +51,21 @@ def aligned_empty(nbytes: int) -> ChunkBuffer:
     return np.frombuffer(mapping, dtype=np.uint8, count=nbytes)
 
 
-def probe_direct_io(directory: Path) -> bool:
-    """Whether files in ``directory`` accept O_DIRECT reads and writes.
+def probe_direct_io(dir_fd: int, name: str) -> bool:
+    """Whether files in the directory ``dir_fd`` accept O_DIRECT reads and writes.
 
-    Probed once per tier by really writing and reading one aligned block,
-    because some file systems (tmpfs) refuse the open flag while others
-    (some FUSE and network mounts) accept it and fail the first write.
+    Probed once per tier by really writing and reading one aligned block in a
+    new file ``name`` (removed again), because some file systems (tmpfs)
+    refuse the open flag while others (some FUSE and network mounts) accept it
+    and fail the first write. The file is created exclusively, without
+    following a link, so the probe never touches what another process owns.
     """
     if not O_DIRECT:
         return False
-    probe = directory / "probe.tmp"
     block = aligned_empty(ALIGN)
+    flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | O_DIRECT | os.O_CLOEXEC
     try:
-        fd = os.open(probe, os.O_RDWR | os.O_CREAT | os.O_TRUNC | O_DIRECT | os.O_CLOEXEC, 0o600)
+        fd = os.open(name, flags, 0o600, dir_fd=dir_fd)
     except OSError:
         return False
     try:
@@ -74,7 +75,7 @@ def probe_direct_io(directory: Path) -> bool:
     finally:
         os.close(fd)
         with contextlib.suppress(OSError):
-            probe.unlink()
+            os.unlink(name, dir_fd=dir_fd)
 
 
 class BufferPool:

@@ -1,63 +1,86 @@
-"""The disk tier: one verified file per chunk, bounded by ``disk_bytes_to_use``.
+"""The disk tier: one verified file per chunk, every process on a ``disk_path`` within one budget.
 
 Layout: ``<disk_path>/<namespace fingerprint hex>/<key hex>.kv``, directories
-created 0700 and files 0600. File names are built from hex only, never from a
-user string. The file format and checksum are described in
+created 0700 and files 0600, names built from hex only, never from a user
+string; ``<disk_path>/kvoffload-index.sqlite3`` is the index every process
+on the path shares. The file format and checksum are described in
 :mod:`kvoffload.tiers._chunk_file`.
 
 Why it is built this way:
 
-* **Atomic stores.** A chunk is written to ``<key hex>.<random hex>.tmp`` and
-  renamed over its final name, so a crash (even SIGKILL mid-write) leaves
-  either the old chunk, the new one, or a temp file that start-up deletes.
-  Files are not fsynced: a power cut may lose chunks or leave torn ones, and
-  the checksum turns a torn one into a miss, never into wrong KV.
-* **Its own bound.** Unlike a plain file cache that fills the disk, the tier
-  keeps an LRU index (by last store or load) and evicts inside its budget
-  before writing. Evictions are counted in its stats and told to nobody: the
-  scheduler side asks the directory what it holds (:class:`DiskProbe`), so
-  there is no second index to keep in step.
-* **Warm restart.** The index is rebuilt at start from the namespace
-  directory, oldest mtime first; loads refresh a file's mtime so the LRU order
-  survives a restart. Another namespace lives in another directory and
-  carries its fingerprint in every header, so it never sees these chunks.
-* **Degrades, never crashes.** ``ENOSPC``, ``EACCES``, ``EIO`` and a full
-  budget fail that one call with ``TierError`` (chained from the ``OSError``,
-  translated in one place, :func:`_os_errors`); a checksum mismatch drops the
-  chunk and raises ``CorruptChunkError``; a file that vanished is a miss.
-  Each is counted, and the tier keeps serving.
-
-One process owns a namespace directory at a time: the index is in memory and
-start-up removes temp files, which would break a second live writer.
+* **Shared by processes.** Data-parallel replicas, several servers of one
+  model and the tensor-parallel ranks of one server may all use one
+  ``disk_path``. A chunk is a file, so a chunk one process stored is a hit
+  for the others (:class:`DiskProbe` and :meth:`DiskTier.contains_many` ask
+  the directory). Together they stay within ``disk_bytes_to_use``, evicting
+  in one least-recently-used order, through a small SQLite index in WAL mode
+  (:mod:`kvoffload.tiers._disk_index` says why that and not file locks or
+  per-process directories, and what it costs). Temp files carry their
+  owner's name and are removed by another process only once that owner has
+  exited (:mod:`kvoffload.tiers._disk_files`), so no process deletes
+  another's write in flight, and a crashed one's are cleaned by whoever
+  starts next or runs short of room (:mod:`kvoffload.tiers._disk_repair`).
+* **Atomic stores.** A chunk is written to a temp file and renamed over its
+  final name inside the index transaction that records it, so a crash (even
+  SIGKILL mid-write) leaves the old chunk, the new one, or a temp file that
+  is cleaned later. Files are not fsynced: a power cut may lose chunks or
+  leave torn ones, and the checksum turns a torn one into a miss, never into
+  wrong KV.
+* **Nothing outside ``disk_path``, nothing that blocks.** Every file call is
+  relative to the namespace directory's descriptor, with ``O_NOFOLLOW`` and
+  ``O_NONBLOCK``, on regular files only; links, FIFOs, devices and
+  directories are skipped and counted (``not_regular_files``), never
+  deleted; a namespace directory that is a link is refused at start. Files
+  found on disk are charged the blocks they occupy.
+* **A full disk makes room.** ``ENOSPC`` or ``EDQUOT`` on a store evicts the
+  oldest chunks (as many bytes as the file system lacks) and retries once
+  (``full_retries``); what still fails is a failed store.
+* **Degrades, never crashes.** Every ``OSError`` and SQLite error fails that
+  one call with ``TierError`` (counted, translated in one place each:
+  :func:`_os_errors` and the index); a checksum mismatch drops the chunk and
+  raises ``CorruptChunkError``; a file that vanished is a miss. An index
+  locked by a stuck process fails calls after a bounded wait instead of
+  stalling the engine.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
+import itertools
 import os
-import re
-import secrets
 import threading
-from collections import OrderedDict
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
-from kvoffload.errors import ConfigError, CorruptChunkError, IntegrityError, TierError
+from kvoffload.errors import ConfigError, CorruptChunkError, TierError
 from kvoffload.tiers._chunk_file import MAX_KEY_BYTES, ChunkFileIO, file_bytes
 from kvoffload.tiers._direct_io import probe_direct_io
 from kvoffload.tiers._disk_checks import (
     check_budget,
     checked_buffer,
-    make_private_dir,
     namespace_fingerprint,
     valid_key,
 )
+from kvoffload.tiers._disk_files import (
+    NamespaceDir,
+    NotRegular,
+    OwnerLock,
+    Removal,
+    chunk_name,
+    remove_regular,
+)
+from kvoffload.tiers._disk_index import Full, SharedIndex
+from kvoffload.tiers._disk_probe import DiskProbe
+from kvoffload.tiers._disk_repair import audit, reap_dead_writers, reconcile
 from kvoffload.tiers.base import ChunkBuffer, Tier
 from kvoffload.tiers.stats import TierCounters, TierStats
 
-__all__ = ["DiskProbe", "DiskTier"]
+__all__ = ["DiskProbe", "DiskTier"]  # DiskProbe lives apart (no SQLite on the scheduler side)
 
-_CHUNK_NAME = re.compile(rf"([0-9a-f]{{2,{2 * MAX_KEY_BYTES}}})\.kv")
+#: The disk tier's own counters, beside the shared ones of :class:`TierStats`.
+COUNTERS = ("temp_files_cleaned", "unlink_failures", "not_regular_files", "full_retries")
+_FULL = (errno.ENOSPC, errno.EDQUOT)
 
 
 @contextlib.contextmanager
@@ -71,13 +94,14 @@ def _os_errors(what: str, error: type[TierError | ConfigError] = TierError) -> I
 
 
 class DiskTier(Tier):
-    """Chunks as checksummed files under ``path``, at most ``bytes_to_use`` bytes of them.
+    """Chunks as checksummed files under ``path``, all users of ``path`` within ``bytes_to_use``.
 
     ``namespace`` is the layout fingerprint (``kvoffload.keys.namespace_of``).
     ``direct`` forces O_DIRECT on (``ConfigError`` if refused) or off; ``None``
     probes the directory once. Each store and load is one vectored syscall in
-    the calling thread: the engine's thread pool supplies the parallelism
-    (segmenting a chunk over an internal pool measured no faster here).
+    the calling thread: the engine's thread pool supplies the parallelism.
+    ``stats()`` reports this process's events and the whole path's bytes and
+    chunks (what the budget bounds).
     """
 
     name = "disk"
@@ -94,52 +118,50 @@ class DiskTier(Tier):
             raise ConfigError(f"disk_path must be a directory path, got {path!r}")
         self._capacity = check_budget(bytes_to_use)
         self._namespace = namespace_fingerprint(namespace)
-        self._dir = Path(path) / self._namespace.hex()
-        make_private_dir(Path(path))
-        make_private_dir(self._dir)
-        probed = probe_direct_io(self._dir)
-        if direct and not probed:
-            raise ConfigError(f"disk_path {str(path)!r} refuses O_DIRECT; leave direct unset")
-        self._io = ChunkFileIO(probed if direct is None else direct)
+        self._counters = TierCounters(self.name, COUNTERS)
+        self._dir = NamespaceDir(Path(path), self._namespace.hex())
         self._lock = threading.Lock()
-        self._index: OrderedDict[bytes, int] = OrderedDict()  # key -> file bytes, LRU first
-        self._used = 0
-        self._reserved = 0
-        self._counters = TierCounters(self.name, ("temp_files_cleaned", "unlink_failures"))
-        self._closed = False
-        with _os_errors(f"reading disk_path {str(path)!r}", ConfigError):
-            self._rebuild_index()
+        self._calls = 0
+        self._closed: bool = False
+        self._temps = itertools.count()
+        try:
+            with _os_errors(f"opening disk_path {str(path)!r}", ConfigError):
+                self._owner = OwnerLock(self._dir)
+                probed = probe_direct_io(self._dir.fd, self._owner.temp_name("probe", 0))
+            if direct and not probed:
+                raise ConfigError(f"disk_path {str(path)!r} refuses O_DIRECT; leave direct unset")
+            self._io = ChunkFileIO(probed if direct is None else direct)
+            self._index = SharedIndex(Path(path))
+            self._recover()
+        except BaseException:
+            if hasattr(self, "_owner"):
+                self._owner.release()
+            self._dir.close()
+            raise
+        self._last = self._index.totals()
+
+    def _recover(self) -> None:
+        """Clean up after crashed processes and index what the directory holds (at start)."""
+        try:
+            with _os_errors(f"reading {self._dir.path}", ConfigError):
+                token = self._owner.token
+                reap_dead_writers(self._dir, self._index, token, self._counters)
+                reconcile(self._dir, self._index, self._namespace, token, self._counters)
+            self._count_evictions(self._index.fit(self._capacity, self._remove))
+            self._index.serve()
+        except BaseException:
+            self._index.close()
+            raise
 
     @property
     def directory(self) -> Path:
         """The namespace directory holding this tier's files."""
-        return self._dir
+        return self._dir.path
 
     @property
     def direct_io(self) -> bool:
         """Whether chunks move with O_DIRECT (else buffered I/O)."""
         return self._io.direct
-
-    def _path(self, key: bytes) -> Path:
-        return self._dir / f"{key.hex()}.kv"
-
-    def _rebuild_index(self) -> None:
-        """Index the chunks a previous process left, oldest first; delete its temp files."""
-        found: list[tuple[int, bytes, int]] = []
-        with os.scandir(self._dir) as entries:
-            for entry in entries:
-                if entry.name.endswith(".tmp"):
-                    self._unlink(Path(entry.path))
-                    self._counters.add(temp_files_cleaned=1)
-                elif (match := _CHUNK_NAME.fullmatch(entry.name)) and len(match[1]) % 2 == 0:
-                    st = entry.stat(follow_symlinks=False)
-                    found.append((st.st_mtime_ns, bytes.fromhex(match[1]), st.st_size))
-        with self._lock:
-            for _, key, size in sorted(found):
-                self._index[key] = size
-                self._used += size
-            while self._used > self._capacity:
-                self._evict_one(exclude=None)
 
     # -- the Tier contract --------------------------------------------------
 
@@ -149,199 +171,225 @@ class DiskTier(Tier):
         Raises ``TierError`` (counted) for a bad key, a chunk bigger than the
         budget, a budget held entirely by stores in flight, or an ``OSError``.
         """
-        self._counters.store(lambda: self._write(key, data))
+        self._counters.store(lambda: self._store(key, data))
 
     def get_into(self, key: bytes, out: ChunkBuffer) -> bool:
-        """Fill ``out`` with the verified chunk; ``False`` if not held (or the file vanished).
+        """Fill ``out`` with the verified chunk; ``False`` if not held (or not a regular file).
 
         A corrupt chunk is dropped and raises ``CorruptChunkError``; a size
         mismatch raises ``TierError`` and leaves the chunk in place.
         """
-        return self._counters.load(out.nbytes, lambda: self._read(key, out))
+        return self._counters.load(out.nbytes, lambda: self._load(key, out))
 
     def contains_many(self, keys: Sequence[bytes]) -> list[bool]:
-        """Whether the index holds each key (a file may still turn out corrupt)."""
-        with self._lock:
-            return [key in self._index for key in keys]
+        """Whether each chunk's file is there, whoever stored it (one ``lstat`` per key)."""
+        return [valid_key(key) and self._dir.is_regular(chunk_name(key)) for key in keys]
 
     def discard(self, key: bytes) -> None:
         """Delete ``key``'s file; not an eviction (the caller asked)."""
-        with self._lock:
-            size = self._index.pop(key, None)
-            if size is not None:
-                self._used -= size
-                self._unlink(self._path(key))
+
+        def remove() -> bool:
+            self._remove(self._namespace, key)
+            return True
+
+        if valid_key(key):
+            with self._call():
+                self._index.forget(self._namespace, key, remove)
 
     def stats(self) -> TierStats:
-        """Counters plus live sizes: chunks, used/capacity bytes; reserved bytes, direct_io."""
-        with self._lock:
-            chunks, used, reserved = len(self._index), self._used, self._reserved
+        """Counters of this process; used/capacity bytes and chunks of the whole path."""
+        with contextlib.suppress(TierError):  # an index busy for long: the last figures
+            self._last = self._index.totals()
+        totals = self._last
         return self._counters.snapshot(
-            used_bytes=used,
-            chunks=chunks,
+            used_bytes=totals.used,
+            chunks=totals.chunks,
             capacity_bytes=self._capacity,
-            gauges={"reserved_bytes": reserved, "direct_io": int(self._io.direct)},
+            gauges={"reserved_bytes": totals.reserved, "direct_io": int(self._io.direct)},
         )
 
     def check_integrity(self) -> None:
-        """Compare the index with its own accounting and with the directory; raise with numbers."""
-        with self._lock, _os_errors(f"listing {self._dir}"):
-            total = sum(self._index.values())
-            if total != self._used or self._used > self._capacity or self._reserved < 0:
-                raise IntegrityError(
-                    f"disk index: files sum to {total} B, used {self._used} B, "
-                    f"reserved {self._reserved} B, capacity {self._capacity} B"
-                )
-            on_disk = {
-                bytes.fromhex(m[1]): e.stat().st_size
-                for e in os.scandir(self._dir)
-                if (m := _CHUNK_NAME.fullmatch(e.name))
-            }
-            wrong = {
-                k.hex(): (s, on_disk.get(k)) for k, s in self._index.items() if on_disk.get(k) != s
-            }
-            extra = len(on_disk.keys() - self._index.keys())
-            if wrong or extra:
-                sample = dict(list(wrong.items())[:3])
-                raise IntegrityError(
-                    f"disk index disagrees with {self._dir}: {len(wrong)} entries with a "
-                    f"missing or resized file (key: (indexed, on disk) {sample}), "
-                    f"{extra} unindexed files"
-                )
+        """Compare the index's totals with its rows, and this namespace's rows with its
+        directory (read in one index transaction); raise with numbers."""
+        with self._call():
+            audit(self._dir, self._index, self._namespace, self._capacity)
 
     def close(self) -> None:
-        """Refuse further calls; files stay for a warm restart. Calls in flight finish."""
+        """Refuse further calls; files stay for a warm restart. Calls in flight finish
+        first, then this process's claim on its temp files is released."""
         with self._lock:
+            if self._closed:
+                return
             self._closed = True
+            idle = self._calls == 0
+        if idle:
+            self._release()
 
     # -- internals ----------------------------------------------------------
 
-    def _check_open(self) -> None:
-        if self._closed:
-            raise TierError("disk tier is closed")
-
-    def _write(self, key: bytes, data: ChunkBuffer) -> int:
-        """Reserve room, write a temp file, rename it into place; the payload bytes stored."""
-        self._check_open()
-        payload = checked_buffer("data", data)
-        if not valid_key(key):
-            raise TierError(f"DiskTier: key must be 1 to {MAX_KEY_BYTES} bytes, got {key!r:.80}")
-        need = file_bytes(payload.nbytes)
-        self._reserve(key, need)
-        tmp = self._dir / f"{key.hex()}.{secrets.token_hex(8)}.tmp"
-        committed = False
+    @contextlib.contextmanager
+    def _call(self) -> Iterator[None]:
+        with self._lock:
+            closed = self._closed  # (a local: mypy would narrow the attribute for good)
+            if closed:
+                raise TierError("disk tier is closed")
+            self._calls += 1
         try:
-            with _os_errors(f"disk store of {key.hex()}"):
-                self._io.write(tmp, (self._namespace, key), payload)
-                committed = self._commit(key, tmp, need)
+            yield
         finally:
-            if not committed:
-                with self._lock:
-                    self._reserved -= need
-                    self._unlink(tmp)
-        return payload.nbytes
+            with self._lock:
+                self._calls -= 1
+                last = self._closed and self._calls == 0
+            if last:
+                self._release()
 
-    def _read(self, key: bytes, out: ChunkBuffer) -> bool:
-        """Load ``key`` into ``out``; ``False`` if not indexed or its file is gone."""
-        self._check_open()
-        buf = checked_buffer("out", out)
-        with self._lock:
-            if key not in self._index:
-                return False
-            self._index.move_to_end(key)
-        path = self._path(key)
-        try:
-            with _os_errors(f"disk load of {key.hex()}"):
-                found = self._io.read_into(path, (self._namespace, key), buf)
-        except CorruptChunkError:
-            self._forget(key)
-            raise
-        if not found:
-            self._forget(key)
-            return False
-        with contextlib.suppress(OSError):
-            os.utime(path)  # keeps LRU order across restarts; best effort
-        return True
+    def _release(self) -> None:
+        self._index.close()
+        self._owner.release()
+        self._dir.close()
 
-    def _reserve(self, key: bytes, need: int) -> None:
-        """Make room for ``need`` bytes by evicting LRU chunks, then hold it for this store.
-
-        The chunk being replaced is never a victim and its bytes count as free:
-        the rename frees them. Two concurrent stores of one key may overshoot
-        the budget by one chunk until the second commits.
-        """
-        with self._lock:
+    def _store(self, key: bytes, data: ChunkBuffer) -> int:
+        """Reserve room, write a temp file, rename it into place; the payload bytes stored."""
+        with self._call():
+            payload = checked_buffer("data", data)
+            if not valid_key(key):
+                raise TierError(
+                    f"DiskTier: key must be 1 to {MAX_KEY_BYTES} bytes, got {key!r:.80}"
+                )
+            need = file_bytes(payload.nbytes)
             if need > self._capacity:
                 raise TierError(
                     f"chunk needs {need} B on disk, more than disk_bytes_to_use {self._capacity} B"
                 )
-            freeable = self._index.get(key, 0)
-            while self._used + self._reserved + need - freeable > self._capacity:
-                if not self._evict_one(exclude=key):
-                    raise TierError(
-                        f"disk tier full: {self._used} B stored, {self._reserved} B reserved by "
-                        f"stores in flight, {need} B needed, capacity {self._capacity} B"
-                    )
-            self._reserved += need
+            temp = self._owner.temp_name(key.hex(), next(self._temps))
+            self._reserve(temp, need)
+            stored = False
+            try:
+                with _os_errors(f"disk store of {key.hex()}"):
+                    inode = self._write_temp(temp, key, payload, need)
+                    self._commit(key, temp, need, inode)
+                stored = True
+            finally:
+                if not stored:
+                    self._dir.remove(temp)
+                    self._index.release(self._namespace, temp)
+            return payload.nbytes
 
-    def _commit(self, key: bytes, tmp: Path, need: int) -> bool:
-        """Rename the finished temp file into place and index it (under the lock, so an
-        eviction or drop of the same key cannot interleave between rename and index)."""
-        with self._lock:
-            os.replace(tmp, self._path(key))
-            old = self._index.pop(key, 0)
-            self._index[key] = need
-            self._used += need - old
-            self._reserved -= need
-            return True
+    def _reserve(self, temp: str, need: int) -> None:
+        """Hold ``need`` bytes of the shared budget; if stores in flight hold too much, first
+        release what crashed processes reserved, then try once more."""
+        write = (self._namespace, temp, self._owner.token)
+        try:
+            evicted = self._index.reserve(write, need, self._capacity, self._remove)
+        except Full as exc:
+            if not exc.totals.reserved or not reap_dead_writers(
+                self._dir, self._index, self._owner.token, self._counters
+            ):
+                raise
+            evicted = self._index.reserve(write, need, self._capacity, self._remove)
+        self._count_evictions(evicted)
 
-    def _evict_one(self, exclude: bytes | None) -> bool:
-        """Evict the least recently used chunk other than ``exclude``; caller holds the lock."""
-        victim = next((k for k in self._index if k != exclude), None)
-        if victim is None:
+    def _write_temp(self, temp: str, key: bytes, payload: ChunkBuffer, need: int) -> int:
+        """Write the chunk to ``temp``; on ENOSPC/EDQUOT make room and retry once. Its inode."""
+        for attempt in (1, 2):
+            try:
+                fd = self._dir.create(temp, self._io.open_flags)
+                try:
+                    self._io.write(fd, (self._namespace, key), payload)
+                    return os.fstat(fd).st_ino
+                finally:
+                    os.close(fd)
+            except OSError as exc:
+                self._dir.remove(temp)
+                if attempt == 2 or exc.errno not in _FULL or not self._make_room(need, exc):
+                    raise
+                self._counters.add(full_retries=1)
+        raise AssertionError("unreachable")  # pragma: no cover
+
+    def _make_room(self, need: int, exc: OSError) -> bool:
+        """Evict the oldest chunks for what the file system lacks; ``False`` if they cannot
+        free that much (the store then fails without emptying the tier for nothing)."""
+        fs = os.fstatvfs(self._dir.fd)
+        lacking = need if exc.errno == errno.EDQUOT else need - fs.f_bavail * fs.f_frsize
+        evicted = self._index.evict(max(lacking, 1), self._remove)
+        if evicted is None:
             return False
-        size = self._index.pop(victim)
-        self._used -= size
-        self._unlink(self._path(victim))
-        self._counters.add(evictions=1, evicted_bytes=size)
+        self._count_evictions(evicted)
         return True
 
-    def _forget(self, key: bytes) -> None:
-        """Drop a chunk that failed to load. If a concurrent store just replaced it, the
-        new file goes too: a lost store, never a wrong load (and the probe sees it gone)."""
-        with self._lock:
-            size = self._index.pop(key, None)
-            if size is not None:
-                self._used -= size
-                self._unlink(self._path(key))
+    def _commit(self, key: bytes, temp: str, need: int, inode: int) -> None:
+        """Rename the temp file into place and record it, in one index transaction. If the
+        transaction fails after the rename, the renamed file goes too (it is not counted)."""
+        renamed = False
 
-    def _unlink(self, path: Path) -> None:
+        def rename() -> None:
+            nonlocal renamed
+            self._dir.rename(temp, chunk_name(key))
+            renamed = True
+
         try:
-            path.unlink(missing_ok=True)
-        except OSError:  # best effort: the file is out of the index either way
+            self._index.commit(self._namespace, key, temp, need, rename)
+        except TierError:
+            if renamed:
+                self._dir.remove(chunk_name(key), inode)
+            raise
+
+    def _load(self, key: bytes, out: ChunkBuffer) -> bool:
+        """Load ``key`` into ``out``; ``False`` if its file is missing or not a regular file."""
+        with self._call():
+            buf = checked_buffer("out", out)
+            if not valid_key(key):
+                return False
+            try:
+                with _os_errors(f"disk load of {key.hex()}"):
+                    fd = self._dir.open_regular(chunk_name(key), self._io.open_flags)
+            except NotRegular:
+                self._counters.add(not_regular_files=1)
+                return False
+            if fd is None:
+                self._vanished(key)
+                return False
+            try:
+                inode = os.fstat(fd).st_ino
+                with _os_errors(f"disk load of {key.hex()}"):
+                    self._io.read_into(fd, (self._namespace, key), buf)
+            except CorruptChunkError:
+                self._drop(key, inode)
+                raise
+            finally:
+                os.close(fd)
+            self._index.touch(self._namespace, key)
+            return True
+
+    def _vanished(self, key: bytes) -> None:
+        """A file that is gone no longer holds budget (unless a store just put it back)."""
+        if self._index.holds(self._namespace, key):
+            name = chunk_name(key)
+            self._index.forget(self._namespace, key, lambda: self._dir.lstat(name) is None)
+
+    def _drop(self, key: bytes, inode: int) -> None:
+        """Drop a chunk that failed verification, unless a store replaced it meanwhile."""
+        with contextlib.suppress(TierError):
+            self._index.forget(
+                self._namespace,
+                key,
+                lambda: self._dir.remove(chunk_name(key), inode) is not Removal.REPLACED,
+            )
+
+    def _remove(self, ns: bytes, key: bytes) -> None:
+        """Unlink chunk ``key`` of namespace ``ns`` (an eviction may pick another namespace's);
+        never raises, so the evicting transaction always commits."""
+        try:
+            if ns == self._namespace:
+                removal = self._dir.remove(chunk_name(key))
+            else:
+                with self._dir.sibling(ns.hex()) as fd:
+                    removal = Removal.GONE if fd is None else remove_regular(fd, chunk_name(key))
+        except OSError:
             self._counters.add(unlink_failures=1)
+            return
+        if removal is Removal.NOT_REGULAR:
+            self._counters.add(not_regular_files=1)
 
-
-class DiskProbe:
-    """Asks whether chunk files exist in a disk tier another object (or process) owns.
-
-    The scheduler side of a connector plans loads but never touches bytes;
-    the worker's :class:`DiskTier` owns the directory. A probe answers from
-    the directory itself, so it sees what a previous process left (warm
-    restart) and what the owner evicted, with no message between them. Like
-    ``Tier.contains`` it is a hint: a file may vanish or prove corrupt before
-    the load, which then fails and is recomputed.
-    """
-
-    name = "disk"
-
-    def __init__(self, path: str | os.PathLike[str], namespace: bytes) -> None:
-        self._dir = Path(path) / namespace_fingerprint(namespace).hex()
-
-    def contains_many(self, keys: Sequence[bytes]) -> list[bool]:
-        """One ``stat`` per key; no index, no lock, nothing created."""
-        directory = self._dir
-        return [valid_key(key) and (directory / f"{key.hex()}.kv").is_file() for key in keys]
-
-    def close(self) -> None:
-        """Nothing to release; present so probes close like tiers."""
+    def _count_evictions(self, evicted: tuple[int, int]) -> None:
+        self._counters.add(evictions=evicted[0], evicted_bytes=evicted[1])
