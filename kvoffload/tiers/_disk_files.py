@@ -26,9 +26,11 @@ them reaches outside ``disk_path``, blocks, or is mistaken for a chunk:
   process removes them only after taking that lock itself, which succeeds only
   once the owner has exited (the kernel drops ``flock`` locks of a dead
   process, whatever its pid namespace): temp files of a live writer are never
-  deleted, those of a crashed one always can be. ``flock`` (not ``fcntl``
-  locks) because closing another descriptor of the same file in the same
-  process does not drop it.
+  deleted, those of a crashed one always can be. The owner file is locked
+  under another name and then renamed into place, so no process ever sees an
+  unlocked owner file of a live one. ``flock`` (not ``fcntl`` locks) because
+  closing another descriptor of the same file in the same process does not
+  drop it.
 """
 
 from __future__ import annotations
@@ -49,6 +51,7 @@ from kvoffload.errors import ConfigError
 from kvoffload.tiers._chunk_file import MAX_KEY_BYTES
 
 __all__ = [
+    "FRESH_OWNER",
     "NOT_REGULAR",
     "Found",
     "NamespaceDir",
@@ -72,6 +75,8 @@ _SAFE = os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
 _TEMP = re.compile(r"[0-9a-z]+\.([0-9a-f]{16})\.[0-9]+\.tmp")
 _OWNER = re.compile(r"([0-9a-f]{16})\.owner")
 _CHUNK = re.compile(rf"((?:[0-9a-f]{{2}}){{1,{MAX_KEY_BYTES}}})\.kv")
+#: Suffix of an owner file before it is locked and renamed into place.
+FRESH_OWNER = ".owner-new"
 #: ``errno`` of an open that met a link (``O_NOFOLLOW``) or a directory.
 NOT_REGULAR = (errno.ELOOP, errno.EISDIR, errno.ENXIO)
 
@@ -279,8 +284,17 @@ class OwnerLock:
     def __init__(self, directory: NamespaceDir) -> None:
         self.token = secrets.token_hex(8)
         self._dir = directory
-        self._fd: int | None = directory.create(f"{self.token}.owner")
-        fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        # Locked under a name no other process checks, then renamed into place: an owner
+        # file is never visible unlocked (another process would take it for a dead one's).
+        fresh = f"{self.token}{FRESH_OWNER}"
+        self._fd: int | None = directory.create(fresh)
+        try:
+            fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            directory.rename(fresh, f"{self.token}.owner")
+        except BaseException:
+            directory.remove(fresh)
+            os.close(self._fd)
+            raise
 
     def temp_name(self, stem: str, n: int) -> str:
         return f"{stem}.{self.token}.{n}.tmp"

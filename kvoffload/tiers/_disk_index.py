@@ -65,6 +65,8 @@ TOUCH_BATCH = 64
 BUSY_TIMEOUT_S = 2.0
 #: The same at start, where another process may be repairing a large directory.
 START_TIMEOUT_S = 60.0
+#: Pages the WAL may reach before SQLite checkpoints it (and truncates it back).
+_WAL_PAGES = 128
 #: "KVOF": marks the file as kvoffload's; ``user_version`` is the schema's version.
 _APPLICATION_ID, _SCHEMA = 0x4B564F46, 1
 
@@ -170,6 +172,10 @@ class SharedIndex:
         db = self._db
         db.execute("PRAGMA journal_mode = WAL")
         db.execute("PRAGMA synchronous = NORMAL")  # chunk files are not fsynced either
+        # A small WAL, truncated after each checkpoint: the index shares the disk with the
+        # chunks, and may be the last thing written when that disk is full.
+        db.execute(f"PRAGMA wal_autocheckpoint = {_WAL_PAGES}")
+        db.execute(f"PRAGMA journal_size_limit = {_WAL_PAGES * 4096}")
         app = db.execute("PRAGMA application_id").fetchone()[0]
         version = db.execute("PRAGMA user_version").fetchone()[0]
         if (app, version) not in ((0, 0), (_APPLICATION_ID, _SCHEMA)):

@@ -15,8 +15,8 @@ each step checks before it deletes and tolerates entries that vanish under it:
   use; rows whose file is gone are dropped. Temp files of exited owners go;
   temp files that name no owner (older versions) go once older than
   :data:`STALE_TEMP_S`. Links, FIFOs, devices and directories are counted and
-  left alone. The scan runs inside an index transaction, so no other
-  process's rename interleaves with it.
+  left alone. The scan runs inside an index transaction, so no other process's
+  rename interleaves with it.
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ from functools import partial
 
 from kvoffload.errors import IntegrityError
 from kvoffload.tiers._disk_files import (
+    FRESH_OWNER,
     Found,
     NamespaceDir,
     Removal,
@@ -107,7 +108,7 @@ def reconcile(
                 counters.add(not_regular_files=1)
             elif (key := parse_chunk_name(entry.name)) is not None:
                 chunks.append(Adopted(key, entry.charged, entry.mtime_ns))
-            elif entry.name.endswith(".tmp"):
+            elif entry.name.endswith((".tmp", FRESH_OWNER)):
                 _clean_temp(directory, entry, own, counters)
         for token in owner_tokens(names) - {own}:  # owners with nothing left in flight
             with dead_owner(directory.fd, token):
