@@ -233,6 +233,18 @@ def test_disk_keys_need_each_other_and_a_chunk_of_room(
         build(hetero_layout, disk_path="", disk_bytes_to_use="1MiB")
 
 
+def test_the_disk_budget_is_shared_by_every_rank(hetero_layout: KVLayout, tmp_path: Any) -> None:
+    """disk_bytes_to_use is the directory's: with two ranks each chunk is two files in it."""
+    disk = {"cpu_bytes_to_use": 2 * MIB, "disk_path": str(tmp_path), "disk_bytes_to_use": MIB}
+    two = build_offloading_config(disk, hetero_layout, world_size=2)
+    footprint = 4096 + two.max_chunk_bytes
+    assert two.num_disk_chunks == MIB // (2 * footprint)
+    assert f"{two.num_disk_chunks} chunks" in str(two) and "shared by every" in str(two)
+    with pytest.raises(ConfigError, match=rf"holds no chunk.*for 2 rank.*at least {2 * footprint}"):
+        build_offloading_config({**disk, "disk_bytes_to_use": footprint}, hetero_layout, 2)
+    assert build(hetero_layout, **{**disk, "disk_bytes_to_use": footprint}).num_disk_chunks == 1
+
+
 # -- the result ------------------------------------------------------------------------
 
 

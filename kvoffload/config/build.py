@@ -168,9 +168,10 @@ def _check_budgets(config: OffloadConfig) -> None:
             f"set 'remote_queue_bytes' to at least {largest}"
         )
     if config.disk_path is not None and config.num_disk_chunks < 1:
-        footprint = disk_footprint(largest)
+        footprint = disk_footprint(largest) * config.world_size
         raise ConfigError(
             f"'disk_bytes_to_use'={config.disk_bytes_to_use} holds no chunk: {chunk}, "
-            f"{footprint} bytes on disk with its header; "
+            f"{footprint} bytes on disk with its header for {config.world_size} rank(s) "
+            f"(the budget is shared by every rank); "
             f"set 'disk_bytes_to_use' to at least {footprint}"
         )

@@ -161,10 +161,13 @@ KEYS: tuple[Key, ...] = (
         "tenant too) may hold, as a fraction of its chunks: a tenant at its share evicts "
         "its own chunks, never the others'. Unset: no limit."),
     Key("disk_path", KeyType.PATH,
-        "Directory of the disk tier (created 0700). Unset: no disk tier. "
-        "Needs `disk_bytes_to_use`."),
+        "Directory of the disk tier (created 0700), on a local file system. Processes may "
+        "share it (data-parallel replicas, several servers, tensor-parallel ranks): each "
+        "loads what the others stored. Unset: no disk tier. Needs `disk_bytes_to_use`."),
     Key("disk_bytes_to_use", KeyType.SIZE,
-        "Byte budget of the disk tier, enforced by its own eviction. Needs `disk_path`.",
+        "Byte budget of everything under `disk_path`: per directory (so per host), not per "
+        "rank or process. All processes and tensor-parallel ranks on the path stay within it "
+        "together, evicting in one LRU order; give them all the same value. Needs `disk_path`.",
         bounds=_BYTES),
     Key("remote_url", KeyType.URL,
         "The shared remote tier, behind CPU and disk: `redis://host:6379/0` (Redis or "

@@ -54,9 +54,10 @@ class OffloadConfig:
     tenant_cpu_share: float | None = None
     #: Directory of the disk tier, or None for no disk tier.
     disk_path: str | None = None
-    #: Byte budget of the disk tier (0, outside the key's range, when there is none).
+    #: Byte budget of everything under ``disk_path``, shared by every process and rank on it
+    #: (0, outside the key's range, when there is no disk tier).
     disk_bytes_to_use: int = 0
-    #: Workers sharing ``cpu_bytes_to_use`` (tensor-parallel ranks).
+    #: Workers sharing ``cpu_bytes_to_use`` and ``disk_bytes_to_use`` (tensor-parallel ranks).
     world_size: int = 1
     #: The remote tier's canonical URL (no secret in it), or None for none.
     remote_url: str | None = None
@@ -98,8 +99,9 @@ class OffloadConfig:
 
     @property
     def num_disk_chunks(self) -> int:
-        """Chunks of the largest group the disk budget holds (a lower bound on what fits)."""
-        return self.disk_bytes_to_use // disk_footprint(self.max_chunk_bytes)
+        """Chunks of the largest group the disk budget holds, each as one file per rank (a
+        lower bound on what fits: the budget is the directory's, which all ranks share)."""
+        return self.disk_bytes_to_use // (disk_footprint(self.max_chunk_bytes) * self.world_size)
 
     def __str__(self) -> str:
         rows = [("group", "kind", "layers", "tokens/block", "tokens/chunk", "bytes/chunk")]
@@ -118,8 +120,8 @@ class OffloadConfig:
         ]  # fmt: skip
         table.insert(1, "  ".join("-" * w for w in widths))
         disk = (
-            f"{self.disk_path} ({format_bytes(self.disk_bytes_to_use)}, "
-            f"{self.num_disk_chunks} chunks)"
+            f"{self.disk_path} ({format_bytes(self.disk_bytes_to_use)} shared by every "
+            f"process and rank on it: {self.num_disk_chunks} chunks)"
             if self.disk_path
             else "off"
         )

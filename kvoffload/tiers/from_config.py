@@ -39,8 +39,13 @@ def _remote(config: OffloadConfig, namespace: bytes) -> Tier:
 def lower_tiers(config: OffloadConfig, namespace: bytes) -> list[Tier]:
     """Disk (if ``disk_path``), then remote (if ``remote_url``), for ``namespace``.
 
-    The remote tier comes wrapped in a :class:`WriteBehind` queue of
-    ``remote_queue_bytes``, so store jobs never wait for the network.
+    Every rank's disk tier gets the whole ``disk_bytes_to_use``: it is the
+    budget of the directory, which the ranks (each in its own namespace
+    directory) and any other process on the path share through one index, so
+    they stay within it together (unlike ``cpu_bytes_to_use``, divided
+    between ranks because each holds its own slab). The remote tier comes
+    wrapped in a :class:`WriteBehind` queue of ``remote_queue_bytes``, so store
+    jobs never wait for the network.
     """
     tiers: list[Tier] = []
     if config.disk_path is not None:
