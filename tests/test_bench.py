@@ -37,6 +37,9 @@ def test_json_rows_for_every_tier(tmp_path: Path, capsys: pytest.CaptureFixture[
         assert row.keys() >= FIELDS
         assert row["chunk_bytes"] == 1 << 18
         assert all(row[f] > 0 for f in FIELDS - {"tier", "chunk_bytes"})
+    cpu, disk = rows
+    assert cpu["lookups_per_s"] is None and cpu["ref_lookups_per_s"] is None
+    assert disk["lookups_per_s"] > 0 and disk["ref_lookups_per_s"] > 0  # probe vs os.stat
     assert list(tmp_path.iterdir()) == []  # the bench removes its scratch directory
 
 
@@ -44,7 +47,7 @@ def test_table_with_ratios(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -
     argv = ["bench", "--tier", "disk", "--chunk-mib", "0.25,0.5", "--total-mib", "1"]
     assert run_cli([*argv, "--repeat", "1", "--disk-path", str(tmp_path)]) == 0
     out = capsys.readouterr().out.splitlines()
-    assert "ratio" in out[0] and len(out) == 5
+    assert "ratio" in out[0] and "lookup/s" in out[0] and len(out) == 5
     assert out[2].startswith("disk") and "%" in out[2] and "0.25 MiB" in out[2]
 
 

@@ -12,14 +12,18 @@ machine while the ratio says how much the tier's path costs:
   writer and reader of one file in the same directory, in chunk-sized calls.
   Both sides bypass the page cache (O_DIRECT); where the file system refuses
   O_DIRECT both fall back to buffered I/O, drop the written pages with
-  ``posix_fadvise(DONTNEED)`` before reading, and the row says so.
+  ``posix_fadvise(DONTNEED)`` before reading, and the row says so. A store
+  includes the shared index's two transactions (reserve, then rename and
+  record), so the small-chunk rows show what sharing a directory costs. Its
+  lookups are ``DiskProbe.contains_many`` (what the scheduler asks) against a
+  plain ``os.stat`` of each chunk file's path, all keys held, at least 4096 keys.
 * **redis**: ``RedisTier`` stores (write-behind) / ``get_into`` / ``contains_many`` against
   plain redis-py ``SET`` / ``GET`` of values of the chunk's size and one
   pipelined ``EXISTS`` of the same keys, on the server ``--remote-url`` names.
-  Only these rows fill ``lookups_per_s`` / ``ref_lookups_per_s``: keys asked
-  per second, all of a row's keys in one round trip as a request's lookup
-  is, repeated to at least 1024 keys; the cpu and disk rows leave them
-  ``None`` (JSON ``null``). Stores take the engine's path: the write-behind
+  Its ``lookups_per_s`` / ``ref_lookups_per_s`` are keys asked per second,
+  all of a row's keys in one round trip as a request's lookup is, repeated to
+  at least 1024 keys (the disk rows fill them too; the cpu rows leave them
+  ``None``, JSON ``null``). Stores take the engine's path: the write-behind
   queue packs each record in the caller and a writer thread ``SET``s it; a
   row's store time runs until the queue has drained. The bench
   writes under a namespace of its own (a random run id) and deletes every key

@@ -1,4 +1,4 @@
-"""The local tiers' rows: the CPU slab against memcpy, the disk tier against O_DIRECT."""
+"""The local tiers' rows: the CPU slab against memcpy, the disk tier against O_DIRECT and stat."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from kvoffload.messages import BlockSpan
 from kvoffload.tiers._direct_io import ALIGN, O_DIRECT, aligned_empty, round_up
 from kvoffload.tiers.base import ChunkBuffer
 from kvoffload.tiers.cpu import CPUSlab
-from kvoffload.tiers.disk import DiskTier
+from kvoffload.tiers.disk import DiskProbe, DiskTier
 from kvoffload.transfer import KVTransfer, allocate_kv_caches, fill_blocks
 
 __all__ = ["bench_cpu", "bench_disk"]
@@ -27,6 +27,8 @@ __all__ = ["bench_cpu", "bench_disk"]
 _LAYERS, _BLOCKS_PER_CHUNK, _TOKENS_PER_BLOCK = 8, 4, 16
 #: Chunks one engine job moves with one gather or scatter call.
 _CHUNKS_PER_JOB = 8
+#: Keys a disk lookup measurement asks at least (a row of 16 MiB chunks holds only 16).
+_MIN_LOOKUPS = 4096
 
 
 def _bench_layout(chunk_bytes: int) -> KVLayout:
@@ -150,7 +152,8 @@ def _scratch_dir(parent: str | None) -> Iterator[Path]:
 def bench_disk(
     chunk_bytes: int, total_bytes: int, disk_path: str | None = None, repeat: int = 3
 ) -> BenchRow:
-    """``DiskTier`` put/get_into of ``total_bytes`` in chunks vs a sequential O_DIRECT file."""
+    """``DiskTier`` put/get_into of ``total_bytes`` in chunks vs a sequential O_DIRECT file;
+    ``DiskProbe.contains_many`` of the stored keys vs a plain ``os.stat`` of each file."""
     chunks = max(1, total_bytes // chunk_bytes)
     nbytes = chunks * chunk_bytes
     with _scratch_dir(disk_path) as scratch:
@@ -160,11 +163,52 @@ def bench_disk(
         data[:] = np.random.default_rng(2).integers(0, 256, chunk_bytes, dtype=np.uint8)
         out = aligned_empty(chunk_bytes)
         keys = [i.to_bytes(16, "little") for i in range(chunks)]
+        probe = DiskProbe(scratch / "tier", b"bench")
         try:
             rates = _measure_disk(tier, ref, keys, data, out, repeat=repeat)
+            lookups = _measure_lookups(probe, tier.directory, keys, repeat=repeat)
         finally:
+            probe.close()
             tier.close()
-    return BenchRow("disk", chunk_bytes, rates[1], rates[3], rates[0], rates[2], tier.direct_io)
+    return BenchRow("disk", chunk_bytes, rates[1], rates[3], rates[0], rates[2], tier.direct_io,
+                    lookups_per_s=lookups[1], ref_lookups_per_s=lookups[0])  # fmt: skip
+
+
+def _measure_lookups(
+    probe: DiskProbe, directory: Path, keys: list[bytes], *, repeat: int
+) -> list[float]:
+    """Keys per second: what the scheduler asks (``DiskProbe``) vs ``os.stat`` of each path.
+
+    Every key is held; the keys are asked in batches of the row's keys, repeated
+    to at least ``_MIN_LOOKUPS`` keys, the probe and the reference taking turns.
+    """
+    trips = -(-_MIN_LOOKUPS // len(keys))
+    paths = [str(directory / f"{key.hex()}.kv") for key in keys]
+    found: dict[str, list[bool]] = {}
+
+    def ref_lookup() -> None:
+        for _ in range(trips):
+            found["ref"] = [_exists(path) for path in paths]
+
+    def lookup() -> None:
+        for _ in range(trips):
+            found["probe"] = probe.contains_many(keys)
+
+    rates = [0.0, 0.0]
+    for _ in range(repeat):
+        rates[0] = best_rate(trips * len(keys), ref_lookup, rates[0], 1.0)
+        rates[1] = best_rate(trips * len(keys), lookup, rates[1], 1.0)
+    if not all(found["ref"] + found["probe"]):
+        raise TierError("disk bench: a stored chunk was not found by a lookup")
+    return rates
+
+
+def _exists(path: str) -> bool:
+    try:
+        os.stat(path)
+    except FileNotFoundError:
+        return False
+    return True
 
 
 def _measure_disk(

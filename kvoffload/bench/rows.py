@@ -15,8 +15,7 @@ class BenchRow:
     """One tier at one chunk size; ``ref_*`` is the same-run reference (GB/s = 1e9 B/s).
 
     ``lookups_per_s`` and ``ref_lookups_per_s`` (keys per second) are
-    measured for tiers whose lookup is a round trip (redis) and ``None``
-    for the others.
+    measured for the lower tiers (disk, redis) and ``None`` for the CPU slab.
     """
 
     tier: str

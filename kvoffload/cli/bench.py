@@ -5,7 +5,7 @@ with the tier/reference ratios; ``--json`` prints one JSON list with a row per
 tier and chunk size (:class:`kvoffload.bench.BenchRow`: ``tier``,
 ``chunk_bytes``, ``store_gbps``, ``load_gbps``, ``ref_store_gbps``,
 ``ref_load_gbps``, ``direct_io``, and ``lookups_per_s`` / ``ref_lookups_per_s``,
-numbers for redis rows and ``null`` for cpu and disk).
+numbers for disk and redis rows and ``null`` for cpu).
 
 ``--tier all`` means cpu and disk, plus redis when ``--remote-url`` is given;
 ``--tier redis`` needs ``--remote-url``.
@@ -121,8 +121,9 @@ def _lookups(row: BenchRow) -> str:
 def format_table(rows: list[BenchRow]) -> str:
     """The human table: GB/s of tier and reference with their ratio, store then load.
 
-    With a redis row, lookups per second of tier and reference (pipelined
-    ``EXISTS``) follow, ``-`` for tiers that do not measure them.
+    With a disk or redis row, lookups per second of tier and reference
+    (``os.stat`` per file, pipelined ``EXISTS``) follow, ``-`` for tiers that
+    do not measure them.
     """
     lookups = any(r.lookups_per_s is not None for r in rows)
     extra = f" {'lookup/s':>9} {'ref':>9} {'ratio':>6} |" if lookups else ""
@@ -139,8 +140,8 @@ def format_table(rows: list[BenchRow]) -> str:
             f"{_reference(r)}"
         )
     lines.append(
-        "GB/s = 1e9 bytes/s; ref: same-run memcpy (cpu), sequential file I/O (disk) or "
-        "redis-py SET/GET/pipelined EXISTS (redis)"
+        "GB/s = 1e9 bytes/s; ref: same-run memcpy (cpu), sequential file I/O and os.stat "
+        "(disk) or redis-py SET/GET/pipelined EXISTS (redis)"
     )
     return "\n".join(lines)
 
