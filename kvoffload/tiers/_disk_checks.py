@@ -8,7 +8,6 @@ call, with ``TierError``, so the engine treats the chunk as a miss.
 from __future__ import annotations
 
 import hashlib
-from pathlib import Path
 
 import numpy as np
 
@@ -20,7 +19,6 @@ from kvoffload.tiers.base import ChunkBuffer
 __all__ = [
     "check_budget",
     "checked_buffer",
-    "make_private_dir",
     "namespace_fingerprint",
     "valid_key",
 ]
@@ -42,22 +40,6 @@ def namespace_fingerprint(namespace: object) -> bytes:
 def check_budget(bytes_to_use: object) -> int:
     """``bytes_to_use`` if it is a positive int (not a bool, not a float: no silent truncation)."""
     return checked_int("disk_bytes_to_use (bytes the disk tier may fill)", bytes_to_use)
-
-
-def make_private_dir(path: Path) -> None:
-    """Create ``path`` and any missing parents 0700; existing directories keep their mode.
-
-    (``mkdir(parents=True)`` would give missing parents the umask's mode, and
-    KV bytes of other users' prompts must not be listable.)
-    """
-    missing = [p for p in (path, *path.parents) if not p.exists()]
-    try:
-        for directory in reversed(missing):
-            directory.mkdir(mode=0o700, exist_ok=True)
-    except OSError as exc:
-        raise ConfigError(f"disk_path {str(path)!r} cannot be created: {exc.strerror}") from exc
-    if not path.is_dir():
-        raise ConfigError(f"disk_path {str(path)!r} is not a directory; point it at a directory")
 
 
 def valid_key(key: object) -> bool:

@@ -221,6 +221,14 @@ class NamespaceDir:
         """Unlink regular file ``name`` (only if it is still ``inode``, when given)."""
         return remove_regular(self.fd, name, inode)
 
+    def remove_in(self, directory: str, name: str) -> Removal:
+        """:meth:`remove` in namespace directory ``directory``: this one or a sibling
+        (``GONE`` if that is missing or not a plain directory)."""
+        if directory == self.path.name:
+            return self.remove(name)
+        with self.sibling(directory) as fd:
+            return Removal.GONE if fd is None else remove_regular(fd, name)
+
     def names(self) -> list[str]:
         return os.listdir(self.fd)
 

@@ -313,11 +313,6 @@ class SharedIndex:
     def totals(self) -> Totals:
         return Totals(*self._read("SELECT used, reserved, chunks FROM totals")[0])
 
-    def chunks_of(self, ns: bytes) -> dict[bytes, int]:
-        """Key -> charged bytes of namespace ``ns``, least recently used first."""
-        rows = self._read("SELECT key, bytes FROM chunks WHERE ns = ? ORDER BY used_ns", ns)
-        return dict(rows)
-
     def writers(self) -> list[tuple[bytes, str]]:
         """(namespace, owner) of every store in flight, whoever it belongs to."""
         return self._read("SELECT DISTINCT ns, owner FROM writes")

@@ -1,46 +1,40 @@
 """The disk tier: one verified file per chunk, every process on a ``disk_path`` within one budget.
 
 Layout: ``<disk_path>/<namespace fingerprint hex>/<key hex>.kv``, directories
-created 0700 and files 0600, names built from hex only, never from a user
-string; ``<disk_path>/kvoffload-index.sqlite3`` is the index every process
-on the path shares. The file format and checksum are described in
-:mod:`kvoffload.tiers._chunk_file`.
+created 0700 and files 0600, names built from hex only; beside them,
+``<disk_path>/kvoffload-index.sqlite3``, the index every process on the path
+shares. The file format and checksum: :mod:`kvoffload.tiers._chunk_file`.
 
 Why it is built this way:
 
 * **Shared by processes.** Data-parallel replicas, several servers of one
   model and the tensor-parallel ranks of one server may all use one
-  ``disk_path``. A chunk is a file, so a chunk one process stored is a hit
-  for the others (:class:`DiskProbe` and :meth:`DiskTier.contains_many` ask
-  the directory). Together they stay within ``disk_bytes_to_use``, evicting
-  in one least-recently-used order, through a small SQLite index in WAL mode
-  (:mod:`kvoffload.tiers._disk_index` says why that and not file locks or
-  per-process directories, and what it costs). Temp files carry their
-  owner's name and are removed by another process only once that owner has
-  exited (:mod:`kvoffload.tiers._disk_files`), so no process deletes
-  another's write in flight, and a crashed one's are cleaned by whoever
-  starts next or runs short of room (:mod:`kvoffload.tiers._disk_repair`).
+  ``disk_path``. A chunk is a file, so one a process stored is a hit for the
+  others (:class:`DiskProbe` and :meth:`DiskTier.contains_many` ask the
+  directory). Together they stay within ``disk_bytes_to_use``, in one LRU
+  order, through a small SQLite index (:mod:`~kvoffload.tiers._disk_index`:
+  why that, and its cost). No process deletes another's write in flight, and
+  a crashed one's leftovers are cleaned by whoever starts next or runs short
+  of room (:mod:`~kvoffload.tiers._disk_files`, :mod:`~kvoffload.tiers._disk_repair`).
 * **Atomic stores.** A chunk is written to a temp file and renamed over its
-  final name inside the index transaction that records it, so a crash (even
-  SIGKILL mid-write) leaves the old chunk, the new one, or a temp file that
-  is cleaned later. Files are not fsynced: a power cut may lose chunks or
-  leave torn ones, and the checksum turns a torn one into a miss, never into
-  wrong KV.
-* **Nothing outside ``disk_path``, nothing that blocks.** Every file call is
-  relative to the namespace directory's descriptor, with ``O_NOFOLLOW`` and
+  final name inside the index transaction that records it: a crash (even
+  SIGKILL) leaves the old chunk, the new one, or a temp file cleaned later.
+  Files are not fsynced: a power cut may lose chunks or tear them, and the
+  checksum turns a torn one into a miss, never into wrong KV.
+* **Nothing outside ``disk_path``, nothing that blocks.** File calls are
+  relative to the namespace directory's descriptor, ``O_NOFOLLOW`` and
   ``O_NONBLOCK``, on regular files only; links, FIFOs, devices and
   directories are skipped and counted (``not_regular_files``), never
-  deleted; a namespace directory that is a link is refused at start. Files
-  found on disk are charged the blocks they occupy.
+  deleted; a linked namespace directory is refused at start. Files found on
+  disk are charged the blocks they occupy.
 * **A full disk makes room.** ``ENOSPC`` or ``EDQUOT`` on a store evicts the
-  oldest chunks (as many bytes as the file system lacks) and retries once
+  oldest chunks (what the file system lacks) and retries once
   (``full_retries``); what still fails is a failed store.
-* **Degrades, never crashes.** Every ``OSError`` and SQLite error fails that
-  one call with ``TierError`` (counted, translated in one place each:
-  :func:`_os_errors` and the index); a checksum mismatch drops the chunk and
-  raises ``CorruptChunkError``; a file that vanished is a miss. An index
-  locked by a stuck process fails calls after a bounded wait instead of
-  stalling the engine.
+* **Degrades, never crashes.** An ``OSError`` or SQLite error fails that one
+  call with ``TierError`` (counted; translated in :func:`_os_errors` and the
+  index); a checksum mismatch drops the chunk (``CorruptChunkError``); a
+  vanished file is a miss; an index locked by a stuck process fails calls
+  after a bounded wait instead of stalling the engine.
 """
 
 from __future__ import annotations
@@ -68,7 +62,6 @@ from kvoffload.tiers._disk_files import (
     OwnerLock,
     Removal,
     chunk_name,
-    remove_regular,
 )
 from kvoffload.tiers._disk_index import Full, SharedIndex
 from kvoffload.tiers._disk_probe import DiskProbe
@@ -81,6 +74,10 @@ __all__ = ["DiskProbe", "DiskTier"]  # DiskProbe lives apart (no SQLite on the s
 #: The disk tier's own counters, beside the shared ones of :class:`TierStats`.
 COUNTERS = ("temp_files_cleaned", "unlink_failures", "not_regular_files", "full_retries")
 _FULL = (errno.ENOSPC, errno.EDQUOT)
+
+
+class _Closed(TierError):
+    """A call after ``close()``."""
 
 
 @contextlib.contextmanager
@@ -182,8 +179,13 @@ class DiskTier(Tier):
         return self._counters.load(out.nbytes, lambda: self._load(key, out))
 
     def contains_many(self, keys: Sequence[bytes]) -> list[bool]:
-        """Whether each chunk's file is there, whoever stored it (one ``lstat`` per key)."""
-        return [valid_key(key) and self._dir.is_regular(chunk_name(key)) for key in keys]
+        """Whether each chunk's file is there, whoever stored it (one ``lstat`` per key);
+        all ``False`` once the tier is closed."""
+        try:
+            with self._call():
+                return [valid_key(k) and self._dir.is_regular(chunk_name(k)) for k in keys]
+        except _Closed:
+            return [False] * len(keys)
 
     def discard(self, key: bytes) -> None:
         """Delete ``key``'s file; not an eviction (the caller asked)."""
@@ -232,7 +234,7 @@ class DiskTier(Tier):
         with self._lock:
             closed = self._closed  # (a local: mypy would narrow the attribute for good)
             if closed:
-                raise TierError("disk tier is closed")
+                raise _Closed("disk tier is closed")
             self._calls += 1
         try:
             yield
@@ -272,7 +274,10 @@ class DiskTier(Tier):
             finally:
                 if not stored:
                     self._dir.remove(temp)
-                    self._index.release(self._namespace, temp)
+                    # The store's own error is the one to report; a reservation the index
+                    # could not drop now is released when this process exits.
+                    with contextlib.suppress(TierError):
+                        self._index.release(self._namespace, temp)
             return payload.nbytes
 
     def _reserve(self, temp: str, need: int) -> None:
@@ -380,11 +385,7 @@ class DiskTier(Tier):
         """Unlink chunk ``key`` of namespace ``ns`` (an eviction may pick another namespace's);
         never raises, so the evicting transaction always commits."""
         try:
-            if ns == self._namespace:
-                removal = self._dir.remove(chunk_name(key))
-            else:
-                with self._dir.sibling(ns.hex()) as fd:
-                    removal = Removal.GONE if fd is None else remove_regular(fd, chunk_name(key))
+            removal = self._dir.remove_in(ns.hex(), chunk_name(key))
         except OSError:
             self._counters.add(unlink_failures=1)
             return
