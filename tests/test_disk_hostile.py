@@ -3,6 +3,7 @@ a linked namespace directory, a full file system. Real files, a real tmpfs."""
 
 from __future__ import annotations
 
+import errno
 import os
 import shutil
 import stat
@@ -256,5 +257,33 @@ def test_a_store_the_disk_can_never_hold_fails_and_evicts_nothing(small_fs: Path
     assert indexed_keys(small_fs, NS) == [key_of(i) for i in range(3)]
     assert reservations(small_fs) == [] and not list(tier.directory.glob("*.tmp"))
     tier.put(key_of(3), payload(key_of(3), MIB))  # and it keeps serving
+    tier.check_integrity()
+    tier.close()
+
+
+def fill(path: Path) -> None:
+    """Write ``path`` until the file system has no byte left."""
+    block = b"\xff" * (64 << 10)
+    with path.open("wb", buffering=0) as f:
+        try:
+            while True:
+                f.write(block)
+        except OSError as exc:
+            assert exc.errno == errno.ENOSPC
+
+
+def test_a_full_disk_under_the_index_makes_room_too(small_fs: Path) -> None:
+    """Something else filled the disk: the index cannot record a reservation until the
+    oldest chunks go (SQLite reports the disk full), then the store goes through."""
+    tier = DiskTier(small_fs, 64 * MIB, NS)
+    for i in range(3):
+        tier.put(key_of(i), payload(key_of(i), MIB))
+    fill(small_fs / "filler")
+    tier.put(key_of(3), payload(key_of(3), MIB))
+    stats = tier.stats()
+    assert (stats.store_failures, stats.counters["full_retries"]) == (0, 1)
+    assert stats.evictions == 2 and indexed_keys(small_fs, NS) == [key_of(2), key_of(3)]
+    assert tier.get_into(key_of(3), out := np.empty(MIB, np.uint8))
+    assert np.array_equal(out, payload(key_of(3), MIB))
     tier.check_integrity()
     tier.close()

@@ -16,24 +16,20 @@ Why it is built this way:
   why that, and its cost). No process deletes another's write in flight, and
   a crashed one's leftovers are cleaned by whoever starts next or runs short
   of room (:mod:`~kvoffload.tiers._disk_files`, :mod:`~kvoffload.tiers._disk_repair`).
-* **Atomic stores.** A chunk is written to a temp file and renamed over its
-  final name inside the index transaction that records it: a crash (even
-  SIGKILL) leaves the old chunk, the new one, or a temp file cleaned later.
-  Files are not fsynced: a power cut may lose chunks or tear them, and the
-  checksum turns a torn one into a miss, never into wrong KV.
-* **Nothing outside ``disk_path``, nothing that blocks.** File calls are
-  relative to the namespace directory's descriptor, ``O_NOFOLLOW`` and
-  ``O_NONBLOCK``, on regular files only; links, FIFOs, devices and
-  directories are skipped and counted (``not_regular_files``), never
-  deleted; a linked namespace directory is refused at start. Files found on
-  disk are charged the blocks they occupy.
-* **A full disk makes room.** ``ENOSPC`` or ``EDQUOT`` on a store evicts the
-  oldest chunks (what the file system lacks) and retries once
+* **Atomic stores.** A temp file is renamed over the chunk's name inside the
+  index transaction that records it: a crash (even SIGKILL) leaves the old
+  chunk, the new one, or a temp file cleaned later. Files are not fsynced: a
+  power cut may lose or tear chunks; the checksum makes a torn one a miss.
+* **Nothing outside ``disk_path``, nothing that blocks**: regular files only,
+  opened relative to the namespace directory (``not_regular_files`` counts
+  what is skipped); see :mod:`~kvoffload.tiers._disk_files`.
+* **A full disk makes room.** ``ENOSPC``, ``EDQUOT`` or a full index evicts
+  the oldest chunks (what the file system lacks) and retries once
   (``full_retries``); what still fails is a failed store.
 * **Degrades, never crashes.** An ``OSError`` or SQLite error fails that one
   call with ``TierError`` (counted; translated in :func:`_os_errors` and the
   index); a checksum mismatch drops the chunk (``CorruptChunkError``); a
-  vanished file is a miss; an index locked by a stuck process fails calls
+  vanished file is a miss; an index held by a stuck process fails calls
   after a bounded wait instead of stalling the engine.
 """
 
@@ -45,6 +41,7 @@ import itertools
 import os
 import threading
 from collections.abc import Iterator, Sequence
+from functools import partial
 from pathlib import Path
 
 from kvoffload.errors import ConfigError, CorruptChunkError, TierError
@@ -63,7 +60,7 @@ from kvoffload.tiers._disk_files import (
     Removal,
     chunk_name,
 )
-from kvoffload.tiers._disk_index import Full, SharedIndex
+from kvoffload.tiers._disk_index import Full, NoSpace, SharedIndex
 from kvoffload.tiers._disk_probe import DiskProbe
 from kvoffload.tiers._disk_repair import audit, reap_dead_writers, reconcile
 from kvoffload.tiers.base import ChunkBuffer, Tier
@@ -74,6 +71,8 @@ __all__ = ["DiskProbe", "DiskTier"]  # DiskProbe lives apart (no SQLite on the s
 #: The disk tier's own counters, beside the shared ones of :class:`TierStats`.
 COUNTERS = ("temp_files_cleaned", "unlink_failures", "not_regular_files", "full_retries")
 _FULL = (errno.ENOSPC, errno.EDQUOT)
+#: Bytes a full disk must also free for the index's log to record the store.
+_INDEX_ROOM = 1 << 20
 
 
 class _Closed(TierError):
@@ -281,18 +280,24 @@ class DiskTier(Tier):
             return payload.nbytes
 
     def _reserve(self, temp: str, need: int) -> None:
-        """Hold ``need`` bytes of the shared budget; if stores in flight hold too much, first
-        release what crashed processes reserved, then try once more."""
+        """Hold ``need`` bytes of the shared budget. If stores in flight hold too much, first
+        release what crashed processes reserved; if the index's disk is full, make room;
+        then try once more."""
         write = (self._namespace, temp, self._owner.token)
-        try:
-            evicted = self._index.reserve(write, need, self._capacity, self._remove)
-        except Full as exc:
-            if not exc.totals.reserved or not reap_dead_writers(
-                self._dir, self._index, self._owner.token, self._counters
-            ):
-                raise
-            evicted = self._index.reserve(write, need, self._capacity, self._remove)
-        self._count_evictions(evicted)
+        for attempt in (1, 2):
+            try:
+                evicted = self._index.reserve(write, need, self._capacity, self._remove)
+                self._count_evictions(evicted)
+                return
+            except Full as exc:
+                if attempt == 2 or not exc.totals.reserved:
+                    raise
+                if not reap_dead_writers(self._dir, self._index, self._owner.token, self._counters):
+                    raise
+            except NoSpace:
+                if attempt == 2 or not self._make_room(need, errno.ENOSPC):
+                    raise
+                self._counters.add(full_retries=1)
 
     def _write_temp(self, temp: str, key: bytes, payload: ChunkBuffer, need: int) -> int:
         """Write the chunk to ``temp``; on ENOSPC/EDQUOT make room and retry once. Its inode."""
@@ -306,16 +311,18 @@ class DiskTier(Tier):
                     os.close(fd)
             except OSError as exc:
                 self._dir.remove(temp)
-                if attempt == 2 or exc.errno not in _FULL or not self._make_room(need, exc):
+                if attempt == 2 or exc.errno not in _FULL or not self._make_room(need, exc.errno):
                     raise
                 self._counters.add(full_retries=1)
         raise AssertionError("unreachable")  # pragma: no cover
 
-    def _make_room(self, need: int, exc: OSError) -> bool:
-        """Evict the oldest chunks for what the file system lacks; ``False`` if they cannot
-        free that much (the store then fails without emptying the tier for nothing)."""
+    def _make_room(self, need: int, error: int) -> bool:
+        """Evict the oldest chunks for what the file system lacks (and room for the index to
+        record the store); ``False`` if they cannot free that much (the store then fails
+        without emptying the tier for nothing)."""
+        need += _INDEX_ROOM
         fs = os.fstatvfs(self._dir.fd)
-        lacking = need if exc.errno == errno.EDQUOT else need - fs.f_bavail * fs.f_frsize
+        lacking = need if error == errno.EDQUOT else need - fs.f_bavail * fs.f_frsize
         evicted = self._index.evict(max(lacking, 1), self._remove)
         if evicted is None:
             return False
@@ -324,19 +331,14 @@ class DiskTier(Tier):
 
     def _commit(self, key: bytes, temp: str, need: int, inode: int) -> None:
         """Rename the temp file into place and record it, in one index transaction. If the
-        transaction fails after the rename, the renamed file goes too (it is not counted)."""
-        renamed = False
-
-        def rename() -> None:
-            nonlocal renamed
-            self._dir.rename(temp, chunk_name(key))
-            renamed = True
-
+        transaction fails after the rename, the renamed file goes too (it is not counted):
+        only that file, by its inode, never one another store put there."""
+        final = chunk_name(key)
         try:
+            rename = partial(self._dir.rename, temp, final)
             self._index.commit(self._namespace, key, temp, need, rename)
         except TierError:
-            if renamed:
-                self._dir.remove(chunk_name(key), inode)
+            self._dir.remove(final, inode)
             raise
 
     def _load(self, key: bytes, out: ChunkBuffer) -> bool:
