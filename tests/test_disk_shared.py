@@ -11,15 +11,19 @@ from __future__ import annotations
 
 import contextlib
 import json
+import multiprocessing
 import os
 import queue
+import shutil
 import sqlite3
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -166,6 +170,47 @@ def test_a_chunk_one_process_stored_is_a_hit_for_another(tmp_path: Path) -> None
     assert other_model.contains_many([key_of(0, 0)]) == [False]
     other_model.close()
     probe.close()
+
+
+def _start_and_store(root: str, worker: int, barrier: Any) -> str:
+    """In a child process: wait for the others, open the tier, store one chunk."""
+    barrier.wait()
+    try:
+        tier = DiskTier(root, 64 * CHUNK, NS)
+        tier.put(key_of(worker, 0), payload(key_of(worker, 0)))
+        tier.close()
+    except Exception as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return "ok"
+
+
+@pytest.fixture
+def fast_dir(tmp_path: Path) -> Iterator[Path]:
+    """A directory on /dev/shm where there is one (collisions at start were ~10x as likely
+    there as on ext4 here), else ``tmp_path``."""
+    shm = Path("/dev/shm")
+    if not (shm.is_dir() and os.access(shm, os.W_OK)):
+        yield tmp_path
+        return
+    path = Path(tempfile.mkdtemp(prefix="kvoffload-test-", dir=shm))
+    try:
+        yield path
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def test_processes_starting_together_on_a_new_directory(fast_dir: Path) -> None:
+    """Six processes create the index of a new disk_path at once: none fails to start."""
+    context = multiprocessing.get_context("fork")
+    with context.Manager() as manager, context.Pool(6) as pool:
+        for trial in range(6):
+            root, barrier = str(fast_dir / str(trial)), manager.Barrier(6)
+            jobs = [pool.apply_async(_start_and_store, (root, w, barrier)) for w in range(6)]
+            assert [job.get(timeout=120) for job in jobs] == ["ok"] * 6
+            tier = DiskTier(root, 64 * CHUNK, NS)
+            assert sorted(indexed_keys(Path(root), NS)) == sorted(key_of(w, 0) for w in range(6))
+            tier.check_integrity()
+            tier.close()
 
 
 def test_kill_9_mid_write_with_other_processes_running(tmp_path: Path) -> None:

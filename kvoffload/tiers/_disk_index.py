@@ -41,20 +41,18 @@ NFS). A file of another kind or version at its name is refused at start.
 from __future__ import annotations
 
 import contextlib
-import os
 import sqlite3
-import stat
 import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, NamedTuple, TypeVar
 
-from kvoffload.errors import ConfigError, TierError
+from kvoffload.errors import TierError
+from kvoffload.tiers._disk_schema import INDEX_NAME, open_index
 
 __all__ = ["INDEX_NAME", "TOUCH_BATCH", "Adopted", "Full", "NoSpace", "SharedIndex", "Totals"]
 
-INDEX_NAME = "kvoffload-index.sqlite3"
 #: Loads whose last-use time waits for the next write transaction, at most.
 TOUCH_BATCH = 64
 #: How long a transaction waits for another process's: longer means a process is stuck,
@@ -62,31 +60,6 @@ TOUCH_BATCH = 64
 BUSY_TIMEOUT_S = 2.0
 #: The same at start, where another process may be repairing a large directory.
 START_TIMEOUT_S = 60.0
-#: Pages the WAL may reach before SQLite checkpoints it (SQLite's default; 4 MiB).
-_WAL_PAGES = 1000
-#: "KVOF": marks the file as kvoffload's; ``user_version`` is the schema's version.
-_APPLICATION_ID, _SCHEMA = 0x4B564F46, 1
-
-_SCHEMA_SQL = """
-CREATE TABLE IF NOT EXISTS chunks (ns BLOB NOT NULL, key BLOB NOT NULL,
-    bytes INTEGER NOT NULL, used_ns INTEGER NOT NULL, PRIMARY KEY (ns, key)) WITHOUT ROWID;
-CREATE INDEX IF NOT EXISTS chunks_by_use ON chunks (used_ns);
-CREATE TABLE IF NOT EXISTS writes (ns BLOB NOT NULL, name TEXT NOT NULL, owner TEXT NOT NULL,
-    bytes INTEGER NOT NULL, PRIMARY KEY (ns, name)) WITHOUT ROWID;
-CREATE TABLE IF NOT EXISTS totals (one INTEGER PRIMARY KEY CHECK (one = 1),
-    used INTEGER NOT NULL, reserved INTEGER NOT NULL, chunks INTEGER NOT NULL);
-INSERT OR IGNORE INTO totals VALUES (1, 0, 0, 0);
-CREATE TRIGGER IF NOT EXISTS chunk_added AFTER INSERT ON chunks BEGIN
-    UPDATE totals SET used = used + new.bytes, chunks = chunks + 1; END;
-CREATE TRIGGER IF NOT EXISTS chunk_removed AFTER DELETE ON chunks BEGIN
-    UPDATE totals SET used = used - old.bytes, chunks = chunks - 1; END;
-CREATE TRIGGER IF NOT EXISTS chunk_resized AFTER UPDATE OF bytes ON chunks BEGIN
-    UPDATE totals SET used = used - old.bytes + new.bytes; END;
-CREATE TRIGGER IF NOT EXISTS write_added AFTER INSERT ON writes BEGIN
-    UPDATE totals SET reserved = reserved + new.bytes; END;
-CREATE TRIGGER IF NOT EXISTS write_removed AFTER DELETE ON writes BEGIN
-    UPDATE totals SET reserved = reserved - old.bytes; END;
-"""
 
 _T = TypeVar("_T")
 
@@ -125,20 +98,6 @@ class Full(TierError):
         self.totals = totals
 
 
-def _prepare_file(path: Path) -> None:
-    """Create the index 0600 (SQLite gives its ``-wal`` and ``-shm`` the same mode) and refuse
-    one that is not a regular file: SQLite would follow a link."""
-    with contextlib.suppress(FileExistsError):
-        os.close(os.open(path, os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600))
-    for name in (path.name, f"{path.name}-wal", f"{path.name}-shm"):
-        with contextlib.suppress(FileNotFoundError):
-            if not stat.S_ISREG(os.lstat(path.with_name(name)).st_mode):
-                raise ConfigError(
-                    f"disk tier index {str(path.with_name(name))!r} is not a regular file; "
-                    "remove it (the index is rebuilt from the chunk files)"
-                )
-
-
 class SharedIndex:
     """The shared index of one ``disk_path``; see the module docstring.
 
@@ -149,46 +108,9 @@ class SharedIndex:
 
     def __init__(self, root: Path) -> None:
         self.path = root / INDEX_NAME
-        try:
-            _prepare_file(self.path)
-        except OSError as exc:
-            raise ConfigError(f"disk tier index {str(self.path)!r}: {exc.strerror}") from exc
         self._lock = threading.Lock()
         self._touched: dict[tuple[bytes, bytes], int] = {}
-        self._db = sqlite3.connect(
-            self.path, timeout=START_TIMEOUT_S, isolation_level=None, check_same_thread=False
-        )
-        try:
-            self._setup()
-        except BaseException as exc:
-            self._db.close()
-            if isinstance(exc, sqlite3.Error):
-                raise ConfigError(
-                    f"disk tier index {str(self.path)!r} is unusable ({exc}); if it is "
-                    "damaged, remove it (the index is rebuilt from the chunk files)"
-                ) from exc
-            raise
-
-    def _setup(self) -> None:
-        db = self._db
-        db.execute("PRAGMA journal_mode = WAL")
-        db.execute("PRAGMA synchronous = NORMAL")  # chunk files are not fsynced either
-        # SQLite's checkpoint every 1000 pages (two fsyncs: ~5 ms here, so rarer is cheaper),
-        # and the WAL cut back to its size after one: it shares the disk with the chunks.
-        db.execute(f"PRAGMA wal_autocheckpoint = {_WAL_PAGES}")
-        db.execute(f"PRAGMA journal_size_limit = {_WAL_PAGES * 4096}")
-        app = db.execute("PRAGMA application_id").fetchone()[0]
-        version = db.execute("PRAGMA user_version").fetchone()[0]
-        if (app, version) not in ((0, 0), (_APPLICATION_ID, _SCHEMA)):
-            raise ConfigError(
-                f"{str(self.path)!r} is not a kvoffload disk index of schema {_SCHEMA} "
-                f"(application id {app:#x}, version {version}); remove it or point "
-                "disk_path elsewhere"
-            )
-        db.executescript(  # idempotent: processes starting together may both run it
-            f"BEGIN IMMEDIATE; {_SCHEMA_SQL} PRAGMA application_id = {_APPLICATION_ID}; "
-            f"PRAGMA user_version = {_SCHEMA}; COMMIT;"
-        )
+        self._db = open_index(self.path, START_TIMEOUT_S)
 
     def serve(self) -> None:
         """Start-up is over: from now on a transaction waits at most :data:`BUSY_TIMEOUT_S`."""
