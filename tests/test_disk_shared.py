@@ -31,8 +31,9 @@ from _disk import bytes_in_files, indexed_keys, reservations
 from _disk_worker import BASE, key_of, payload, size_of
 
 from kvoffload import CacheGroup, KVLayout, build_offloading_config
+from kvoffload.errors import TierError
 from kvoffload.tiers._chunk_file import file_bytes
-from kvoffload.tiers._disk_index import INDEX_NAME
+from kvoffload.tiers._disk_schema import INDEX_NAME, LOCK_NAME
 from kvoffload.tiers.disk import DiskProbe, DiskTier
 from kvoffload.tiers.from_config import lower_tiers
 
@@ -264,3 +265,35 @@ def test_tensor_parallel_ranks_share_one_budget(tmp_path: Path) -> None:
     for tier in (rank0, rank1):
         tier.check_integrity()
         tier.close()
+
+
+def test_a_stuck_process_holding_the_index_fails_stores_instead_of_stalling(
+    tmp_path: Path,
+) -> None:
+    """Another process holds the writer lock and never lets go (stopped, hung): stores fail
+    after a bounded wait, counted; loads and lookups go on; once it lets go, stores work."""
+    tier = DiskTier(tmp_path, 16 * CHUNK, NS)
+    tier.put(key_of(0, 0), payload(key_of(0, 0)))
+    stuck = subprocess.Popen(
+        [sys.executable, "-c", "import fcntl, sys, time; f = open(sys.argv[1], 'rb'); "
+         "fcntl.flock(f, fcntl.LOCK_EX); print('locked', flush=True); time.sleep(600)",
+         str(tmp_path / LOCK_NAME)],
+        stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        assert stuck.stdout is not None and stuck.stdout.readline() == "locked\n"
+        with pytest.raises(TierError, match="held for over"):
+            tier.put(key_of(0, 1), payload(key_of(0, 1)))
+        assert tier.contains_many([key_of(0, 0), key_of(0, 1)]) == [True, False]
+        out = np.empty(size_of(key_of(0, 0)), np.uint8)
+        assert tier.get_into(key_of(0, 0), out) and np.array_equal(out, payload(key_of(0, 0)))
+        assert tier.stats().store_failures == 1
+    finally:
+        stuck.kill()
+        stuck.wait()
+        assert stuck.stdout is not None
+        stuck.stdout.close()
+    tier.put(key_of(0, 1), payload(key_of(0, 1)))
+    assert reservations(tmp_path) == [] and not list(tier.directory.glob("*.tmp"))
+    tier.check_integrity()
+    tier.close()

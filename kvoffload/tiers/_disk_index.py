@@ -49,7 +49,7 @@ from pathlib import Path
 from typing import Any, NamedTuple, TypeVar
 
 from kvoffload.errors import TierError
-from kvoffload.tiers._disk_schema import INDEX_NAME, open_index
+from kvoffload.tiers._disk_schema import INDEX_NAME, LOCK_NAME, WriterLock, open_index
 
 __all__ = ["INDEX_NAME", "TOUCH_BATCH", "Adopted", "Full", "NoSpace", "SharedIndex", "Totals"]
 
@@ -111,38 +111,56 @@ class SharedIndex:
         self._lock = threading.Lock()
         self._touched: dict[tuple[bytes, bytes], int] = {}
         self._db = open_index(self.path, START_TIMEOUT_S)
+        try:
+            self._writer = WriterLock(root / LOCK_NAME)
+        except BaseException:
+            self._db.close()
+            raise
+        self._timeout_s = START_TIMEOUT_S
 
     def serve(self) -> None:
         """Start-up is over: from now on a transaction waits at most :data:`BUSY_TIMEOUT_S`."""
         with self._lock:
             self._db.execute(f"PRAGMA busy_timeout = {int(BUSY_TIMEOUT_S * 1000)}")
+            self._timeout_s = BUSY_TIMEOUT_S
 
     def close(self) -> None:
         with contextlib.suppress(TierError):
             self.flush_touches()
         with self._lock:
             self._db.close()
+            self._writer.close()
 
     @contextlib.contextmanager
     def transaction(self) -> Iterator[sqlite3.Connection]:
         """One ``BEGIN IMMEDIATE`` transaction: every other process's writes wait for it."""
         with self._lock:
-            db = self._db
             try:
-                db.execute("BEGIN IMMEDIATE")
-            except sqlite3.Error as exc:
-                raise TierError(f"disk index {self.path} is busy or unusable: {exc}") from exc
+                self._writer.acquire(self._timeout_s)
+            except (TimeoutError, OSError) as exc:
+                raise TierError(f"disk index {self.path}: {exc}") from exc
             try:
-                yield db
-                db.execute("COMMIT")
-            except BaseException as exc:
-                with contextlib.suppress(sqlite3.Error):
-                    db.execute("ROLLBACK")
-                if isinstance(exc, sqlite3.Error):
-                    full = getattr(exc, "sqlite_errorcode", None) == sqlite3.SQLITE_FULL
-                    error = NoSpace if full else TierError
-                    raise error(f"disk index {self.path}: {exc}") from exc
-                raise
+                yield from self._transaction()
+            finally:
+                self._writer.release()
+
+    def _transaction(self) -> Iterator[sqlite3.Connection]:
+        db = self._db
+        try:
+            db.execute("BEGIN IMMEDIATE")
+        except sqlite3.Error as exc:
+            raise TierError(f"disk index {self.path} is busy or unusable: {exc}") from exc
+        try:
+            yield db
+            db.execute("COMMIT")
+        except BaseException as exc:
+            with contextlib.suppress(sqlite3.Error):
+                db.execute("ROLLBACK")
+            if isinstance(exc, sqlite3.Error):
+                full = getattr(exc, "sqlite_errorcode", None) == sqlite3.SQLITE_FULL
+                error = NoSpace if full else TierError
+                raise error(f"disk index {self.path}: {exc}") from exc
+            raise
 
     # -- stores ---------------------------------------------------------------
 
