@@ -297,3 +297,59 @@ def test_a_stuck_process_holding_the_index_fails_stores_instead_of_stalling(
     assert reservations(tmp_path) == [] and not list(tier.directory.glob("*.tmp"))
     tier.check_integrity()
     tier.close()
+
+
+#: A writer that stops for good inside a store, at the step named by argv[3]: after its
+#: reservation and half its temp file ("writing"), or after renaming the finished file into
+#: place but before recording it ("renamed"). It uses the tier's private steps on purpose:
+#: these are the instants a kill -9 can hit.
+HALF_STORE = """
+import os, sys, time
+import numpy as np
+from kvoffload.tiers.disk import DiskTier
+from kvoffload.tiers._chunk_file import file_bytes
+tier = DiskTier(sys.argv[1], int(sys.argv[2]), bytes.fromhex(sys.argv[4]))
+key = (7).to_bytes(16, "little")
+data = np.frombuffer(np.random.default_rng(7).bytes(50_000), np.uint8)
+temp = tier._owner.temp_name(key.hex(), 99)
+tier._reserve(temp, file_bytes(data.nbytes))
+if sys.argv[3] == "writing":
+    fd = tier._dir.create(temp)
+    os.write(fd, b"half a chunk")
+else:
+    tier._write_temp(temp, key, data, file_bytes(data.nbytes))
+    tier._dir.rename(temp, key.hex() + ".kv")
+print("stopped", flush=True)
+time.sleep(600)
+"""
+
+
+@pytest.mark.parametrize("step", ["writing", "renamed"])
+def test_a_writer_killed_inside_a_store_is_cleaned_up_by_the_next_start(
+    tmp_path: Path, step: str
+) -> None:
+    budget = 16 * CHUNK
+    child = subprocess.Popen(
+        [sys.executable, "-c", HALF_STORE, str(tmp_path), str(budget), step, NS.hex()],
+        stdout=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": str(REPO)},
+    )  # fmt: skip
+    assert child.stdout is not None and child.stdout.readline() == "stopped\n"
+    [(temp, owner, reserved)] = reservations(tmp_path)
+    child.kill()
+    child.wait()
+    child.stdout.close()
+    tier = DiskTier(tmp_path, budget, NS)
+    assert reservations(tmp_path) == [] and not (tier.directory / temp).exists()
+    assert not list(tier.directory.glob(f"{owner}*"))  # nor its owner file
+    key = (7).to_bytes(16, "little")
+    if step == "writing":  # the half-written temp file is gone, nothing else is
+        assert tier.stats().counters["temp_files_cleaned"] == 1
+        assert tier.stats().used_bytes == 0 and not tier.contains_many([key])[0]
+    else:  # the finished chunk is kept, and counted
+        assert indexed_keys(tmp_path, NS) == [key]
+        assert tier.stats().used_bytes == reserved == file_bytes(50_000)
+        out = np.empty(50_000, np.uint8)
+        assert tier.get_into(key, out)
+        assert np.array_equal(out, np.frombuffer(np.random.default_rng(7).bytes(50_000), np.uint8))
+    tier.check_integrity()
+    tier.close()
