@@ -1,22 +1,19 @@
-"""The replay loop: drive an :class:`OffloadManager` with a trace, as a scheduler would.
+"""The index-only replay: drive an :class:`OffloadManager` with a trace, one request at a time.
 
-Per request, in the order vLLM's offloading connector drives its manager:
+This is the policy study of ``kvoffload replay --index-only``: no engine, no
+GPU prefix cache, every request served whole before the next. Per request:
 
 1. ``lookup`` the request's keys: the ready prefix is the hit;
 2. ``prepare_load`` + ``complete_load`` of the hit prefix (pins, then unpins);
-3. ``touch`` every key, tail first, so the chain *head* ends most recent and
-   the reused prefix is the last thing this request's stores could evict;
+3. :func:`~kvoffload.manager.usage.record_use` of every key;
 4. ``prepare_store`` of the rest (the index skips what it already holds);
-5. ``complete_store`` of what it reserved, tail first, for the same reason;
-6. if anything was stored behind a hit prefix, ``touch`` that prefix again,
-   tail first, so the whole request ends ordered head-newest, tail-oldest.
+5. :func:`~kvoffload.manager.usage.record_stores` of what it reserved.
 
-Step 6 mirrors vLLM's request-finished hook, which re-ranks every key of a
-request head-most-recent. The order is what makes an LRU index evict chain
-tails before heads (a tail is worthless without its head); with it,
-kvoffload's LRU reproduces vLLM's hit ratios on every trace we have.
-The measure is the *prefix-hit ratio*: hit blocks over all blocks, a block
-counting only if every block before it in the request hit too.
+Steps 3 and 5 are the rules the connector's scheduler follows too (see
+:mod:`kvoffload.manager.usage`), so a policy ranks here as it ranks in the
+product. The measure is the *prefix-hit ratio*: hit blocks over all blocks, a
+block counting only if every block before it in the request hit too. The
+engine replay (:mod:`kvoffload.replay.engine`) measures the product itself.
 """
 
 from __future__ import annotations
@@ -27,6 +24,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from kvoffload.manager import EvictionPolicy, OffloadManager
+from kvoffload.manager.usage import record_stores, record_use
 from kvoffload.replay.trace import Trace
 
 __all__ = ["ReplayResult", "drive", "replay"]
@@ -62,8 +60,7 @@ def drive(manager: OffloadManager, requests: Iterable[Sequence[bytes]]) -> int:
     exactly the loop users get.
     """
     hits = 0
-    lookup, touch = manager.lookup, manager.touch
-    prepare_store, complete_store = manager.prepare_store, manager.complete_store
+    lookup, prepare_store = manager.lookup, manager.prepare_store
     for keys in requests:
         n = lookup(keys)
         if n:
@@ -71,12 +68,10 @@ def drive(manager: OffloadManager, requests: Iterable[Sequence[bytes]]) -> int:
             manager.prepare_load(head)
             manager.complete_load(head)
             hits += n
-        touch(keys[::-1])
+        record_use(manager, keys)
         store = prepare_store(keys[n:])
-        if store is not None and store.keys:
-            complete_store(store.keys[::-1])
-            if n:
-                touch(keys[n - 1 :: -1])
+        if store is not None:
+            record_stores(manager, keys, store.keys)
     return hits
 
 

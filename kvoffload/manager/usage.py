@@ -1,0 +1,61 @@
+"""What a request used and stored, told to the index in the order recency policies need.
+
+A request's chunks form a chain: a chunk is worth loading only if every chunk
+before it is there too. So when room runs out, a recency policy must lose a
+chain's *tail* before its head, never cut it in the middle. Two rules give
+that order, and every caller that drives an
+:class:`~kvoffload.manager.OffloadManager` for requests goes through them:
+the connector's scheduler (and through it the demo and the engine replay),
+and the index-only replay of ``kvoffload replay --index-only``.
+
+* :func:`record_use`: a request used its chunks. Every chunk of its prompt
+  counts, whoever served it: the engine's own prefix cache, a load from the
+  tiers, or nobody yet (a chunk already stored is touched, others are
+  ignored). A hot system prompt that the engine keeps in its own cache is
+  therefore hot here too, and is not evicted as if nobody read it.
+  Touched tail first, so the head ends most recent.
+* :func:`record_stores`: some of its chunks were stored (or promoted from a
+  lower tier). They enter the index tail first, then the chunks ahead of
+  them are touched again, tail first, so the whole request ends ordered
+  head-newest, tail-oldest, however many steps its stores took.
+
+With these rules kvoffload's LRU reproduces the hit ratios of vLLM's LRU on
+a slice of the Mooncake trace (``tests/test_replay.py``); see
+:meth:`OffloadManager.touch` for what the tail-first order is worth.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Sequence
+
+from kvoffload.manager.offload_manager import OffloadManager
+
+__all__ = ["record_stores", "record_use"]
+
+
+def record_use(index: OffloadManager, keys: Sequence[bytes]) -> None:
+    """A request used ``keys`` (its chunks in chain order, head first): touch them tail first."""
+    index.touch(keys[::-1])
+
+
+def record_stores(
+    index: OffloadManager,
+    request_keys: Sequence[bytes],
+    done: Sequence[bytes],
+    failed: Collection[bytes] = (),
+) -> None:
+    """Complete a request's stores: ``done`` succeeded, ``failed`` did not.
+
+    ``request_keys`` are the request's chunks in chain order, head first;
+    ``done`` is a subsequence of them, in the same order. ``failed`` slots
+    are freed. Raises ``ValueError`` if ``done[0]`` is not in
+    ``request_keys`` (a caller bug: the order could not be kept).
+    """
+    if failed:
+        index.complete_store(list(failed), success=False)
+    if not done:
+        return
+    index.complete_store(done[::-1], success=True)
+    first = request_keys.index(done[0])
+    if first:
+        index.touch(request_keys[first - 1 :: -1])
