@@ -1,15 +1,16 @@
-"""What the connector's scheduler side remembers of one request between steps."""
+"""What the connector's scheduler side remembers between steps, per request and per order."""
 
 from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from kvoffload.keys import KeyExtras, extend_prefix_keys
 from kvoffload.messages import JobReport, TransferOrder
 
-__all__ = ["JobState", "RequestState", "add_range", "covered", "tier_shares"]
+__all__ = ["JobState", "RequestState", "StepRequest", "add_range", "covered", "tier_shares"]
 
 
 def add_range(ranges: list[tuple[int, int]], start: int, stop: int) -> None:
@@ -85,6 +86,21 @@ class RequestState:
         self.next_chunk = [0] * n
         self.retry = [set() for _ in range(n)]
 
+    def chain(self, tokens_per_chunk: Sequence[int]) -> list[bytes]:
+        """Every key so far in chain order, head first: by the token its chunk ends at, then group.
+
+        The order :mod:`kvoffload.manager.usage` needs for a request that spans
+        several groups with different chunk sizes.
+        """
+        if len(self.keys) == 1:
+            return list(self.keys[0])
+        ends = sorted(
+            ((c + 1) * span, g, c)
+            for g, span in enumerate(tokens_per_chunk)
+            for c in range(len(self.keys[g]))
+        )
+        return [self.keys[g][c] for _, g, c in ends]
+
     def extend_keys(
         self,
         token_ids: Sequence[int],
@@ -101,9 +117,22 @@ class RequestState:
                 )
 
 
+class StepRequest(NamedTuple):
+    """One request a step runs, as vLLM's scheduler output describes it."""
+
+    req_id: str
+    token_ids: Sequence[int]
+    #: Tokens computed before the step, and scheduled in it.
+    computed: int
+    scheduled: int
+    #: The request's engine blocks per group (vLLM's null block where it holds none).
+    block_ids: Sequence[Sequence[int]]
+    num_prompt_tokens: int
+
+
 @dataclass(slots=True)
 class JobState:
-    """An order in flight, until every worker reported it."""
+    """An order in flight, until every worker reported it: what to complete in the index."""
 
     order: TransferOrder
     #: Load: CPU-resident chunks pinned for it, and chunks promoted from lower tiers.

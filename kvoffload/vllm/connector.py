@@ -51,7 +51,7 @@ from kvoffload.vllm._extras import ExtrasReader, Unkeyable, refuse_draft_kv
 from kvoffload.vllm._layout import GroupMap, group_map
 from kvoffload.vllm._metrics import Deltas, scheduler_figures, worker_payload
 from kvoffload.vllm._prom import KVOffloadPromMetrics, KVOffloadStats
-from kvoffload.vllm.scheduler import OffloadScheduler
+from kvoffload.vllm.scheduler import OffloadScheduler, StepRequest
 from kvoffload.vllm.worker import OffloadWorker
 
 if TYPE_CHECKING:
@@ -213,32 +213,34 @@ class KVOffloadConnector(KVConnectorBase_V1, SupportsHMA):
             self._events.describe(request, order, block_ids, scheduler.index.storing_mask)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
-        scheduler = self._scheduler_side()
-        for req_id in scheduler_output.preempted_req_ids or ():
-            scheduler.preempted(req_id)
         manager = self._kv_cache_manager
         steps = [
             (new.req_id, new.num_computed_tokens) for new in scheduler_output.scheduled_new_reqs
         ]
         cached = scheduler_output.scheduled_cached_reqs
         steps += list(zip(cached.req_ids, cached.num_computed_tokens, strict=True))
-        for req_id, computed in steps:
-            request = self._requests.get(req_id)
-            if request is None or manager is None:
-                continue
-            block_ids = self.groups.served_block_ids(manager.get_block_ids(req_id))
-            order = scheduler.plan_store(
+        scheduled = [
+            StepRequest(
                 req_id,
                 request.all_token_ids,
-                computed=computed,
-                scheduled=scheduler_output.num_scheduled_tokens.get(req_id, 0),
-                block_ids=block_ids,
-                num_prompt_tokens=request.num_prompt_tokens,
+                computed,
+                scheduler_output.num_scheduled_tokens.get(req_id, 0),
+                self.groups.served_block_ids(manager.get_block_ids(req_id)),
+                request.num_prompt_tokens,
             )
-            if order is not None and self._events is not None:
-                self._events.describe(request, order, block_ids, scheduler.index.storing_mask)
+            for req_id, computed in steps
+            if (request := self._requests.get(req_id)) is not None and manager is not None
+        ]
+        scheduler = self._scheduler_side()
+        orders = scheduler.plan_step(scheduled, scheduler_output.preempted_req_ids or ())
+        if self._events is not None:
+            blocks = {step.req_id: step.block_ids for step in scheduled}
+            for order in orders:
+                if order.kind is JobKind.STORE and order.req_id in blocks:
+                    self._events.describe(self._requests[order.req_id], order,
+                                          blocks[order.req_id], scheduler.index.storing_mask)  # fmt: skip
         idle = scheduler_output.total_num_scheduled_tokens == 0
-        return KVOffloadMetadata(tuple(scheduler.take_orders()), idle=idle)
+        return KVOffloadMetadata(tuple(orders), idle=idle)
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         meta = connector_output.kv_connector_worker_meta

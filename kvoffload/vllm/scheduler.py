@@ -25,19 +25,20 @@ completed here whenever their reports arrive.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 from kvoffload.config import OffloadConfig
 from kvoffload.keys import KeyExtras
 from kvoffload.manager.offload_manager import OffloadManager
 from kvoffload.manager.results import IndexEvent
+from kvoffload.manager.usage import record_stores, record_use
 from kvoffload.messages import JobKind, JobReport, TransferOrder, merge_reports
 from kvoffload.tiers.base import TierProbe
 from kvoffload.vllm._hits import HitFinder, needed_tokens
-from kvoffload.vllm._request import JobState, RequestState, covered, tier_shares
+from kvoffload.vllm._request import JobState, RequestState, StepRequest, covered, tier_shares
 from kvoffload.vllm._spans import LoadPiece, load_spans, store_spans
 
-__all__ = ["NULL_BLOCK", "OffloadScheduler", "TierProbe"]
+__all__ = ["NULL_BLOCK", "OffloadScheduler", "StepRequest", "TierProbe"]
 
 #: vLLM's placeholder block id for blocks a group does not hold (outside a window).
 NULL_BLOCK = 0
@@ -105,9 +106,10 @@ class OffloadScheduler:
         req = self._request(req_id, extras)
         top = (len(token_ids) - 1) // self.alignment * self.alignment  # one token is computed
         req.local_hit, req.offered = local_hit, 0
+        # Keys even when vLLM's own cache serves everything: plan_load records their use.
+        req.extend_keys(token_ids, top, self.tokens_per_chunk, self.namespace)
         if top <= local_hit:
             return 0
-        req.extend_keys(token_ids, top, self.tokens_per_chunk, self.namespace)
         hit = self.hits.find(req.keys, local_hit, top, self.alignment)
         req.found_in = self.hits.found_in
         if hit.tokens <= local_hit:
@@ -133,6 +135,9 @@ class OffloadScheduler:
         req = self._requests.get(req_id)
         if req is None:
             return None
+        # Every chunk of the prompt was used, vLLM's own prefix-cache hits included:
+        # a prompt its GPU cache keeps serving must not look cold here.
+        record_use(self.index, req.chain(self.tokens_per_chunk))
         if num_external <= 0 or not req.offered:
             # vLLM's own prefix-cache blocks (null ones are skipped later).
             req.mark_valid(0, req.local_hit)
@@ -144,12 +149,6 @@ class OffloadScheduler:
         pieces = self._load_pieces(req, block_ids, local, hit)
         slots, lost, job = self._reserve([k for p in pieces for k in p.keys], req.tenant)
         spans, unloadable = load_spans(pieces, block_ids, slots, lost, self.bpc)
-        # Every chunk of the hit was used, vLLM's own hits included; the tail first
-        # so that the chain head, which every longer hit needs, is the most recent.
-        used = [
-            k for g, span in enumerate(self.tokens_per_chunk) for k in req.keys[g][: hit // span]
-        ]
-        self.index.touch(used[::-1])
         order = TransferOrder(self._new_job_id(), req_id, JobKind.LOAD, spans, unloadable)
         job.order, job.tokens = order, num_external
         tiers = ["cpu"] * len(job.pinned) + [req.found_in.get(k, "lower") for k in job.promoted]
@@ -207,6 +206,27 @@ class OffloadScheduler:
         return slots, lost, JobState(placeholder, pinned=tuple(resident), promoted=promoted)
 
     # -- stores -----------------------------------------------------------------------
+    def plan_step(
+        self, scheduled: Iterable[StepRequest], preempted: Iterable[str] = ()
+    ) -> list[TransferOrder]:
+        """This step's orders (vLLM's ``build_connector_meta``): loads planned since the
+        last step and stores of what ``scheduled`` requests compute now.
+
+        ``preempted`` requests lost their blocks first (see :meth:`preempted`).
+        """
+        for req_id in preempted:
+            self.preempted(req_id)
+        for step in scheduled:
+            self.plan_store(
+                step.req_id,
+                step.token_ids,
+                computed=step.computed,
+                scheduled=step.scheduled,
+                block_ids=step.block_ids,
+                num_prompt_tokens=step.num_prompt_tokens,
+            )
+        return self.take_orders()
+
     def plan_store(
         self,
         req_id: str,
@@ -296,14 +316,13 @@ class OffloadScheduler:
     def _complete(self, job: JobState, report: JobReport) -> None:
         order, index, figures = job.order, self.index, self._figures
         failed = report.failed_keys
+        req = self._requests.get(order.req_id)
         if order.kind is JobKind.LOAD:
             index.complete_load(job.pinned)
             everywhere = {k for k, ranks in report.promoted.items() if ranks >= self.world_size}
-            good = [k for k in job.promoted if k not in failed and k in everywhere]
-            index.complete_store(good, success=True)
-            index.complete_store([k for k in job.promoted if k not in set(good)], success=False)
+            good = {k for k in job.promoted if k not in failed and k in everywhere}
+            self._stored(req, job.promoted, good)
             figures["loads"] += 1
-            req = self._requests.get(order.req_id)
             if report.ok:
                 figures["loaded_tokens"] += job.tokens
                 self._count_tiers("loaded_tokens", job.tiers)
@@ -315,11 +334,16 @@ class OffloadScheduler:
                 figures["failed_load_tokens"] += job.tokens
         else:
             keys = order.keys
-            index.complete_store([k for k in keys if k not in failed], success=True)
-            index.complete_store([k for k in keys if k in failed], success=False)
+            self._stored(req, keys, set(keys) - failed)
             figures["stored_chunks"] += len(keys) - len(failed & set(keys))
             figures["failed_store_chunks"] += len(failed & set(keys))
         self._release(order.req_id, order.job_id)
+
+    def _stored(self, req: RequestState | None, keys: Sequence[bytes], good: set[bytes]) -> None:
+        """Complete stores (or promotions) of ``keys``: ``good`` ones succeeded, in chain order."""
+        chain = list(keys) if req is None else req.chain(self.tokens_per_chunk)
+        done = [k for k in chain if k in good]
+        record_stores(self.index, chain, done, [k for k in keys if k not in good])
 
     def request_finished(self, req_id: str) -> None:
         """Forget the request once its orders are reported; its blocks may be freed now."""
