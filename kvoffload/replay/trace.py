@@ -9,6 +9,10 @@ a kvoffload chunk key means, so one block is one chunk and the key of a block
 is its hash id packed to 8 big-endian bytes (:func:`block_key`); no rehashing
 is needed, and packing happens once at load time so replay measures the index,
 not the key derivation.
+
+The engine replay and the demo need tokens: :meth:`Trace.tokens` expands each
+hash id into its own reproducible 512 token ids (``input_length`` of them in
+all), so requests sharing hash ids share exactly those tokens.
 """
 
 from __future__ import annotations
@@ -20,12 +24,25 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO
 
+import numpy as np
+import numpy.typing as npt
+
 from kvoffload.errors import ConfigError
 
-__all__ = ["Trace", "block_key", "load_trace"]
+__all__ = ["TRACE_BLOCK_TOKENS", "Trace", "block_key", "block_tokens", "load_trace"]
 
 #: Hash ids are non-negative and fit in 64 bits in every public trace.
 _KEY_BYTES = 8
+#: Tokens per hash id, as in the public Mooncake traces.
+TRACE_BLOCK_TOKENS = 512
+#: Token ids are drawn below this (any size works: keys hash token ids).
+_VOCAB = 1024
+
+
+def block_tokens(hash_id: int) -> npt.NDArray[np.int64]:
+    """The 512 token ids a trace block stands for: reproducible from its hash id alone."""
+    generator = np.random.Generator(np.random.PCG64(hash_id))
+    return generator.integers(0, _VOCAB, TRACE_BLOCK_TOKENS, dtype=np.int64)
 
 
 def block_key(hash_id: int) -> bytes:
@@ -41,6 +58,8 @@ class Trace:
     name: str
     #: One tuple of chunk keys per request, in trace order, prefix first.
     requests: tuple[tuple[bytes, ...], ...]
+    #: Prompt tokens per request (``input_length``; all of its blocks when absent).
+    lengths: tuple[int, ...] = ()
 
     @property
     def num_blocks(self) -> int:
@@ -54,7 +73,13 @@ class Trace:
 
     def head(self, n: int) -> Trace:
         """The first ``n`` requests, for quick runs and tests."""
-        return Trace(self.name, self.requests[:n])
+        return Trace(self.name, self.requests[:n], self.lengths[:n])
+
+    def tokens(self, i: int) -> npt.NDArray[np.int64]:
+        """Request ``i``'s prompt as token ids (see the module docstring)."""
+        keys = self.requests[i]
+        length = self.lengths[i] if self.lengths else len(keys) * TRACE_BLOCK_TOKENS
+        return np.concatenate([block_tokens(int.from_bytes(k, "big")) for k in keys])[:length]
 
 
 def _open(path: Path) -> IO[str]:
@@ -63,7 +88,8 @@ def _open(path: Path) -> IO[str]:
     return path.open(encoding="utf-8")
 
 
-def _hash_ids(line: str, where: str) -> Sequence[int]:
+def _record(line: str, where: str) -> tuple[Sequence[int], int]:
+    """``hash_ids`` and the prompt length of one request line."""
     try:
         record = json.loads(line)
     except json.JSONDecodeError as exc:
@@ -76,7 +102,12 @@ def _hash_ids(line: str, where: str) -> Sequence[int]:
             f"{where}: 'hash_ids' must be a list of non-negative 64-bit integers "
             "(Mooncake trace format)"
         )
-    return ids
+    assert isinstance(record, dict)
+    full = len(ids) * TRACE_BLOCK_TOKENS
+    length = record.get("input_length")
+    if isinstance(length, int) and not isinstance(length, bool) and 0 < length <= full:
+        return ids, length
+    return ids, full
 
 
 def _lines(path: Path) -> Iterator[tuple[int, str]]:
@@ -98,14 +129,16 @@ def load_trace(path: str | Path, limit: int | None = None) -> Trace:
         raise ConfigError(f"trace {str(path)!r} does not exist or is not a file")
     keys: dict[int, bytes] = {}
     requests: list[tuple[bytes, ...]] = []
+    lengths: list[int] = []
     for number, line in _lines(path):
         if limit is not None and len(requests) >= limit:
             break
         if not line.strip():
             continue
-        ids = _hash_ids(line, f"{path.name}:{number}")
+        ids, length = _record(line, f"{path.name}:{number}")
         # Interning one bytes object per id keeps memory flat and dict hits fast.
         requests.append(tuple([keys.get(i) or keys.setdefault(i, block_key(i)) for i in ids]))
+        lengths.append(length)
     if not requests:
         raise ConfigError(f"trace {str(path)!r} holds no requests")
-    return Trace(path.name, tuple(requests))
+    return Trace(path.name, tuple(requests), tuple(lengths))

@@ -105,7 +105,7 @@ class OffloadScheduler:
         self._figures["lookups"] += 1
         req = self._request(req_id, extras)
         top = (len(token_ids) - 1) // self.alignment * self.alignment  # one token is computed
-        req.local_hit, req.offered = local_hit, 0
+        req.local_hit, req.offered, req.use_recorded = local_hit, 0, False
         # Keys even when vLLM's own cache serves everything: plan_load records their use.
         req.extend_keys(token_ids, top, self.tokens_per_chunk, self.namespace)
         if top <= local_hit:
@@ -137,7 +137,9 @@ class OffloadScheduler:
             return None
         # Every chunk of the prompt was used, vLLM's own prefix-cache hits included:
         # a prompt its GPU cache keeps serving must not look cold here.
-        record_use(self.index, req.chain(self.tokens_per_chunk))
+        if not req.use_recorded:
+            record_use(self.index, req.chain(self.tokens_per_chunk))
+            req.use_recorded = True
         if num_external <= 0 or not req.offered:
             # vLLM's own prefix-cache blocks (null ones are skipped later).
             req.mark_valid(0, req.local_hit)

@@ -1,0 +1,253 @@
+"""The stand-in's engine loop: vLLM 0.32's schedule, execute and update steps around a connector."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable, Sequence
+
+from kvoffload.config.layout import KVLayout
+from kvoffload.errors import ConfigError
+from kvoffload.keys import prefix_keys_for_layout
+from kvoffload.vllm._hits import needed_tokens
+from kvoffload.vllm.standin._kv import KVPages
+from kvoffload.vllm.standin._prefix_cache import NULL_BLOCK, PrefixCache
+from kvoffload.vllm.standin._types import (
+    ConnectorSide,
+    SimRequest,
+    StandInStats,
+    Status,
+    StepPlan,
+    WorkerResult,
+)
+
+__all__ = ["MAX_IDLE_STEPS", "StandIn"]
+
+#: Steps in a row that schedule nothing before the stand-in gives up (a stuck connector).
+MAX_IDLE_STEPS = 1000
+_GPU_NAMESPACE = b"kvoffload stand-in: GPU prefix cache"
+
+
+class StandIn:
+    """vLLM's engine loop around one connector (see the module docstring).
+
+    ``kv``: the engine's KV tensors as pages; with them every computed block
+    gets its KV written and every loaded block is checked bit-exact.
+    """
+
+    def __init__(
+        self,
+        layout: KVLayout,
+        side: ConnectorSide,
+        *,
+        gpu_blocks: int,
+        step_tokens: int = 8192,
+        max_running: int = 16,
+        kv: KVPages | None = None,
+    ) -> None:
+        self.layout, self.side, self.kv = layout, side, kv
+        self.cache = PrefixCache(layout, gpu_blocks)
+        self.step_tokens, self.max_running = step_tokens, max_running
+        self.waiting: list[SimRequest] = []
+        self.running: list[SimRequest] = []
+        self.stats = StandInStats()
+        self._finished: set[str] = set()
+        self._received: dict[str, bool] = {}
+        self._idle = 0
+
+    # -- feeding requests -----------------------------------------------------------------
+    def add(self, req_id: str, tokens: Sequence[int]) -> SimRequest:
+        """A new request; ``ConfigError`` if it could never fit in the GPU cache."""
+        need = sum(-(-len(tokens) // tpb) for tpb in self.layout.tokens_per_block)
+        if need >= self.cache.num_blocks:
+            raise ConfigError(
+                f"request {req_id!r} ({len(tokens)} tokens) needs up to {need} blocks, more than "
+                f"a GPU cache of {self.cache.num_blocks} holds; give more GPU blocks"
+            )
+        hashes = prefix_keys_for_layout(tokens, self.layout.tokens_per_block, _GPU_NAMESPACE)
+        groups = len(self.layout.groups)
+        req = SimRequest(req_id, tokens, hashes, [[] for _ in range(groups)], told=[0] * groups)
+        self.side.add_request(req)
+        self.waiting.append(req)
+        return req
+
+    def run(
+        self, requests: Iterable[tuple[str, Sequence[int]]], in_flight: int = 4
+    ) -> StandInStats:
+        """Serve ``requests`` in order, at most ``in_flight`` in the engine at once."""
+        start = time.perf_counter()
+        source = iter(requests)
+        more = True
+        while True:
+            while more and len(self.waiting) + len(self.running) < in_flight:
+                item = next(source, None)
+                more = item is not None
+                if item is not None:
+                    self.add(*item)
+            if not (self.waiting or self.running):
+                break
+            self.step()
+        self.step()  # vLLM tells the connector of the last finished requests one step later
+        self.stats.seconds += time.perf_counter() - start
+        return self.stats
+
+    # -- one step -------------------------------------------------------------------------
+    def step(self) -> StepPlan:
+        plan = StepPlan(finished=self._finished)
+        self._finished = set()
+        budget = self._schedule_running(plan, self.step_tokens)
+        self._schedule_waiting(plan, budget)
+        for req, _ in plan.scheduled:
+            plan.new_blocks[req.req_id] = [
+                ids[n:] for ids, n in zip(req.blocks, req.told, strict=True)
+            ]
+            req.told = [len(ids) for ids in req.blocks]
+        meta = self.side.build_connector_meta(plan)
+        result = self.side.run_worker(meta, lambda: self._forward(plan))
+        for req, n in plan.scheduled:
+            req.computed += n
+            if req.computed >= req.num_tokens:
+                self._finish(req)
+        self.side.update_connector_output(result)
+        self._received_loads(result)
+        stats = self.stats
+        stats.steps += 1
+        stats.scheduler_seconds = self.side.clock.seconds
+        stats.gpu_evictions = self.cache.evictions
+        self._idle = 0 if plan.scheduled else self._idle + 1
+        if self._idle > MAX_IDLE_STEPS:
+            raise RuntimeError(f"the stand-in scheduled nothing for {MAX_IDLE_STEPS} steps")
+        return plan
+
+    def _schedule_running(self, plan: StepPlan, budget: int) -> int:
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            n = min(req.num_tokens - req.computed, budget)
+            self.cache.remove_skipped(req.blocks, req.computed)
+            while not self.cache.allocate(req.blocks, None, req.computed, req.computed + n):
+                victim = self.running[-1]
+                self._preempt(victim, plan)
+                if victim is req:
+                    return budget
+            self.cache.cache(req.blocks, req.hashes, req.computed + n)
+            plan.scheduled.append((req, n))
+            budget -= n
+            i += 1
+        return budget
+
+    def _preempt(self, req: SimRequest, plan: StepPlan) -> None:
+        """vLLM's preemption: the request loses its blocks and starts over later."""
+        self.running.remove(req)
+        self.cache.free(req.blocks)
+        req.computed, req.status, req.told = 0, Status.WAITING, [0] * len(req.blocks)
+        self.waiting.insert(0, req)
+        plan.preempted.add(req.req_id)
+        self.stats.preemptions += 1
+
+    def _schedule_waiting(self, plan: StepPlan, budget: int) -> None:
+        i = 0
+        while i < len(self.waiting) and budget > 0 and len(self.running) < self.max_running:
+            req = self.waiting[i]
+            if req.status is Status.LOADING:
+                if req.req_id not in self._received:
+                    i += 1
+                    continue
+                self._resume(req, self._received.pop(req.req_id))
+            hit, local, external = None, 0, 0
+            if req.computed == 0:
+                local, hit = self.cache.longest_hit(req.hashes, req.num_tokens)
+                offered = self.side.get_num_new_matched_tokens(req, local)
+                if offered is None:
+                    self.stats.deferred_lookups += 1
+                    i += 1
+                    continue
+                external, req.computed = offered, local + offered
+            n = 0 if external else min(req.num_tokens - req.computed, budget)
+            if not self.cache.allocate(req.blocks, hit, req.computed, req.computed + n):
+                req.computed -= local + external
+                break
+            self.side.update_state_after_alloc(req, external)
+            if hit is not None:
+                req.local_hit, req.external = local, external
+                self.stats.gpu_hit_tokens += local
+                self.stats.external_tokens += external
+            if external:
+                req.status = Status.LOADING
+                i += 1
+                continue
+            self.cache.cache(req.blocks, req.hashes, req.computed + n)
+            self.waiting.pop(i)
+            self.running.append(req)
+            req.status = Status.RUNNING
+            plan.scheduled.append((req, n))
+            plan.first.add(req.req_id)
+            budget -= n
+
+    # -- after the forward pass -----------------------------------------------------------
+    def _finish(self, req: SimRequest) -> None:
+        self.cache.remove_skipped(req.blocks, req.computed)
+        self.side.request_finished(req)
+        self.cache.free(req.blocks)
+        self.running.remove(req)
+        req.status = Status.FINISHED
+        self._finished.add(req.req_id)
+        self.stats.requests += 1
+        self.stats.prompt_tokens += req.num_tokens
+
+    def _received_loads(self, result: WorkerResult) -> None:
+        """Loads that finished this step; the request resumes when next scheduled."""
+        for req in self.waiting:
+            if req.status is Status.LOADING and req.req_id in result.finished_recving:
+                if req.req_id in result.failed_recving:
+                    self._received[req.req_id] = False
+                    continue
+                bad = [i for i, b in enumerate(req.blocks[0]) if b in result.failed_blocks]
+                if bad and len(self.layout.groups) == 1:
+                    computed = bad[0] * self.layout.groups[0].tokens_per_block
+                    self.stats.failed_load_tokens += req.computed - computed
+                    req.computed = computed
+                self._received[req.req_id] = True
+
+    def _resume(self, req: SimRequest, ok: bool) -> None:
+        """vLLM's ``_update_waiting_for_remote_kv``: cache what is valid, or start over."""
+        if not ok:  # a failed hybrid load: recompute from vLLM's own hit
+            self.stats.failed_load_tokens += req.computed - req.local_hit
+            req.computed = req.local_hit
+        loaded = max(0, req.computed - req.local_hit)
+        self.stats.loaded_tokens += loaded
+        if loaded and self.kv is not None:
+            self._verify(req, req.local_hit, req.computed)
+        if req.computed:
+            self.cache.cache(req.blocks, req.hashes, req.computed)
+        else:
+            self.cache.free(req.blocks)
+            req.told = [0] * len(req.blocks)
+        req.status = Status.WAITING
+
+    # -- the forward pass -----------------------------------------------------------------
+    def _forward(self, plan: StepPlan) -> None:
+        """Write the KV of every full block the step computes (with ``kv`` pages)."""
+        kv = self.kv
+        if kv is None:
+            return
+        for req, n in plan.scheduled:
+            for g, tpb in enumerate(self.layout.tokens_per_block):
+                stop = min(req.computed + n, req.num_tokens) // tpb
+                for b in range(req.computed // tpb, stop):
+                    if req.blocks[g][b] != NULL_BLOCK:
+                        kv.write(g, req.blocks[g][b], req.hashes[g][b])
+
+    def _verify(self, req: SimRequest, start: int, stop: int) -> None:
+        """Check every full block a load of tokens ``[start, stop)`` filled, bit-exact."""
+        assert self.kv is not None
+        for g, group in enumerate(self.layout.groups):
+            tpb = group.tokens_per_block
+            first, _ = needed_tokens(group, start, stop)
+            for b in range(first // tpb, stop // tpb):
+                block = req.blocks[g][b]
+                if block == NULL_BLOCK:
+                    continue
+                if self.kv.holds(g, block, req.hashes[g][b]):
+                    self.stats.verified_blocks += 1
+                else:
+                    self.stats.mismatched_blocks += 1

@@ -1,0 +1,113 @@
+"""kvoffload's connector as the stand-in drives it: the real scheduler and worker sides.
+
+What :mod:`kvoffload.vllm.connector` does with vLLM's objects, this side does
+with the stand-in's: the same :class:`~kvoffload.vllm.scheduler.OffloadScheduler`
+calls on the scheduler side, the same :class:`~kvoffload.vllm.worker.OffloadWorker`
+calls around the forward pass on the worker side, over a real
+:class:`~kvoffload.engine.OffloadEngine` moving real bytes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from typing import NamedTuple
+
+import torch
+
+from kvoffload.config import OffloadConfig
+from kvoffload.engine import JobKind, OffloadEngine
+from kvoffload.messages import JobReport, TransferOrder
+from kvoffload.tiers.base import TierProbe
+from kvoffload.vllm.scheduler import OffloadScheduler, StepRequest
+from kvoffload.vllm.standin._types import SimRequest, StepPlan, Stopwatch, WorkerResult
+from kvoffload.vllm.worker import OffloadWorker
+
+__all__ = ["KVOffloadSide"]
+
+#: Longest wait for the engine's jobs at the end of a settled step, in seconds.
+SETTLE_TIMEOUT_S = 60.0
+
+
+class _Meta(NamedTuple):
+    """Scheduler -> worker, once per step (the connector's ``KVOffloadMetadata``)."""
+
+    orders: tuple[TransferOrder, ...]
+    idle: bool
+
+
+class KVOffloadSide:
+    """One scheduler side and one worker rank over ``kv_caches``.
+
+    ``settle``: every step waits for its jobs, so each one reports in the step
+    that ran it and a run is repeatable (the replay and the tests); without
+    it, jobs report whenever they finish, as in a live engine.
+    """
+
+    def __init__(
+        self,
+        config: OffloadConfig,
+        namespace: bytes,
+        kv_caches: Mapping[str, torch.Tensor],
+        probes: Sequence[TierProbe] = (),
+        *,
+        settle: bool = True,
+    ) -> None:
+        self.scheduler = OffloadScheduler(config, namespace, probes)
+        engine = OffloadEngine.from_config(config, kv_caches, namespace)
+        self.worker = OffloadWorker(engine, report_blocks=len(config.layout.groups) == 1)
+        self.settle = settle
+        self.clock = Stopwatch()
+
+    # -- scheduler side ---------------------------------------------------------------
+    def add_request(self, req: SimRequest) -> None:
+        return None  # the scheduler side learns of a request at its first lookup
+
+    def get_num_new_matched_tokens(self, req: SimRequest, num_computed: int) -> int | None:
+        with self.clock:
+            return self.scheduler.lookup(req.req_id, req.tokens, num_computed)
+
+    def update_state_after_alloc(self, req: SimRequest, num_external: int) -> None:
+        with self.clock:
+            self.scheduler.plan_load(req.req_id, req.blocks, num_external)
+
+    def build_connector_meta(self, plan: StepPlan) -> object:
+        scheduled = [
+            StepRequest(req.req_id, req.tokens, req.computed, n, req.blocks, req.num_tokens)
+            for req, n in plan.scheduled
+        ]
+        with self.clock:
+            orders = self.scheduler.plan_step(scheduled, plan.preempted)
+        return _Meta(tuple(orders), idle=plan.num_tokens == 0)
+
+    def update_connector_output(self, result: WorkerResult) -> None:
+        reports = result.payload
+        assert isinstance(reports, list)
+        with self.clock:
+            for report in reports:
+                self.scheduler.on_report(report)
+
+    def request_finished(self, req: SimRequest) -> None:
+        with self.clock:
+            self.scheduler.request_finished(req.req_id)
+
+    # -- worker side ------------------------------------------------------------------
+    def run_worker(self, meta: object, forward: Callable[[], None]) -> WorkerResult:
+        """``bind_connector_metadata`` .. ``get_finished`` around the forward pass."""
+        assert isinstance(meta, _Meta)
+        orders, worker = meta.orders, self.worker
+        worker.before_forward()
+        worker.submit(orders, JobKind.LOAD)
+        forward()
+        worker.submit(orders, JobKind.STORE)
+        if self.settle:
+            worker.engine.wait(timeout=SETTLE_TIMEOUT_S)
+        worker.drain_lower_evictions()
+        polled = worker.poll(idle=meta.idle)
+        reports: list[JobReport] = worker.take_reports()
+        return WorkerResult(
+            polled.finished_recving, polled.failed_recving, worker.take_failed_blocks(), reports
+        )
+
+    def close(self) -> None:
+        self.worker.close()
+        self.scheduler.close()
