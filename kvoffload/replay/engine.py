@@ -1,0 +1,173 @@
+"""The engine replay: a trace through the connector's scheduler and worker, the stand-in as vLLM.
+
+Each request of the trace becomes token ids (:meth:`Trace.tokens`), enters a
+:class:`~kvoffload.vllm.standin.StandIn` engine with a GPU prefix cache of
+``gpu_blocks`` blocks, and is served by the connector's real
+:class:`~kvoffload.vllm.scheduler.OffloadScheduler` and
+:class:`~kvoffload.vllm.worker.OffloadWorker` over a real CPU tier: every
+hit rule, every store, every load the product makes, with real bytes. The
+pages are tiny (one layer, one byte per token for K and for V), so bytes are
+cheap and the figures measure decisions, not copies.
+
+The hit ratio is the connector's: prompt tokens loaded from the offload
+tiers over all prompt tokens. What the GPU cache served is reported beside
+it; a token counts once, for whoever served it.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Iterator, Sequence
+from dataclasses import asdict, dataclass, replace
+
+import torch
+
+from kvoffload.config import build_offloading_config
+from kvoffload.config.layout import CacheGroup, KVLayout
+from kvoffload.keys import namespace_of
+from kvoffload.replay.trace import TRACE_BLOCK_TOKENS, Trace
+from kvoffload.transfer import allocate_kv_caches
+from kvoffload.vllm.standin import KVOffloadSide, StandIn, StandInStats
+
+__all__ = [
+    "EngineRow",
+    "EngineSettings",
+    "engine_requests",
+    "format_engine_table",
+    "replay_engine",
+    "tiny_pages",
+    "trace_layout",
+]
+
+
+@dataclass(frozen=True, slots=True)
+class EngineSettings:
+    """The simulated engine around the connector."""
+
+    #: Blocks of the GPU prefix cache (every group draws from them).
+    gpu_blocks: int = 1000
+    #: Tokens one step may compute (vLLM's ``max_num_batched_tokens``).
+    step_tokens: int = 8192
+    #: Requests in the engine at once (waiting, loading or running).
+    in_flight: int = 4
+
+
+def trace_layout(tokens_per_block: int = TRACE_BLOCK_TOKENS) -> KVLayout:
+    """One full-attention group whose block is a trace block: one GPU block, one chunk."""
+    return tiny_pages(KVLayout((CacheGroup("full", tokens_per_block, ("layer",), 1),)))
+
+
+def tiny_pages(layout: KVLayout) -> KVLayout:
+    """``layout`` with one layer per group and pages of one byte per token for K and for V.
+
+    Group kinds, block sizes and windows, which decide every hit, stay; the
+    bytes a replay moves shrink to almost nothing.
+    """
+    return KVLayout(
+        tuple(
+            replace(g, layer_names=g.layer_names[:1], page_bytes=2 * g.tokens_per_block)
+            for g in layout.groups
+        )
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class EngineRow:
+    """One replay of one trace through one connector at one CPU capacity."""
+
+    trace: str
+    connector: str
+    policy: str
+    capacity: int
+    gpu_blocks: int
+    requests: int
+    steps: int
+    prompt_tokens: int
+    gpu_hit_tokens: int
+    loaded_tokens: int
+    failed_load_tokens: int
+    scheduler_seconds: float
+    seconds: float
+
+    @classmethod
+    def of(cls, trace: Trace, connector: str, policy: str, settings: tuple[int, int],
+           stats: StandInStats) -> EngineRow:  # fmt: skip
+        """A row from a run's stats; ``settings`` are ``(capacity, gpu_blocks)``."""
+        capacity, gpu_blocks = settings
+        return cls(trace.name, connector, policy, capacity, gpu_blocks, stats.requests,
+                   stats.steps, stats.prompt_tokens, stats.gpu_hit_tokens, stats.loaded_tokens,
+                   stats.failed_load_tokens, stats.scheduler_seconds, stats.seconds)  # fmt: skip
+
+    @property
+    def hit_ratio(self) -> float:
+        """Prompt tokens loaded from the offload tiers, over all prompt tokens."""
+        return self.loaded_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
+
+    @property
+    def gpu_hit_ratio(self) -> float:
+        """Prompt tokens the GPU prefix cache served, over all prompt tokens."""
+        return self.gpu_hit_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
+
+    @property
+    def scheduler_ms_per_step(self) -> float:
+        """Milliseconds of the connector's scheduler-side calls per engine step."""
+        return 1000 * self.scheduler_seconds / self.steps if self.steps else 0.0
+
+    def as_dict(self) -> dict[str, object]:
+        return {**asdict(self), "hit_ratio": self.hit_ratio, "gpu_hit_ratio": self.gpu_hit_ratio,
+                "scheduler_ms_per_step": self.scheduler_ms_per_step}  # fmt: skip
+
+
+def engine_requests(trace: Trace, *, progress: bool = False, desc: str = "") -> Iterator[
+    tuple[str, Sequence[int]]
+]:  # fmt: skip
+    """``(request id, token ids)`` for every request of ``trace``, built as the engine asks.
+
+    Token ids are a list, as vLLM hands them to a connector (``all_token_ids``).
+    """
+    indices: Sequence[int] | Iterator[int] = range(len(trace.requests))
+    if progress:
+        from tqdm import tqdm
+
+        indices = iter(tqdm(indices, desc=desc, unit="req", file=sys.stderr, leave=False))
+    for i in indices:
+        yield str(i), trace.tokens(i).tolist()
+
+
+def replay_engine(
+    trace: Trace,
+    capacity: int,
+    policy: str,
+    *,
+    layout: KVLayout | None = None,
+    settings: EngineSettings = EngineSettings(),
+    progress: bool = False,
+) -> EngineRow:
+    """Replay ``trace`` through kvoffload's connector with ``capacity`` CPU chunks."""
+    layout = trace_layout() if layout is None else layout
+    slot = max(g.chunk_bytes(1) for g in layout.groups)
+    config = build_offloading_config(
+        {"cpu_bytes_to_use": capacity * slot, "blocks_per_chunk": 1, "eviction_policy": policy},
+        layout,
+    )
+    kv = allocate_kv_caches(layout, settings.gpu_blocks, torch.uint8)
+    side = KVOffloadSide(config, namespace_of("kvoffload-replay", "uint8", layout), kv)
+    engine = StandIn(layout, side, gpu_blocks=settings.gpu_blocks, step_tokens=settings.step_tokens)
+    try:
+        requests = engine_requests(trace, progress=progress, desc=f"{policy}@{capacity}")
+        stats = engine.run(requests, in_flight=settings.in_flight)
+    finally:
+        side.close()
+    return EngineRow.of(trace, "kvoffload", policy, (capacity, settings.gpu_blocks), stats)
+
+
+def format_engine_table(rows: Sequence[EngineRow]) -> str:
+    """A fixed-width table: connector hit ratio, GPU hit ratio, scheduler ms per step."""
+    header = ("connector", "policy", "capacity", "gpu", "hit ratio", "gpu hits", "sched ms/step")
+    lines = ["{:<10} {:<9} {:>8} {:>6} {:>9} {:>8} {:>13}".format(*header)]
+    for r in rows:
+        lines.append(
+            f"{r.connector:<10} {r.policy:<9} {r.capacity:>8} {r.gpu_blocks:>6} "
+            f"{r.hit_ratio:>9.4f} {r.gpu_hit_ratio:>8.4f} {r.scheduler_ms_per_step:>13.3f}"
+        )
+    return "\n".join(lines)
