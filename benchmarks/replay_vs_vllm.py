@@ -1,21 +1,26 @@
-"""kvoffload's offload index against vLLM's ``CPUOffloadingManager`` on one trace, one process.
+"""kvoffload's connector against vLLM's own ``OffloadingConnector``, one engine, one process.
 
-Both managers are driven by the same per-request loop (lookup, load of the
-hit prefix, touch, store of the rest), vLLM's with its per-key ``lookup`` and
-its ``on_new_request`` / ``on_request_finished`` hooks around each request,
-so hit ratios must agree for LRU and keys per second compare like for like.
-Trace keys are packed once, before any timing, for both sides.
+Both connectors serve the same trace in the same stand-in engine
+(:mod:`kvoffload.vllm.standin`: vLLM 0.32's step order, a GPU prefix cache of
+``--gpu-blocks`` blocks with vLLM's eviction order), one after the other in
+this process: kvoffload through its real ``OffloadScheduler`` and
+``OffloadWorker`` (a CPU tier moving real, tiny pages), vLLM through its real
+``OffloadingConnector`` scheduler side with ``CPUOffloadingSpec`` (its worker
+refuses the CPU platform, so its transfers complete at once). Per capacity
+and policy pair it reports the connector's hit ratio (prompt tokens loaded
+from the CPU tier over all prompt tokens) and the milliseconds per engine
+step spent in the connector's scheduler-side calls, side by side.
 
-Run it in the vLLM virtual environment (kvoffload installed with
-``pip install -e . --no-deps``)::
+Run it in the vLLM environment (``make vllm-setup``)::
 
-    .venv-vllm/bin/python benchmarks/replay_vs_vllm.py \
-        /work/shared/traces/mooncake_conversation_trace.jsonl --capacities 4000,16000,64000
+    .venv-vllm/bin/python benchmarks/replay_vs_vllm.py \\
+        ../shared/traces/mooncake_conversation_trace.jsonl --capacities 4000,16000,64000
 
-Each figure is the best of ``--repeat`` runs, kvoffload and vLLM alternating
-(the machine may be shared; the fastest run is the least disturbed one).
-vLLM's figure is re-measured against each kvoffload policy, so every ratio
-comes from runs made side by side. Without vLLM it reports kvoffload alone.
+Each timing is the best of ``--repeat`` runs, the two connectors alternating
+(the machine may be shared; the fastest run is the least disturbed one); hit
+ratios must not vary between runs. ``--index-only`` compares the offload
+indexes alone instead (kvoffload's ``OffloadManager`` against vLLM's
+``CPUOffloadingManager``, the policy study of ``kvoffload replay --index-only``).
 """
 
 from __future__ import annotations
@@ -26,164 +31,148 @@ import json
 import sys
 import time
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
-from kvoffload.manager import OffloadManager
-from kvoffload.registry import POLICIES
-from kvoffload.replay import belady_hits, drive, load_trace
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from kvoffload.cli.replay import parse_capacities
+from kvoffload.replay import load_trace
+from kvoffload.replay.engine import (
+    EngineRow,
+    EngineSettings,
+    replay_engine,
+    run_side,
+    trace_layout,
+)
 from kvoffload.replay.trace import Trace
 
 DEFAULT_TRACE = "/work/shared/traces/mooncake_conversation_trace.jsonl"
-#: (kvoffload policy, vLLM policy it is compared with); None: no vLLM counterpart.
-PAIRS = (("lru", "lru"), ("arc", "arc"), (POLICIES.default, "lru"))
+#: kvoffload policy:vLLM policy pairs compared by default.
+DEFAULT_PAIRS = "adaptive:lru,lru:lru"
 
 
-def vllm_driver(requests: Sequence[Sequence[bytes]]) -> Callable[[int, str], int] | None:
-    """A function replaying ``requests`` through a fresh vLLM manager, or None without vLLM."""
-    try:
-        from vllm.v1.kv_offload.base import LookupResult, ReqContext, make_offload_key
-        from vllm.v1.kv_offload.cpu.manager import CPUOffloadingManager
-    except ImportError as exc:
-        print(f"vLLM not importable ({exc}); reporting kvoffload only", file=sys.stderr)
-        return None
-    hit = LookupResult.HIT
-    # vLLM keys carry a 4-byte group index; build them once, outside the timing.
-    keyed = [tuple(make_offload_key(k, 0) for k in keys) for keys in requests]
-
-    def run(capacity: int, policy: str) -> int:
-        manager: Any = CPUOffloadingManager(num_chunks=capacity, cache_policy=policy)
-        lookup, touch = manager.lookup, manager.touch
-        hits = 0
-        for i, keys in enumerate(keyed):
-            ctx = ReqContext(req_id=str(i))
-            manager.on_new_request(ctx)
-            n = 0
-            for key in keys:
-                if lookup(key, ctx) is not hit:
-                    break
-                n += 1
-            if n:
-                manager.prepare_load(keys[:n], ctx)
-                manager.complete_load(keys[:n], ctx)
-                hits += n
-            touch(keys, ctx)
-            out = manager.prepare_store(keys[n:], ctx)
-            if out is not None and out.keys_to_store:
-                manager.complete_store(out.keys_to_store, ctx, success=True)
-            manager.on_request_finished(ctx)
-        return hits
-
-    return run
+def kvoffload_row(trace: Trace, capacity: int, policy: str, settings: EngineSettings) -> EngineRow:
+    """One replay through kvoffload's connector."""
+    return replay_engine(trace, capacity, policy, settings=settings)
 
 
-def timed(fn: Callable[[], int]) -> tuple[int, float]:
-    """(result, wall time) of one run, garbage collected before and paused during it.
+def vllm_row(trace: Trace, capacity: int, policy: str, settings: EngineSettings) -> EngineRow:
+    """One replay through vLLM's connector in the same stand-in engine."""
+    from _vllm_side import VLLMSide
 
-    Both managers allocate per request; a collection landing in one run and
-    not the other is noise, not a difference between them.
-    """
+    layout = trace_layout()
+    side = VLLMSide(layout, capacity, policy, settings.gpu_blocks)
+    stats = run_side(trace, side, layout, settings)
+    return EngineRow.of(trace, "vllm", policy, (capacity, settings.gpu_blocks), stats)
+
+
+def best(runs: Sequence[EngineRow]) -> EngineRow:
+    """The run with the least scheduler time; every run must have hit alike."""
+    hits = {(r.gpu_hit_tokens, r.loaded_tokens) for r in runs}
+    if len(hits) != 1:
+        raise RuntimeError(f"{runs[0].connector} replay is not deterministic: {sorted(hits)}")
+    return min(runs, key=lambda r: r.scheduler_seconds)
+
+
+def timed(
+    run: Callable[[Trace, int, str, EngineSettings], EngineRow],
+    trace: Trace,
+    capacity: int,
+    policy: str,
+    settings: EngineSettings,
+) -> EngineRow:
+    """One run with garbage collected before it (a collection is noise, not a difference)."""
     gc.collect()
-    gc.disable()
-    try:
-        start = time.perf_counter()
-        result = fn()
-        return result, time.perf_counter() - start
-    finally:
-        gc.enable()
+    return run(trace, capacity, policy, settings)
 
 
-def duel(
-    repeat: int, ours: Callable[[], int], theirs: Callable[[], int] | None
-) -> tuple[tuple[int, float], tuple[int, float] | None]:
-    """Best time of ``repeat`` alternating runs of each side (the machine is shared,
-    so alternating exposes both to the same load); results must not vary."""
-    runs: list[list[tuple[int, float]]] = [[], []]
-    for _ in range(repeat):
-        runs[0].append(timed(ours))
-        if theirs is not None:
-            runs[1].append(timed(theirs))
-    best: list[tuple[int, float] | None] = []
-    for side in runs:
-        if not side:
-            best.append(None)
-            continue
-        results = {hits for hits, _ in side}
-        if len(results) != 1:
-            raise RuntimeError(f"replay is not deterministic: {sorted(results)}")
-        best.append((results.pop(), min(secs for _, secs in side)))
-    assert best[0] is not None
-    return best[0], best[1]
-
-
-def measure(trace: Trace, capacities: Sequence[int], repeat: int) -> list[dict[str, Any]]:
-    """One row per (capacity, kvoffload policy) with the vLLM counterpart and the bound."""
-    blocks, requests = trace.num_blocks, trace.requests
-    vllm = vllm_driver(requests)
+def compare(
+    trace: Trace,
+    capacities: Sequence[int],
+    pairs: Sequence[tuple[str, str]],
+    settings: EngineSettings,
+    repeat: int,
+) -> list[dict[str, Any]]:
     rows = []
     for capacity in capacities:
-        bound = belady_hits(requests, capacity) / blocks
-        for ours, theirs in PAIRS:
-            (hits, secs), other = duel(
-                repeat,
-                lambda c=capacity, p=ours: drive(
-                    OffloadManager(c, p, record_events=False), requests
-                ),
-                None if vllm is None else (lambda c=capacity, p=theirs: vllm(c, p)),
-            )
-            row: dict[str, Any] = {
-                "capacity": capacity,
-                "policy": ours,
-                "hit_ratio": hits / blocks,
-                "keys_per_s": blocks / secs,
-                "bound": bound,
-            }
-            if other is not None:
-                v_hits, v_secs = other
-                row.update(
-                    vllm_policy=theirs,
-                    vllm_hit_ratio=v_hits / blocks,
-                    vllm_keys_per_s=blocks / v_secs,
-                    hit_ratio_x=hits / v_hits if v_hits else float("inf"),
-                    speed_x=v_secs / secs,
-                )
-            rows.append(row)
+        for ours, theirs in pairs:
+            mine: list[EngineRow] = []
+            other: list[EngineRow] = []
+            for _ in range(repeat):
+                mine.append(timed(kvoffload_row, trace, capacity, ours, settings))
+                other.append(timed(vllm_row, trace, capacity, theirs, settings))
+            a, b = best(mine), best(other)
+            rows.append({
+                "capacity": capacity, "gpu_blocks": settings.gpu_blocks, "steps": a.steps,
+                "policy": ours, "hit_ratio": a.hit_ratio, "gpu_hit_ratio": a.gpu_hit_ratio,
+                "ms_per_step": a.scheduler_ms_per_step, "vllm_policy": theirs,
+                "vllm_hit_ratio": b.hit_ratio, "vllm_gpu_hit_ratio": b.gpu_hit_ratio,
+                "vllm_steps": b.steps, "vllm_ms_per_step": b.scheduler_ms_per_step,
+                "hit_x": a.hit_ratio / b.hit_ratio if b.hit_ratio else float("inf"),
+                "speed_x": b.scheduler_seconds / a.scheduler_seconds,
+            })  # fmt: skip
+            print(f"done: capacity {capacity}, {ours} vs {theirs}", file=sys.stderr, flush=True)
     return rows
 
 
-def print_table(rows: Sequence[dict[str, Any]]) -> None:
-    print(
-        f"{'capacity':>8} {'policy':<9} {'hit':>7} {'keys/s':>10} | {'vLLM':<4} {'hit':>7} "
-        f"{'keys/s':>9} | {'hit x':>6} {'speed x':>7} | {'Belady':>6}"
-    )
+def markdown(rows: Sequence[dict[str, Any]]) -> str:
+    lines = [
+        "| CPU chunks | kvoffload policy | hit ratio | sched ms/step | vLLM policy | hit ratio "
+        "| sched ms/step | hit x | speed x | GPU hit ratio |",
+        "|---:|---|---:|---:|---|---:|---:|---:|---:|---:|",
+    ]
     for r in rows:
-        theirs = (
-            f"{r['vllm_policy']:<4} {r['vllm_hit_ratio']:>7.4f} {r['vllm_keys_per_s']:>9,.0f} | "
-            f"{r['hit_ratio_x']:>6.2f} {r['speed_x']:>7.2f}"
-            if "vllm_policy" in r
-            else f"{'-':<4} {'-':>7} {'-':>9} | {'-':>6} {'-':>7}"
+        lines.append(
+            f"| {r['capacity']} | {r['policy']} | {r['hit_ratio']:.4f} | {r['ms_per_step']:.3f} "
+            f"| {r['vllm_policy']} | {r['vllm_hit_ratio']:.4f} | {r['vllm_ms_per_step']:.3f} "
+            f"| {r['hit_x']:.2f} | {r['speed_x']:.2f} | {r['gpu_hit_ratio']:.4f} |"
         )
-        print(
-            f"{r['capacity']:>8} {r['policy']:<9} {r['hit_ratio']:>7.4f} "
-            f"{r['keys_per_s']:>10,.0f} | {theirs} | {r['bound']:>6.4f}"
-        )
+    return "\n".join(lines)
+
+
+def index_only(trace: Trace, capacities: Sequence[int], repeat: int, as_json: bool) -> None:
+    from _index_duel import measure, print_table
+
+    rows = measure(trace, capacities, repeat)
+    if as_json:
+        print(json.dumps(rows, indent=1))
+    else:
+        print(f"{trace.name}: {len(trace.requests):,} requests, {trace.num_blocks:,} blocks")
+        print_table(rows)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("trace", nargs="?", default=DEFAULT_TRACE)
-    parser.add_argument("--capacities", default="4000,16000,64000")
+    parser.add_argument("--capacities", default="4000,16000,64000", help="CPU chunks")
+    parser.add_argument("--gpu-blocks", type=int, default=EngineSettings().gpu_blocks)
+    parser.add_argument("--step-tokens", type=int, default=EngineSettings().step_tokens)
+    parser.add_argument("--pairs", default=DEFAULT_PAIRS, help="kvoffload:vllm policy pairs")
     parser.add_argument("--limit", type=int, help="replay only the first N requests")
     parser.add_argument("--repeat", type=int, default=1, help="runs per figure, best kept")
     parser.add_argument("--json", action="store_true", help="print rows as JSON")
+    parser.add_argument("--index-only", action="store_true", help="compare the indexes only")
     args = parser.parse_args(argv)
     trace = load_trace(args.trace, limit=args.limit)
-    capacities = [int(c) for c in args.capacities.split(",")]
-    rows = measure(trace, capacities, max(1, args.repeat))
+    capacities = parse_capacities(args.capacities)
+    repeat = max(1, args.repeat)
+    if args.index_only:
+        index_only(trace, capacities, repeat, args.json)
+        return 0
+    settings = EngineSettings(gpu_blocks=args.gpu_blocks, step_tokens=args.step_tokens)
+    pairs = [tuple(p.split(":", 1)) for p in args.pairs.split(",")]
+    start = time.perf_counter()
+    rows = compare(trace, capacities, pairs, settings, repeat)  # type: ignore[arg-type]
     if args.json:
         print(json.dumps(rows, indent=1))
-    else:
-        print(f"{trace.name}: {len(trace.requests):,} requests, {trace.num_blocks:,} blocks")
-        print_table(rows)
+        return 0
+    print(
+        f"{trace.name}: {len(trace.requests):,} requests, GPU cache {settings.gpu_blocks} blocks "
+        f"of {trace_layout().groups[0].tokens_per_block} tokens, {settings.step_tokens} tokens "
+        f"per step, best of {repeat}, {time.perf_counter() - start:.0f} s"
+    )
+    print(markdown(rows))
     return 0
 
 

@@ -31,6 +31,7 @@ machines: the disk and remote tiers are shared by restarts and by engines.
 
 from __future__ import annotations
 
+import array
 import hashlib
 import struct
 from collections.abc import Sequence
@@ -94,19 +95,29 @@ def short_key(key: bytes) -> str:
 
 def _token_array(token_ids: object) -> npt.NDArray[np.int64]:
     """``token_ids`` as little-endian int64, refusing anything that would be truncated."""
+    if isinstance(token_ids, list) and not (token_ids and type(token_ids[0]) is bool):
+        # vLLM hands a connector lists of ints: ``array`` converts them several times
+        # faster than numpy's type inference, and raises on floats and overflows,
+        # which the numpy path below then reports.
+        try:
+            packed = array.array("q", token_ids)
+        except (TypeError, OverflowError):
+            pass
+        else:
+            return np.frombuffer(packed, dtype=np.int64).astype(_INT64, copy=False)
     try:
-        array = np.asarray(token_ids)
+        values = np.asarray(token_ids)
     except (OverflowError, ValueError, TypeError) as exc:
         raise ConfigError(f"token_ids must be a 1-D sequence of int64: {exc}") from exc
-    if array.ndim != 1:
-        raise ConfigError(f"token_ids must be 1-D, got shape {array.shape}")
-    if array.size == 0:
+    if values.ndim != 1:
+        raise ConfigError(f"token_ids must be 1-D, got shape {values.shape}")
+    if values.size == 0:
         return np.empty(0, dtype=_INT64)
-    if array.dtype.kind not in "iu":
-        raise ConfigError(f"token_ids must be integers that fit in int64, got dtype {array.dtype}")
-    if array.dtype.kind == "u" and array.dtype.itemsize >= 8 and int(array.max()) >= 2**63:
-        raise ConfigError(f"token id {int(array.max())} does not fit in int64")
-    return array.astype(_INT64, copy=False)
+    if values.dtype.kind not in "iu":
+        raise ConfigError(f"token_ids must be integers that fit in int64, got dtype {values.dtype}")
+    if values.dtype.kind == "u" and values.dtype.itemsize >= 8 and int(values.max()) >= 2**63:
+        raise ConfigError(f"token id {int(values.max())} does not fit in int64")
+    return values.astype(_INT64, copy=False)
 
 
 def _chain_seed(
@@ -191,15 +202,16 @@ def extend_prefix_keys(
     """
     tokens_per_chunk = checked_int("tokens_per_chunk", tokens_per_chunk)
     seed = _chain_seed(group_idx, tokens_per_chunk, namespace, extras)
-    tokens = _token_array(token_ids)
     done = len(keys)
-    if done * tokens_per_chunk > len(tokens):
+    if done * tokens_per_chunk > len(token_ids):
         raise ConfigError(
             f"{done} keys of {tokens_per_chunk} tokens need at least "
-            f"{done * tokens_per_chunk} token ids, got {len(tokens)}"
+            f"{done * tokens_per_chunk} token ids, got {len(token_ids)}"
         )
     previous = keys[-1] if done else seed
-    return _chain(previous, tokens[done * tokens_per_chunk :], tokens_per_chunk, done, extras)
+    # Only the new tokens are converted: a growing request pays for its growth.
+    tail = _token_array(token_ids[done * tokens_per_chunk :])
+    return _chain(previous, tail, tokens_per_chunk, done, extras)
 
 
 def prefix_keys_for_layout(

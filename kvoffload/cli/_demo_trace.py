@@ -18,10 +18,9 @@ import random
 import sys
 from typing import Any
 
-__all__ = ["TRACE_BLOCK_TOKENS", "generate_demo_trace"]
+from kvoffload.replay.trace import TRACE_BLOCK_TOKENS
 
-#: Tokens per hash id, as in the public Mooncake traces.
-TRACE_BLOCK_TOKENS = 512
+__all__ = ["generate_demo_trace"]
 
 
 def generate_demo_trace(

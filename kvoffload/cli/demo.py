@@ -1,40 +1,38 @@
-"""``kvoffload demo``: replay a request trace through every layer, moving and checking real bytes.
+"""``kvoffload demo``: the connector's real path on a hybrid model, every loaded byte checked.
 
-On a Gemma-4-like hybrid layout (the bundled ``tiny_gemma4`` config: three
-sliding-window groups of 256-token blocks and a full-attention group of
-16-token blocks), it builds KV tensors in vLLM's CPU-backend layout, replays
-the bundled trace (``examples/demo_trace.jsonl``, shared system prompts and
-multi-turn conversations) through the offload index, the engine, the CPU
-tier and a disk tier, and checks every loaded block bit-exact. It prints hit
-ratios per group and tier, bytes moved and GB/s per tier; the exit code is 1
-if any block came back wrong or any store failed.
+On the bundled Gemma-4-like layout (``tiny_gemma4``: three sliding-window
+groups of 256-token blocks and a full-attention group of 16-token blocks,
+KV tensors in vLLM's CPU-backend layout), the bundled trace (shared system
+prompts, multi-turn conversations) is served by the connector's own
+scheduler and worker sides, driven by the stand-in for vLLM
+(:mod:`kvoffload.vllm.standin`: vLLM's step order, a GPU prefix cache too
+small to keep everything). Its hit rules, loads and stores move real bytes
+through the engine, a CPU tier and a disk tier; every block a load fills is
+checked bit-exact. The exit code is 1 if any block came back wrong or any
+store failed.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import sys
 import tempfile
 from importlib import resources
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-import numpy.typing as npt
-from tqdm import tqdm
-
-from kvoffload.cli._demo_sim import DemoReplay, DemoStats
-from kvoffload.cli._demo_trace import TRACE_BLOCK_TOKENS
 from kvoffload.config import build_offloading_config
 from kvoffload.config.hf_layout import layout_from_hf_config
 from kvoffload.config.values import format_bytes
 from kvoffload.errors import ConfigError
+from kvoffload.keys import namespace_of
+from kvoffload.replay.engine import engine_requests
+from kvoffload.replay.trace import load_trace
+from kvoffload.tiers.disk import DiskProbe
+from kvoffload.transfer import allocate_kv_caches
+from kvoffload.vllm.standin import KVOffloadSide, KVPages, StandIn
 
 __all__ = ["register", "run"]
-
-#: Vocabulary the trace's hash ids expand into (any size works; keys hash token ids).
-_VOCAB = 1024
 
 
 def _bundled(name: str) -> Path:
@@ -44,57 +42,23 @@ def _bundled(name: str) -> Path:
 def register(subparsers: Any) -> None:
     parser = subparsers.add_parser(
         "demo",
-        help="replay a trace through index, engine, CPU and disk tiers; verify every byte",
+        help="serve a trace through the connector's real path on a hybrid model; verify every byte",
         description=__doc__.split("\n\n")[1] if __doc__ else None,
     )
-    parser.add_argument("--requests", type=int, default=None, help="replay only the first N")
+    parser.add_argument("--requests", type=int, default=None, help="serve only the first N")
     parser.add_argument("--trace", type=Path, default=None, help="Mooncake-format trace (JSONL)")
     parser.add_argument("--disk-path", default=None, help="disk tier directory (default: temp)")
     parser.add_argument("--cpu-bytes", default="16MiB", help="CPU tier budget (default 16MiB)")
     parser.add_argument("--disk-bytes", default="1GiB", help="disk tier budget (default 1GiB)")
     parser.add_argument("--blocks-per-chunk", type=int, default=2, help="default 2")
-    parser.add_argument("--seed", type=int, default=0, help="allocator and prefix-cache seed")
+    parser.add_argument("--gpu-blocks", type=int, default=320, help="GPU cache blocks (320)")
     parser.add_argument("--json", action="store_true", help="print the report as JSON")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     parser.set_defaults(func=run)
 
 
-def read_trace(path: Path, limit: int | None) -> list[tuple[list[int], int]]:
-    """``(hash_ids, input_length)`` per request; ``ConfigError`` naming the line if malformed."""
-    requests: list[tuple[list[int], int]] = []
-    try:
-        lines = path.read_text(encoding="utf-8").splitlines()
-    except (OSError, UnicodeDecodeError) as exc:
-        raise ConfigError(f"cannot read trace {str(path)!r}: {exc}") from exc
-    for number, line in enumerate(lines, start=1):
-        if limit is not None and len(requests) >= limit:
-            break
-        if not line.strip():
-            continue
-        try:
-            record = json.loads(line)
-            ids, length = record["hash_ids"], record.get("input_length")
-        except (json.JSONDecodeError, KeyError, TypeError) as exc:
-            raise ConfigError(f"{path.name}:{number}: not a Mooncake trace record ({exc})") from exc
-        if not isinstance(ids, list) or not ids or not all(isinstance(i, int) for i in ids):
-            raise ConfigError(f"{path.name}:{number}: hash_ids must be a non-empty list of ints")
-        full = len(ids) * TRACE_BLOCK_TOKENS
-        requests.append((ids, length if isinstance(length, int) and 0 < length <= full else full))
-    if not requests:
-        raise ConfigError(f"trace {str(path)!r} holds no requests")
-    return requests
-
-
-def token_ids(hash_ids: list[int], length: int) -> npt.NDArray[np.int64]:
-    """A request's tokens: each hash id expands to its own reproducible 512 tokens."""
-    parts = [
-        np.random.Generator(np.random.PCG64(h)).integers(0, _VOCAB, TRACE_BLOCK_TOKENS)
-        for h in hash_ids
-    ]
-    return np.concatenate(parts)[:length].astype(np.int64)
-
-
-def replay(args: argparse.Namespace, disk_path: str) -> DemoStats:
+def serve(args: argparse.Namespace, disk_path: str) -> dict[str, Any]:
+    """Serve the trace; return the report (see :func:`render`)."""
     if args.requests is not None and args.requests <= 0:
         raise ConfigError(f"--requests must be positive, got {args.requests}")
     layout = layout_from_hf_config(_bundled("tiny_gemma4.json"), "bfloat16", 16)
@@ -105,82 +69,76 @@ def replay(args: argparse.Namespace, disk_path: str) -> DemoStats:
         "disk_bytes_to_use": args.disk_bytes,
     }
     config = build_offloading_config(extra, layout)
-    requests = read_trace(args.trace or _bundled("demo_trace.jsonl"), args.requests)
-    longest = max(length for _, length in requests)
-    num_blocks = -(-longest // min(layout.tokens_per_block)) + 1
-    sim = DemoReplay(config, num_blocks, seed=args.seed)
+    trace = load_trace(args.trace or _bundled("demo_trace.jsonl"), limit=args.requests)
+    namespace = namespace_of("kvoffload-demo", "bfloat16", layout)
+    kv = allocate_kv_caches(layout, args.gpu_blocks)
+    side = KVOffloadSide(config, namespace, kv, [DiskProbe(Path(disk_path), namespace)])
+    engine = StandIn(layout, side, gpu_blocks=args.gpu_blocks, kv=KVPages(layout, kv))
     try:
-        bar = tqdm(requests, desc="demo", unit="req", file=sys.stderr, disable=args.no_progress)
-        for hash_ids, length in bar:
-            sim.serve(token_ids(hash_ids, length))
+        stats = engine.run(engine_requests(trace, progress=not args.no_progress, desc="demo"))
     finally:
-        sim.close()
-    return sim.stats
+        side.close()
+    figures, worker = side.scheduler.figures(), side.worker.figures()
+    tiers = side.worker.engine.stats()
+    failed_stores = figures["failed_store_chunks"]
+    return {
+        "ok": stats.mismatched_blocks == 0 and failed_stores == 0,
+        "requests": stats.requests, "seconds": stats.seconds, "steps": stats.steps,
+        "gpu_blocks": args.gpu_blocks, "prompt_tokens": stats.prompt_tokens,
+        "gpu_hit_tokens": stats.gpu_hit_tokens, "loaded_tokens": stats.loaded_tokens,
+        "failed_load_tokens": stats.failed_load_tokens,
+        **{name: figures[name] for name in ("cpu_hit_chunks", "lower_hit_chunks",
+                                             "stored_chunks", "skipped_store_chunks")},
+        "tiers": {
+            name: {"stored_bytes": t.store_bytes, "store_gbps": t.store_gbps,
+                   "loaded_bytes": t.load_bytes, "load_gbps": t.load_gbps,
+                   "failures": t.store_failures + t.dropped + t.load_failures + t.corrupt}
+            for name, t in tiers.items()
+        },
+        "verified_blocks": stats.verified_blocks, "mismatched_blocks": stats.mismatched_blocks,
+        "failed_load_jobs": worker.get("failed_load_jobs", 0), "failed_stores": failed_stores,
+    }  # fmt: skip
 
 
 def run(args: argparse.Namespace) -> int:
     if args.disk_path is not None:
-        stats = replay(args, args.disk_path)
+        report = serve(args, args.disk_path)
     else:
         with tempfile.TemporaryDirectory(prefix="kvoffload-demo-") as tmp:
-            stats = replay(args, tmp)
-    report = to_json(stats)
+            report = serve(args, tmp)
     print(json.dumps(report, indent=2) if args.json else render(report))
-    return 0 if stats.ok else 1
+    return 0 if report["ok"] else 1
 
 
-def to_json(stats: DemoStats) -> dict[str, Any]:
-    groups = []
-    for g in stats.groups:
-        hits = g.cpu_hits + g.disk_hits
-        groups.append({"chunks": g.chunks, "cpu_hits": g.cpu_hits, "disk_hits": g.disk_hits,
-                       "hit_ratio": hits / g.chunks if g.chunks else 0.0,
-                       "gpu_cached_blocks": g.gpu_cached_blocks,
-                       "loaded_blocks": g.loaded_blocks})  # fmt: skip
-    chunks = sum(g.chunks for g in stats.groups)
-    tiers = {
-        name: {"stored_bytes": t.store_bytes, "store_gbps": t.store_gbps,
-               "loaded_bytes": t.load_bytes, "load_gbps": t.load_gbps,
-               "store_failures": t.store_failures + t.dropped,
-               "load_failures": t.load_failures + t.corrupt}
-        for name, t in stats.traffic.items()
-    }  # fmt: skip
-    return {
-        "ok": stats.ok,
-        "requests": stats.requests,
-        "seconds": stats.seconds,
-        "hit_ratio": sum(g.cpu_hits + g.disk_hits for g in stats.groups) / chunks if chunks else 0,
-        "groups": groups,
-        "tiers": tiers,
-        "verified_blocks": stats.verified_blocks,
-        "mismatched_blocks": stats.mismatched_blocks,
-        "failed_load_blocks": stats.failed_load_blocks,
-        "failed_stores": stats.failed_stores,
-    }
+def _share(tokens: int, prompt: int) -> str:
+    return f"{tokens:>8}  {tokens / prompt:6.1%}"
 
 
 def render(report: dict[str, Any]) -> str:
+    prompt = report["prompt_tokens"] or 1
+    computed = prompt - report["gpu_hit_tokens"] - report["loaded_tokens"]
     lines = [
-        f"kvoffload demo: {report['requests']} requests in {report['seconds']:.1f} s, "
-        f"chunk hit ratio {report['hit_ratio']:.1%}",
+        f"kvoffload demo: {report['requests']} requests in {report['seconds']:.1f} s "
+        f"({report['steps']} engine steps, GPU prefix cache of {report['gpu_blocks']} blocks)",
         "",
-        "group  chunks  cpu hits  disk hits  hit ratio",
-    ]
-    for i, g in enumerate(report["groups"]):
-        lines.append(f"{i:>5}  {g['chunks']:>6}  {g['cpu_hits']:>8}  {g['disk_hits']:>9}  "
-                     f"{g['hit_ratio']:>9.1%}")  # fmt: skip
-    lines += ["", "tier  stored       GB/s  loaded       GB/s  failures"]
+        f"prompt tokens         {report['prompt_tokens']:>8}",
+        f"  GPU prefix cache    {_share(report['gpu_hit_tokens'], prompt)}",
+        f"  loaded by kvoffload {_share(report['loaded_tokens'], prompt)}  "
+        f"({report['cpu_hit_chunks']} chunks from CPU, {report['lower_hit_chunks']} from disk)",
+        f"  computed            {_share(computed, prompt)}",
+        "",
+        "tier  stored       GB/s  loaded       GB/s  failures",
+    ]  # fmt: skip
     for name, t in report["tiers"].items():
         lines.append(
             f"{name:<4}  {format_bytes(t['stored_bytes']):>10}  {t['store_gbps']:>5.2f}  "
-            f"{format_bytes(t['loaded_bytes']):>10}  {t['load_gbps']:>5.2f}  "
-            f"{t['store_failures'] + t['load_failures']}"
+            f"{format_bytes(t['loaded_bytes']):>10}  {t['load_gbps']:>5.2f}  {t['failures']}"
         )
     verdict = "OK" if report["ok"] else "FAILED"
     lines += [
         "",
         f"{verdict}: {report['verified_blocks']} loaded blocks bit-exact, "
-        f"{report['mismatched_blocks']} mismatched, {report['failed_load_blocks']} failed "
-        f"to load (recomputed), {report['failed_stores']} failed stores",
+        f"{report['mismatched_blocks']} mismatched, {report['failed_load_jobs']} failed loads "
+        f"(recomputed), {report['failed_stores']} failed stores",
     ]
     return "\n".join(lines)

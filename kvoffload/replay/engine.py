@@ -27,7 +27,7 @@ from kvoffload.config.layout import CacheGroup, KVLayout
 from kvoffload.keys import namespace_of
 from kvoffload.replay.trace import TRACE_BLOCK_TOKENS, Trace
 from kvoffload.transfer import allocate_kv_caches
-from kvoffload.vllm.standin import KVOffloadSide, StandIn, StandInStats
+from kvoffload.vllm.standin import ConnectorSide, KVOffloadSide, StandIn, StandInStats
 
 __all__ = [
     "EngineRow",
@@ -35,6 +35,7 @@ __all__ = [
     "engine_requests",
     "format_engine_table",
     "replay_engine",
+    "run_side",
     "tiny_pages",
     "trace_layout",
 ]
@@ -152,13 +153,28 @@ def replay_engine(
     )
     kv = allocate_kv_caches(layout, settings.gpu_blocks, torch.uint8)
     side = KVOffloadSide(config, namespace_of("kvoffload-replay", "uint8", layout), kv)
+    stats = run_side(trace, side, layout, settings, progress=progress, desc=f"{policy}@{capacity}")
+    return EngineRow.of(trace, "kvoffload", policy, (capacity, settings.gpu_blocks), stats)
+
+
+def run_side(
+    trace: Trace,
+    side: ConnectorSide,
+    layout: KVLayout,
+    settings: EngineSettings,
+    *,
+    progress: bool = False,
+    desc: str = "",
+) -> StandInStats:
+    """Serve ``trace`` with the stand-in engine around ``side``, then close ``side``.
+
+    The one loop both connectors run in ``benchmarks/replay_vs_vllm.py``.
+    """
     engine = StandIn(layout, side, gpu_blocks=settings.gpu_blocks, step_tokens=settings.step_tokens)
     try:
-        requests = engine_requests(trace, progress=progress, desc=f"{policy}@{capacity}")
-        stats = engine.run(requests, in_flight=settings.in_flight)
+        return engine.run(engine_requests(trace, progress=progress, desc=desc), settings.in_flight)
     finally:
         side.close()
-    return EngineRow.of(trace, "kvoffload", policy, (capacity, settings.gpu_blocks), stats)
 
 
 def format_engine_table(rows: Sequence[EngineRow]) -> str:

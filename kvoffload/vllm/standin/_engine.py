@@ -154,6 +154,8 @@ class StandIn:
                     continue
                 self._resume(req, self._received.pop(req.req_id))
             hit, local, external = None, 0, 0
+            if req.computed == 0 and not self._fits(req):
+                break
             if req.computed == 0:
                 local, hit = self.cache.longest_hit(req.hashes, req.num_tokens)
                 offered = self.side.get_num_new_matched_tokens(req, local)
@@ -182,6 +184,18 @@ class StandIn:
             plan.scheduled.append((req, n))
             plan.first.add(req.req_id)
             budget -= n
+
+    def _fits(self, req: SimRequest) -> bool:
+        """vLLM's admission reserve: a new request's whole prompt and what the admitted ones
+        still need must fit in the free blocks, so no admitted request ever waits for blocks
+        that only a request waiting behind it could free."""
+        tpb = self.layout.tokens_per_block
+        need = sum(-(-req.num_tokens // t) for t in tpb)
+        for other in [*self.running, *self.waiting]:
+            if other.blocks[0] or other.status is not Status.WAITING:
+                need += sum(max(0, -(-other.num_tokens // t) - len(ids))
+                            for t, ids in zip(tpb, other.blocks, strict=True))  # fmt: skip
+        return need <= self.cache.num_free
 
     # -- after the forward pass -----------------------------------------------------------
     def _finish(self, req: SimRequest) -> None:
