@@ -1,5 +1,6 @@
 # Two commands do everything on a fresh machine:
-#   make demo   create .venv, install kvoffload, run the main job
+#   make demo   create .venv, install kvoffload, run the main job (and, when .venv-vllm
+#               exists, the same job on a real vLLM engine: make demo-vllm)
 #   make test   the same set-up, then every gate: ruff, mypy, tests, coverage, doctests (README, docs/)
 # and one more proves the vLLM connector on a real engine:
 #   make e2e    create .venv-vllm (vLLM's CPU build), run tests_e2e/
@@ -14,7 +15,7 @@ VLLM_STAMP  = $(VLLM_VENV)/.installed-stamp
 
 VLLM033    ?= .vllm033
 
-.PHONY: setup demo plan test lint typecheck bench replay e2e vllm-setup vllm033-check bench-vllm bench-serve clean
+.PHONY: setup demo demo-vllm plan test lint typecheck bench replay e2e vllm-setup vllm033-check bench-vllm bench-serve clean
 
 setup: $(STAMP)
 
@@ -32,6 +33,13 @@ plan: setup
 
 demo: plan
 	$(VENV)/bin/kvoffload demo
+	@if [ -f $(VLLM_STAMP) ]; then $(MAKE) --no-print-directory demo-vllm; \
+	else echo "(make demo-vllm runs the connector in a real vLLM engine too; it builds $(VLLM_VENV))"; fi
+
+# The main job on a real engine: vLLM's CPU build with the connector, answers checked
+# against vLLM's own prefix cache.
+demo-vllm: vllm-setup
+	cd tests_e2e && ../$(VLLM_PY) demo_vllm.py
 
 lint: setup
 	$(VENV)/bin/ruff check $(SOURCES)
@@ -81,7 +89,7 @@ bench: setup
 
 replay: setup
 	$(VENV)/bin/kvoffload replay ../shared/traces/mooncake_conversation_trace.jsonl \
-		--capacities 4000,16000,64000 --policy all
+		--capacities 4000,16000,64000
 
 clean:
 	rm -rf $(VENV) $(VLLM_VENV) $(VLLM033) .pytest_cache .mypy_cache .ruff_cache .hypothesis .coverage

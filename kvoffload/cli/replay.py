@@ -1,8 +1,12 @@
-"""``kvoffload replay``: hit ratio and throughput of the eviction policies on a real trace.
+"""``kvoffload replay``: hit ratio and scheduler cost of the connector on a real trace.
 
-It replays a Mooncake-format trace (one JSON request per line with
-``hash_ids``; one block is one chunk) through the offload index at one or
-more capacities, next to Belady's clairvoyant bound at the same capacity.
+By default a Mooncake-format trace (one JSON request per line with
+``hash_ids`` of 512-token blocks) is served through the connector's own
+scheduler and worker sides, with the stand-in for vLLM in front
+(:mod:`kvoffload.replay.engine`): a GPU prefix cache of ``--gpu-blocks``
+blocks, the real hit rules of every group kind, real stores and loads.
+``--index-only`` replays the offload index alone instead, one request at a
+time, next to Belady's clairvoyant bound: the eviction-policy study.
 """
 
 from __future__ import annotations
@@ -37,16 +41,17 @@ def parse_capacities(text: str, flag: str = "--capacities") -> tuple[int, ...]:
 def register(subparsers: Any) -> None:
     parser = subparsers.add_parser(
         "replay",
-        help="replay a request trace: hit ratio per policy and capacity, with Belady's bound",
+        help="replay a request trace through the connector: hit ratio and scheduler cost",
         description=(
-            "Replay a Mooncake-format trace (JSON lines with hash_ids, .gz accepted) through "
-            "the offload index and report the prefix-hit ratio, keys per second and the "
-            "clairvoyant (Belady) bound at each capacity."
+            "Serve a Mooncake-format trace (JSON lines with hash_ids, .gz accepted) through the "
+            "connector's scheduler and worker with a simulated vLLM engine in front, and report "
+            "the connector's hit ratio and its scheduler milliseconds per engine step; with "
+            "--index-only, replay the offload index alone, next to the Belady bound."
         ),
     )
     parser.add_argument("trace", help="trace file (.jsonl or .jsonl.gz)")
     sizes = parser.add_mutually_exclusive_group()
-    sizes.add_argument("--capacity", help="capacity in chunks")
+    sizes.add_argument("--capacity", help="CPU capacity in chunks")
     sizes.add_argument(
         "--capacities",
         help="comma-separated capacities in chunks (default "
@@ -56,9 +61,12 @@ def register(subparsers: Any) -> None:
     parser.add_argument(
         "--policy",
         choices=(*POLICIES.names(), "all"),
-        default="all",
-        help=f"eviction policy, or all (default all; the index default is {DEFAULT_POLICY})",
+        default=None,
+        help=f"eviction policy, or all (default: {DEFAULT_POLICY}; all with --index-only)",
     )
+    parser.add_argument("--gpu-blocks", type=int, default=1000, help="GPU cache blocks (1000)")
+    parser.add_argument("--step-tokens", type=int, default=8192, help="tokens per step (8192)")
+    parser.add_argument("--index-only", action="store_true", help="the index alone (policy study)")
     parser.add_argument("--limit", type=int, help="replay only the first N requests")
     parser.add_argument("--no-bound", action="store_true", help="skip the Belady bound")
     parser.add_argument("--json", action="store_true", help="print the rows as a JSON list")
@@ -66,8 +74,14 @@ def register(subparsers: Any) -> None:
     parser.set_defaults(func=run)
 
 
+def _positive(value: int | None, flag: str) -> None:
+    if value is not None and value <= 0:
+        raise ConfigError(f"{flag}: {value} is not a positive number")
+
+
 def run(args: argparse.Namespace) -> int:
     from kvoffload.replay import format_table, load_trace, plot_hit_ratio, sweep
+    from kvoffload.replay.engine import EngineSettings, format_engine_table, replay_engine
 
     if args.capacity is not None:
         capacities = parse_capacities(args.capacity, "--capacity")
@@ -75,12 +89,25 @@ def run(args: argparse.Namespace) -> int:
         capacities = parse_capacities(args.capacities)
     else:
         capacities = DEFAULT_CAPACITIES
-    if args.limit is not None and args.limit <= 0:
-        raise ConfigError(f"--limit: {args.limit} is not a positive number of requests")
-    policies = POLICIES.names() if args.policy == "all" else (args.policy,)
+    for value, flag in ((args.limit, "--limit"), (args.gpu_blocks, "--gpu-blocks"),
+                        (args.step_tokens, "--step-tokens")):  # fmt: skip
+        _positive(value, flag)
+    policy = args.policy or ("all" if args.index_only else DEFAULT_POLICY)
+    policies = POLICIES.names() if policy == "all" else (policy,)
     trace = load_trace(args.trace, limit=args.limit)
     progress = not args.json and sys.stderr.isatty()
-    rows = sweep(trace, capacities, policies, bound=not args.no_bound, progress=progress)
+    rows: list[Any]
+    if args.index_only:
+        rows = sweep(trace, capacities, policies, bound=not args.no_bound, progress=progress)
+        table = format_table(rows)
+    else:
+        settings = EngineSettings(gpu_blocks=args.gpu_blocks, step_tokens=args.step_tokens)
+        rows = [
+            replay_engine(trace, capacity, name, settings=settings, progress=progress)
+            for capacity in capacities
+            for name in policies
+        ]
+        table = format_engine_table(rows)
     if args.json:
         print(json.dumps([row.as_dict() for row in rows], indent=1))
     else:
@@ -88,7 +115,7 @@ def run(args: argparse.Namespace) -> int:
             f"{trace.name}: {len(trace.requests):,} requests, {trace.num_blocks:,} blocks, "
             f"{trace.num_unique:,} distinct"
         )
-        print(format_table(rows))
+        print(table)
     if args.plot:
         path = plot_hit_ratio(rows, args.plot)
         if not args.json:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Protocol
 
 from kvoffload.errors import ConfigError
 from kvoffload.replay.report import Row
@@ -20,8 +21,24 @@ INSTALL_HINT = (
 )
 
 
-def plot_hit_ratio(rows: Sequence[Row], path: str | Path) -> Path:
-    """Write a PNG of hit ratio against capacity (log scale) and return its path."""
+class _Point(Protocol):
+    """What a plotted row has: an index-only :class:`Row` or an engine replay's row."""
+
+    @property
+    def trace(self) -> str: ...
+    @property
+    def policy(self) -> str: ...
+    @property
+    def capacity(self) -> int: ...
+    @property
+    def hit_ratio(self) -> float: ...
+
+
+def plot_hit_ratio(rows: Sequence[_Point], path: str | Path) -> Path:
+    """Write a PNG of hit ratio against capacity (log scale) and return its path.
+
+    Rows with a Belady ``bound`` (the index-only replay) get it drawn too.
+    """
     try:
         from matplotlib.backends.backend_agg import FigureCanvasAgg
         from matplotlib.figure import Figure
@@ -34,7 +51,9 @@ def plot_hit_ratio(rows: Sequence[Row], path: str | Path) -> Path:
     for policy in dict.fromkeys(row.policy for row in rows):
         mine = sorted((r.capacity, r.hit_ratio) for r in rows if r.policy == policy)
         axes.plot([c for c, _ in mine], [h for _, h in mine], marker="o", label=policy)
-    bounds = sorted({(r.capacity, r.bound) for r in rows if r.bound is not None})
+    bounds = sorted(
+        {(r.capacity, r.bound) for r in rows if isinstance(r, Row) and r.bound is not None}
+    )
     if bounds:
         axes.plot(
             [c for c, _ in bounds], [b for _, b in bounds], "k--", marker="x", label="Belady bound"

@@ -1,0 +1,166 @@
+"""The stand-in for vLLM: its GPU prefix cache, its engine loop, and the connector through it.
+
+The prefix cache is checked against vLLM's rules worked by hand (eviction
+order, hit alignment, null blocks outside a window). Then kvoffload's own
+connector serves requests through the stand-in, real bytes checked
+bit-exact, and the index order the product promises is checked on it: a
+prompt vLLM's own cache serves counts as a use, and stores go in tail first.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
+
+import pytest
+
+from kvoffload import build_offloading_config
+from kvoffload.config.layout import CacheGroup, KVLayout
+from kvoffload.keys import namespace_of, prefix_keys_for_layout
+from kvoffload.manager import EventKind
+from kvoffload.transfer import allocate_kv_caches
+from kvoffload.vllm.standin import NULL_BLOCK, KVOffloadSide, KVPages, PrefixCache, StandIn
+
+PAGE = 256
+LLAMA = KVLayout((CacheGroup("full", 4, ("l0", "l1"), PAGE),))
+GEMMA = KVLayout(
+    (
+        *(CacheGroup("sliding", 16, (f"s{i}",), PAGE, sliding_window=24) for i in range(3)),
+        CacheGroup("full", 4, ("f0",), PAGE),
+    )
+)
+LAYOUTS = pytest.mark.parametrize("layout", [LLAMA, GEMMA], ids=["llama", "gemma"])
+
+
+def tokens(n: int, seed: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(1, 30000) for _ in range(n)]
+
+
+def hashes(layout: KVLayout, ids: Sequence[int]) -> list[list[bytes]]:
+    return prefix_keys_for_layout(ids, layout.tokens_per_block, b"gpu")
+
+
+# -- the GPU prefix cache ----------------------------------------------------------------------
+def test_blocks_are_reused_least_recently_freed_first_and_tails_before_heads() -> None:
+    cache = PrefixCache(LLAMA, 9)  # blocks 1..8; 0 is the null block
+    a, b = tokens(12, 1), tokens(12, 2)
+    ta: list[list[int]] = [[]]
+    assert cache.allocate(ta, None, 0, 12)
+    cache.cache(ta, hashes(LLAMA, a), 12)
+    cache.free(ta)  # a's 3 blocks: tail first into the free queue
+    tb: list[list[int]] = [[]]
+    assert cache.allocate(tb, None, 0, 12)  # 5 never-used blocks remain: b takes 3 of them
+    cache.cache(tb, hashes(LLAMA, b), 12)
+    cache.free(tb)
+    assert cache.longest_hit(hashes(LLAMA, a), 13)[0] == 12  # a is still cached
+    tc: list[list[int]] = [[]]
+    assert cache.allocate(tc, None, 0, 12)  # 2 fresh blocks, then a's tail
+    assert cache.evictions == 1
+    hit, table = cache.longest_hit(hashes(LLAMA, a), 13)
+    assert hit == 8 and len(table[0]) == 2  # a's head survives, its tail went first
+    assert cache.longest_hit(hashes(LLAMA, b), 13)[0] == 12
+
+
+def test_a_hit_leaves_a_token_to_compute_and_an_allocation_never_half_happens() -> None:
+    cache = PrefixCache(LLAMA, 4)
+    a = tokens(12, 3)
+    table: list[list[int]] = [[]]
+    assert cache.allocate(table, None, 0, 12)
+    cache.cache(table, hashes(LLAMA, a), 12)
+    assert cache.longest_hit(hashes(LLAMA, a), 12)[0] == 8  # 12 tokens: one must be computed
+    more: list[list[int]] = [[]]
+    assert not cache.allocate(more, None, 0, 4)  # no free block left
+    assert more == [[]] and cache.num_free == 0
+
+
+def test_hybrid_hits_need_every_full_block_and_only_the_window_of_sliding_groups() -> None:
+    cache = PrefixCache(GEMMA, 64)
+    ids = tokens(100, 4)
+    table: list[list[int]] = [[] for _ in GEMMA.groups]
+    assert cache.allocate(table, None, 0, 100)
+    cache.cache(table, hashes(GEMMA, ids), 100)
+    hit, got = cache.longest_hit(hashes(GEMMA, ids), 100)
+    assert hit == 96  # a multiple of 16 and of 4, one token left
+    for g in range(3):  # window 24 before 96: tokens [73, 96), i.e. blocks 4 and 5
+        assert got[g] == [NULL_BLOCK] * 4 + table[g][4:6]
+    assert got[3] == table[3][:24]
+    cache.remove_skipped(table, 100)  # sliding blocks before the window go back to the pool
+    assert [table[g][:5].count(NULL_BLOCK) for g in range(4)] == [4, 4, 4, 0]
+    assert cache.longest_hit(hashes(GEMMA, ids), 100)[0] == 96  # cached while in the queue
+
+
+# -- kvoffload's connector through the stand-in ------------------------------------------------
+def make(
+    layout: KVLayout, tmp_path: Path, *, cpu_chunks: int, gpu_blocks: int, **extra: object
+) -> tuple[StandIn, KVOffloadSide]:
+    slot = max(g.chunk_bytes(1) for g in layout.groups)
+    config = build_offloading_config(
+        {"cpu_bytes_to_use": cpu_chunks * slot, "blocks_per_chunk": 1, **extra}, layout
+    )
+    kv = allocate_kv_caches(layout, gpu_blocks)
+    side = KVOffloadSide(config, namespace_of("standin-test", "bfloat16", layout), kv)
+    engine = StandIn(layout, side, gpu_blocks=gpu_blocks, step_tokens=64, kv=KVPages(layout, kv))
+    return engine, side
+
+
+@pytest.fixture
+def served(tmp_path: Path) -> Iterator[Callable[..., tuple[StandIn, KVOffloadSide]]]:
+    sides: list[KVOffloadSide] = []
+
+    def build(layout: KVLayout, **kwargs: int) -> tuple[StandIn, KVOffloadSide]:
+        engine, side = make(layout, tmp_path, **kwargs)
+        sides.append(side)
+        return engine, side
+
+    yield build
+    for side in sides:
+        side.close()
+
+
+@LAYOUTS
+def test_prompts_evicted_from_the_gpu_come_back_from_the_cpu_bit_exact(
+    served: Callable[..., tuple[StandIn, KVOffloadSide]], layout: KVLayout
+) -> None:
+    engine, side = served(layout, cpu_chunks=200, gpu_blocks=80)
+    first = [(f"a{i}", tokens(100, 10 + i)) for i in range(4)]
+    again = [(f"b{i}", ids) for i, (_, ids) in enumerate(first)]
+    stats = engine.run([*first, *again])  # four prompts do not fit the GPU cache together
+    assert stats.requests == 8 and stats.loaded_tokens > 0
+    assert stats.verified_blocks > 0 and stats.mismatched_blocks == 0
+    assert stats.gpu_hit_tokens + stats.loaded_tokens <= 4 * 96
+    figures = side.scheduler.figures()
+    assert figures["loaded_tokens"] == stats.loaded_tokens and figures["failed_loads"] == 0
+    assert (figures["index_pinned"], figures["index_storing"], figures["jobs_in_flight"]) == (0, 0, 0)
+    side.scheduler.index.check_integrity()
+
+
+def test_a_prompt_vllms_own_cache_serves_counts_as_a_use(
+    served: Callable[..., tuple[StandIn, KVOffloadSide]],
+) -> None:
+    """A hot prompt stays in the CPU tier while the GPU serves it (issue 15, item 1)."""
+    engine, side = served(LLAMA, cpu_chunks=6, gpu_blocks=40, eviction_policy="lru")
+    system = tokens(8, 20)  # two chunks
+    requests = [("first", system + tokens(5, 21))]  # stores the prompt and one chunk more
+    for i in range(3):  # two chunks of its own each, then the prompt alone: a GPU hit
+        requests += [(f"u{i}", tokens(9, 30 + i)), (f"s{i}", [*system, 7])]
+    stats = engine.run(requests, in_flight=1)
+    assert stats.gpu_hit_tokens == 3 * 8 and stats.loaded_tokens == 0
+    keys = set(prefix_keys_for_layout(system, [4], side.scheduler.namespace)[0])
+    events = side.scheduler.take_events()
+    # 3 + 3 * 2 chunks went into 6 slots: 3 were evicted. Had the GPU's hits not been
+    # uses, the prompt (stored first, never loaded) would have been the oldest.
+    evicted = [e.key for e in events if e.kind is EventKind.REMOVED]
+    assert len(evicted) == 3 and not keys & set(evicted)
+
+
+def test_a_request_is_evicted_tail_first(
+    served: Callable[..., tuple[StandIn, KVOffloadSide]],
+) -> None:
+    engine, side = served(LLAMA, cpu_chunks=4, gpu_blocks=40, eviction_policy="lru")
+    a, b = tokens(13, 40), tokens(5, 41)
+    engine.run([("a", a), ("b", b)], in_flight=1)  # a stores 3 chunks, b one more...
+    engine.run([("c", tokens(5, 42))], in_flight=1)  # ...and c's chunk evicts the oldest
+    keys = prefix_keys_for_layout(a, [4], side.scheduler.namespace)[0]
+    assert side.scheduler.index.ready_mask(keys) == [True, True, False]
