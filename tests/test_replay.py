@@ -1,8 +1,9 @@
-"""Trace replay: loading, the replay loop, Belady's bound and the ``replay`` command.
+"""Trace replay: loading, both replays, Belady's bound and the ``replay`` command.
 
 Small traces written to ``tmp_path`` have answers worked out by hand; a slice
-of the real Mooncake trace checks the loop against figures vLLM 0.32's
-``CPUOffloadingManager`` produced on the same slice.
+of the real Mooncake trace checks the index-only loop against figures vLLM
+0.32's ``CPUOffloadingManager`` produced on the same slice, and the engine
+replay (the connector's own path) for repeatability and bounds.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from kvoffload.replay import (
     replay,
     sweep,
 )
+from kvoffload.replay.engine import EngineSettings, replay_engine
 
 #: The first 3,000 requests of the Mooncake conversation trace (see tests/data/README.md).
 CONVERSATION = Path(__file__).resolve().parent / "data" / "mooncake_conversation_3000.jsonl"
@@ -219,7 +221,7 @@ def replay_cli(monkeypatch: pytest.MonkeyPatch) -> None:
 @pytest.mark.usefixtures("replay_cli")
 def test_cli_json_rows_parse(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     trace = write_trace(tmp_path / "t.jsonl", [[1, 2], [1, 2], [3], [1, 2]])
-    code = cli.main(["replay", str(trace), "--capacities", "1,2", "--json"])
+    code = cli.main(["replay", str(trace), "--capacities", "1,2", "--index-only", "--json"])
     assert code == 0
     rows = json.loads(capsys.readouterr().out)
     assert len(rows) == 2 * len(POLICIES.names())
@@ -234,8 +236,9 @@ def test_cli_table_and_plot(tmp_path: Path, capsys: pytest.CaptureFixture[str]) 
     trace = write_trace(tmp_path / "t.jsonl", [[1, 2], [1, 2], [3], [1, 2]])
     png = tmp_path / "hit.png"
     code = cli.main(
-        ["replay", str(trace), "--capacity", "2", "--policy", "lru", "--plot", str(png)]
-    )
+        ["replay", str(trace), "--capacity", "2", "--policy", "lru", "--index-only",
+         "--plot", str(png)]
+    )  # fmt: skip
     out = capsys.readouterr().out
     assert code == 0
     assert "4 requests, 7 blocks, 3 distinct" in out
@@ -252,6 +255,7 @@ def test_cli_table_and_plot(tmp_path: Path, capsys: pytest.CaptureFixture[str]) 
         (["--capacities", "10,zero"], "--capacities: 'zero' is not a positive integer"),
         (["--capacity", "0"], "--capacity: '0'"),
         (["--limit", "0"], "--limit"),
+        (["--gpu-blocks", "0"], "--gpu-blocks"),
     ],
 )
 def test_cli_bad_input_is_one_line_and_exit_2(
@@ -266,8 +270,80 @@ def test_cli_bad_input_is_one_line_and_exit_2(
 
 @pytest.mark.usefixtures("replay_cli")
 def test_cli_replays_a_real_trace_slice(capsys: pytest.CaptureFixture[str]) -> None:
-    code = cli.main(["replay", str(CONVERSATION), "--limit", "500", "--capacity", "1000", "--json"])
+    code = cli.main(
+        ["replay", str(CONVERSATION), "--limit", "500", "--capacity", "1000", "--index-only",
+         "--json"]
+    )  # fmt: skip
     rows = json.loads(capsys.readouterr().out)
     assert code == 0
     assert {r["policy"] for r in rows} == set(POLICIES.names())
     assert all(0 < r["hit_ratio"] <= r["bound"] <= 1 for r in rows)
+
+
+# -- the engine replay: the connector's own path --------------------------------------------
+def write_lengths(path: Path, requests: Sequence[Sequence[int]]) -> Path:
+    lines = [
+        json.dumps({"timestamp": i, "input_length": 512 * len(ids), "hash_ids": list(ids)})
+        for i, ids in enumerate(requests)
+    ]
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def test_the_engine_replay_loads_what_the_gpu_cache_lost(tmp_path: Path) -> None:
+    # GPU cache: 4 usable blocks of 512 tokens. r1 computes [1,2,3] and frees them tail
+    # first; r2's 3 blocks take a fresh one and r1's tail and middle. r3 = r1 finds block 1
+    # on the GPU and loads block 2 from the CPU tier (block 3 holds the token to compute).
+    trace = load_trace(write_lengths(tmp_path / "t.jsonl", [[1, 2, 3], [4, 5, 6], [1, 2, 3]]))
+    settings = EngineSettings(gpu_blocks=5, in_flight=1)
+    row = replay_engine(trace, 10, "lru", settings=settings)
+    assert (row.requests, row.prompt_tokens) == (3, 3 * 1536)
+    assert (row.gpu_hit_tokens, row.loaded_tokens, row.failed_load_tokens) == (512, 512, 0)
+    assert row.hit_ratio == pytest.approx(1 / 9) and row.gpu_hit_ratio == pytest.approx(1 / 9)
+    assert row.steps >= 4 and row.scheduler_ms_per_step > 0
+    # With room for r1 on the GPU, the GPU serves everything and the connector nothing.
+    roomy = replay_engine(trace, 10, "lru", settings=EngineSettings(gpu_blocks=8, in_flight=1))
+    assert (roomy.gpu_hit_tokens, roomy.loaded_tokens) == (1024, 0)
+
+
+def test_the_engine_replay_is_repeatable_and_bounded() -> None:
+    # The first 300 requests share little but a one-block system prompt, which the GPU
+    # cache keeps; what comes back from further away needs room in the CPU tier.
+    trace = load_trace(CONVERSATION, limit=300)
+    settings = EngineSettings(gpu_blocks=250)  # request 97 alone needs 236 blocks
+    a, b = (replay_engine(trace, 5000, "adaptive", settings=settings) for _ in range(2))
+    assert (a.loaded_tokens, a.gpu_hit_tokens, a.steps) == (
+        b.loaded_tokens,
+        b.gpu_hit_tokens,
+        b.steps,
+    )
+    assert a.loaded_tokens > 0 and a.gpu_hit_tokens > 0
+    assert a.prompt_tokens == sum(trace.lengths)
+    # What neither cache served was computed: never more hits than prompt tokens.
+    assert a.gpu_hit_tokens + a.loaded_tokens < a.prompt_tokens
+
+
+@pytest.mark.usefixtures("replay_cli")
+def test_cli_replays_through_the_connector_by_default(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    trace = write_lengths(tmp_path / "t.jsonl", [[1, 2, 3], [4, 5, 6], [1, 2, 3]])
+    assert cli.main(["replay", str(trace), "--capacity", "10", "--gpu-blocks", "5", "--json"]) == 0
+    [row] = json.loads(capsys.readouterr().out)
+    assert (row["connector"], row["policy"], row["gpu_blocks"]) == ("kvoffload", "adaptive", 5)
+    assert 0 <= row["hit_ratio"] < 1 and row["prompt_tokens"] == 3 * 1536
+    assert cli.main(["replay", str(trace), "--capacity", "10", "--policy", "lru"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[1].split()[:3] == ["connector", "policy", "capacity"]
+    assert out[2].split()[:4] == ["kvoffload", "lru", "10", "1000"]
+
+
+def test_the_engine_replay_of_lru_matches_vllms_connector_on_a_real_trace_slice() -> None:
+    # Measured with vLLM 0.32's OffloadingConnector (CPUOffloadingSpec, eviction_policy
+    # "lru") in the same stand-in engine through benchmarks/replay_vs_vllm.py's vllm_row,
+    # on the first 1000 requests: 1616 steps, 511,488 tokens from the GPU prefix cache and
+    # 27,136 loaded from the CPU tier, of 13,732,944 prompt tokens.
+    trace = load_trace(CONVERSATION, limit=1000)
+    row = replay_engine(trace, 1000, "lru", settings=EngineSettings(gpu_blocks=300))
+    assert (row.steps, row.prompt_tokens) == (1616, 13_732_944)
+    assert (row.gpu_hit_tokens, row.loaded_tokens) == (511_488, 27_136)

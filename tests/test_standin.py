@@ -132,7 +132,11 @@ def test_prompts_evicted_from_the_gpu_come_back_from_the_cpu_bit_exact(
     assert stats.gpu_hit_tokens + stats.loaded_tokens <= 4 * 96
     figures = side.scheduler.figures()
     assert figures["loaded_tokens"] == stats.loaded_tokens and figures["failed_loads"] == 0
-    assert (figures["index_pinned"], figures["index_storing"], figures["jobs_in_flight"]) == (0, 0, 0)
+    assert (figures["index_pinned"], figures["index_storing"], figures["jobs_in_flight"]) == (
+        0,
+        0,
+        0,
+    )
     side.scheduler.index.check_integrity()
 
 
