@@ -83,7 +83,8 @@ def _kv_cache_config(layout: KVLayout, gpu_blocks: int) -> KVCacheConfig:
                       layer_stride=page * gpu_blocks, block_stride=page)
         for g in layout.groups
     ]  # fmt: skip
-    groups = [KVCacheGroupSpec(list(g.layer_names), s) for g, s in zip(layout.groups, specs)]
+    pairs = zip(layout.groups, specs, strict=True)
+    groups = [KVCacheGroupSpec(list(g.layer_names), s) for g, s in pairs]
     return KVCacheConfig(num_blocks=gpu_blocks, kv_cache_tensors=tensors, kv_cache_groups=groups)
 
 
@@ -140,7 +141,7 @@ class VLLMSide:
             [KVCacheBlock(b, is_null=b == 0,
                           _block_hash=b"cached" if (i + 1) * tpb <= req.local_hit else None)  # type: ignore[arg-type]
              for i, b in enumerate(ids)]
-            for ids, tpb in zip(req.blocks, self.layout.tokens_per_block)
+            for ids, tpb in zip(req.blocks, self.layout.tokens_per_block, strict=True)
         ))  # fmt: skip
         with self.clock:
             self.connector.update_state_after_alloc(
@@ -163,7 +164,8 @@ class VLLMSide:
             scheduled_cached_reqs=CachedRequestData(
                 req_ids=[r.req_id for r in cached], resumed_req_ids=set(), new_token_ids=[],
                 all_token_ids={}, new_block_ids=[tuple(plan.new_blocks[r.req_id]) for r in cached],
-                num_computed_tokens=[r.computed for r in cached], num_output_tokens=[0] * len(cached),
+                num_computed_tokens=[r.computed for r in cached],
+                num_output_tokens=[0] * len(cached),
             ),
             num_scheduled_tokens={req.req_id: n for req, n in plan.scheduled},
             total_num_scheduled_tokens=plan.num_tokens, scheduled_spec_decode_tokens={},

@@ -101,7 +101,6 @@ class KVOffloadSide:
         worker.submit(orders, JobKind.STORE)
         if self.settle:
             worker.engine.wait(timeout=SETTLE_TIMEOUT_S)
-        worker.drain_lower_evictions()
         polled = worker.poll(idle=meta.idle)
         reports: list[JobReport] = worker.take_reports()
         return WorkerResult(
