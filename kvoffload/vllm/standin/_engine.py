@@ -63,12 +63,16 @@ class StandIn:
                 f"request {req_id!r} ({len(tokens)} tokens) needs up to {need} blocks, more than "
                 f"a GPU cache of {self.cache.num_blocks} holds; give more GPU blocks"
             )
-        hashes = prefix_keys_for_layout(tokens, self.layout.tokens_per_block, _GPU_NAMESPACE)
+        hashes = self.block_hashes(tokens)
         groups = len(self.layout.groups)
         req = SimRequest(req_id, tokens, hashes, [[] for _ in range(groups)], told=[0] * groups)
         self.side.add_request(req)
         self.waiting.append(req)
         return req
+
+    def block_hashes(self, tokens: Sequence[int]) -> list[list[bytes]]:
+        """Per group, the GPU prefix cache's hash of each full block of ``tokens``."""
+        return prefix_keys_for_layout(tokens, self.layout.tokens_per_block, _GPU_NAMESPACE)
 
     def run(
         self, requests: Iterable[tuple[str, Sequence[int]]], in_flight: int = 4
@@ -89,6 +93,10 @@ class StandIn:
         self.step()  # vLLM tells the connector of the last finished requests one step later
         self.stats.seconds += time.perf_counter() - start
         return self.stats
+
+    def reset_prefix_cache(self) -> None:
+        """vLLM's ``LLM.reset_prefix_cache()``: empty the GPU cache, not the connector's tiers."""
+        self.cache.reset()
 
     # -- one step -------------------------------------------------------------------------
     def step(self) -> StepPlan:

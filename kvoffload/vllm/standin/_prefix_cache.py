@@ -154,6 +154,13 @@ class PrefixCache:
             self._release(reversed(ids))
             ids.clear()
 
+    def reset(self) -> None:
+        """vLLM's ``reset_prefix_cache``: forget every cached block (none may be in use)."""
+        if len(self._free) != self.num_blocks - 1:
+            raise RuntimeError("reset_prefix_cache with blocks in use")
+        self._hash_of.clear()
+        self._cached.clear()
+
     # -- the pool -------------------------------------------------------------------------
     def _take_cached(self, ids: Sequence[int]) -> None:
         for block in ids:
