@@ -2,23 +2,24 @@
 
 :class:`Stand` plays vLLM's part around the real pieces (an
 ``OffloadScheduler`` with its real index, ``OffloadWorker`` ranks over real
-``OffloadEngine``\\ s, real KV tensors, real disk files): a block allocator per
-group that never hands out the null block, a "forward" that writes each
-block's KV as a function of the token prefix it ends (:func:`expected_page`),
-so a loaded block is checked bit-exact with no copy of what was stored, and a
-step that makes the connector's calls in vLLM's order.
+``OffloadEngine``\\ s, real KV tensors, real disk files), one call at a time,
+for the cases the package's stand-in (:mod:`kvoffload.vllm.standin`, which
+serves whole steps) does not reach: tensor-parallel ranks, a rank that
+refuses orders, reports held back or delivered late, block tables edited by
+hand. KV content is the stand-in's (:class:`~kvoffload.vllm.standin.KVPages`:
+a function of each block's hash), so a loaded block is checked bit-exact with
+no copy of what was stored; block ids are shuffled per group, so copies go
+through scattered blocks too.
 """
 
 from __future__ import annotations
 
-import hashlib
 import math
 import random
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 
@@ -31,6 +32,7 @@ from kvoffload.messages import BlockSpan, JobReport, TransferOrder, merge_report
 from kvoffload.tiers.disk import DiskProbe
 from kvoffload.transfer import allocate_kv_caches
 from kvoffload.vllm.scheduler import NULL_BLOCK, OffloadScheduler
+from kvoffload.vllm.standin import KVPages, expected_page
 from kvoffload.vllm.worker import OffloadWorker
 
 PAGE = 256  # bytes of one block of one layer, the same in every group (as in vLLM)
@@ -66,16 +68,14 @@ def make_tokens(seed: int, n: int) -> list[int]:
     return [rng.randrange(1, 32000) for _ in range(n)]
 
 
-def expected_page(layer: str, tokens: Sequence[int], end: int) -> torch.Tensor:
-    """The KV bytes of one layer's block whose last token is ``tokens[end - 1]``."""
-    data = layer.encode() + b"\0" + np.asarray(tokens[:end], dtype="<i8").tobytes()
-    seed = int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little")
-    return torch.from_numpy(np.random.default_rng(seed).integers(0, 256, PAGE, dtype=np.uint8))
-
-
 def page(kv: dict[str, torch.Tensor], layer: str, block: int) -> torch.Tensor:
     """The bytes of ``block`` of ``layer`` (a view into the engine tensor)."""
     return kv[layer][block].reshape(-1).view(torch.uint8)
+
+
+def block_hashes(layout: KVLayout, tokens: Sequence[int]) -> list[list[bytes]]:
+    """Per group, the hash of each full block: what its KV is a function of."""
+    return prefix_keys_for_layout(tokens, layout.tokens_per_block, b"test blocks")
 
 
 def first_token(group: CacheGroup, local: int, hit: int) -> int:
@@ -111,6 +111,7 @@ class Req:
     tokens: list[int]
     local_hit: int
     offered: int | None  # lookup's answer; None means "ask again later"
+    hashes: list[list[bytes]] = field(default_factory=list)  # per group, full blocks
     blocks: list[list[int]] = field(default_factory=list)  # per group, NULL_BLOCK included
     computed: int = 0  # vLLM's num_computed_tokens
     load: TransferOrder | None = None
@@ -182,6 +183,7 @@ class Stand:
             self.config, self.namespace, probes, world_size=world_size
         )
         self.kv = [allocate_kv_caches(self.layout, num_blocks) for _ in range(world_size)]
+        self.pages = [KVPages(self.layout, kv) for kv in self.kv]
         single = len(self.layout.groups) == 1
         self.workers = [
             OffloadWorker(OffloadEngine.from_config(self.config, kv, self.namespace),
@@ -227,10 +229,9 @@ class Stand:
             n = -(-n_tokens // group.tokens_per_block)
             assert len(self._free[g]) >= n, "the stand ran out of blocks"
             ids = [self._free[g].pop() for _ in range(n)]
-            for kv in self.kv:
-                for layer in group.layer_names:
-                    for b in ids:
-                        page(kv, layer, b).fill_(SCRUB)
+            for pages in self.pages:
+                for layer in pages.pages[g]:
+                    layer[ids] = SCRUB
             out.append(ids)
         return out
 
@@ -240,17 +241,14 @@ class Stand:
         req.blocks = []
 
     def write(self, req: Req, start: int, stop: int) -> None:
-        """The forward pass: KV of tokens ``[start, stop)`` into every non-null block they touch."""
+        """The forward pass: KV of tokens ``[start, stop)`` into every full, non-null block."""
         for g, group in enumerate(self.layout.groups):
             tpb = group.tokens_per_block
-            for b in range(start // tpb, -(-stop // tpb)):
+            for b in range(start // tpb, min(-(-stop // tpb), len(req.hashes[g]))):
                 block = req.blocks[g][b]
-                if block == NULL_BLOCK:
-                    continue
-                end = min((b + 1) * tpb, len(req.tokens))
-                for kv in self.kv:
-                    for layer in group.layer_names:
-                        page(kv, layer, block).copy_(expected_page(layer, req.tokens, end))
+                if block != NULL_BLOCK:
+                    for pages in self.pages:
+                        pages.write(g, block, req.hashes[g][b])
 
     def load_blocks(self, req: Req) -> dict[int, list[int]]:
         """Per group, the (non-null) blocks a load of ``req``'s hit must fill."""
@@ -264,26 +262,19 @@ class Stand:
         return out
 
     def block_state(self, req: Req, g: int, b: int, rank: int = 0) -> str:
-        """``"exact"``, ``"scrub"`` (never written) or ``"wrong"`` for block index ``b``."""
-        group, block = self.layout.groups[g], req.blocks[g][b]
-        end = min((b + 1) * group.tokens_per_block, len(req.tokens))
-        states = set()
-        for layer in group.layer_names:
-            got = page(self.kv[rank], layer, block)
-            if torch.equal(got, expected_page(layer, req.tokens, end)):
-                states.add("exact")
-            elif bool((got == SCRUB).all()):
-                states.add("scrub")
-            else:
-                states.add("wrong")
-        return states.pop() if len(states) == 1 else "wrong"
+        """``"exact"``, ``"scrub"`` (never written) or ``"wrong"`` for full block index ``b``."""
+        pages, block = self.pages[rank], req.blocks[g][b]
+        if pages.holds(g, block, req.hashes[g][b]):
+            return "exact"
+        if all(bool((layer[block] == SCRUB).all()) for layer in pages.pages[g]):
+            return "scrub"
+        return "wrong"
 
     # -- vLLM's calls ----------------------------------------------------------------
     def ask(self, req_id: str, tokens: Sequence[int], local_hit: int = 0) -> Req:
         """``get_num_new_matched_tokens``."""
-        return Req(
-            req_id, list(tokens), local_hit, self.scheduler.lookup(req_id, tokens, local_hit)
-        )
+        offered = self.scheduler.lookup(req_id, tokens, local_hit)
+        return Req(req_id, list(tokens), local_hit, offered, block_hashes(self.layout, tokens))
 
     def allocate(self, req: Req) -> Req:
         """vLLM allocates the request's blocks, then ``update_state_after_alloc``."""
@@ -938,9 +929,10 @@ def test_wait_for_sources_frees_engine_blocks_before_the_store_ends(tmp_path: Pa
     kv = allocate_kv_caches(layout, 16)
     tokens = make_tokens(61, 16)
     source = [3, 9, 4, 1]
+    hashes = block_hashes(layout, tokens)[0]
     for b, block in enumerate(source):
-        for layer in ("l0", "l1"):
-            page(kv, layer, block).copy_(expected_page(layer, tokens, (b + 1) * 4))
+        for i, layer in enumerate(("l0", "l1")):
+            page(kv, layer, block).copy_(expected_page(hashes[b], i, PAGE))
     original = {(layer, b): page(kv, layer, b).clone() for layer in ("l0", "l1") for b in source}
     keys = (b"chunk-zero", b"chunk-one")
     engine = OffloadEngine.from_config(config, kv, namespace)
