@@ -193,24 +193,27 @@ def extend_prefix_keys(
     namespace: bytes = b"",
     *,
     extras: KeyExtras | None = None,
+    stop: int | None = None,
 ) -> list[bytes]:
     """The keys of ``token_ids`` after the ``len(keys)`` already computed by :func:`prefix_keys`.
 
     ``token_ids`` is the whole sequence (prefix included), so a request that
     grew by some tokens hashes only its new full chunks:
-    ``keys + extend_prefix_keys(keys, ...) == prefix_keys(...)``.
+    ``keys + extend_prefix_keys(keys, ...) == prefix_keys(...)``. With
+    ``stop``, only ``token_ids[:stop]`` counts (no copy of the rest is made).
     """
     tokens_per_chunk = checked_int("tokens_per_chunk", tokens_per_chunk)
     seed = _chain_seed(group_idx, tokens_per_chunk, namespace, extras)
     done = len(keys)
-    if done * tokens_per_chunk > len(token_ids):
+    length = len(token_ids) if stop is None else min(stop, len(token_ids))
+    if done * tokens_per_chunk > length:
         raise ConfigError(
             f"{done} keys of {tokens_per_chunk} tokens need at least "
-            f"{done * tokens_per_chunk} token ids, got {len(token_ids)}"
+            f"{done * tokens_per_chunk} token ids, got {length}"
         )
     previous = keys[-1] if done else seed
     # Only the new tokens are converted: a growing request pays for its growth.
-    tail = _token_array(token_ids[done * tokens_per_chunk :])
+    tail = _token_array(token_ids[done * tokens_per_chunk : length])
     return _chain(previous, tail, tokens_per_chunk, done, extras)
 
 

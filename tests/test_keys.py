@@ -89,6 +89,9 @@ def test_extend_continues_the_chain(tokens: list[int], span: int, data: st.DataO
     full = prefix_keys(tokens, span, 2, b"x")
     done = data.draw(st.integers(0, len(full)))
     assert full[:done] + extend_prefix_keys(full[:done], tokens, span, 2, b"x") == full
+    stop = data.draw(st.integers(done * span, len(tokens)))
+    head = prefix_keys(tokens[:stop], span, 2, b"x")
+    assert full[:done] + extend_prefix_keys(full[:done], tokens, span, 2, b"x", stop=stop) == head
 
 
 def test_one_key_per_full_chunk_each_naming_its_whole_prefix() -> None:

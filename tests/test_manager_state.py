@@ -83,6 +83,10 @@ class IndexMachine(RuleBasedStateMachine):
     def touch(self, keys: list[bytes]) -> None:
         self.manager.touch(keys)
 
+    @rule(keys=batch_st)
+    def refresh(self, keys: list[bytes]) -> None:
+        self.manager.refresh(keys)
+
     # -- loads -----------------------------------------------------------------
     @precondition(lambda self: self.ready)
     @rule(data=st.data())

@@ -97,6 +97,7 @@ ops_st = st.lists(
     st.one_of(
         st.tuples(st.just("insert"), st.integers(0, 11)),
         st.tuples(st.just("touch"), st.integers(0, 11)),
+        st.tuples(st.just("refresh"), st.integers(0, 11)),
         st.tuples(st.just("remove"), st.integers(0, 11)),
         st.tuples(st.just("evict"), st.integers(0, 4), st.frozensets(st.integers(0, 11))),
     ),
@@ -121,6 +122,8 @@ def test_protocol_against_a_resident_set(name: str, ops: list[tuple[object, ...]
             resident.add(key)
         elif kind == "touch":
             policy.touch(key)
+        elif kind == "refresh":
+            policy.refresh(key)
         elif kind == "remove":
             policy.remove(key)
             resident.discard(key)

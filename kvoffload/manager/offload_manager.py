@@ -167,6 +167,20 @@ class OffloadManager:
             if key in ready:
                 touch(key)
 
+    def refresh(self, keys: Iterable[bytes]) -> None:
+        """Rank ``keys`` as recent, in the caller's order, without counting hits of this tier.
+
+        For chunks another cache served (the engine's own prefix cache) and for
+        re-ranking a request's head after its tail was stored: recency
+        policies order them like ``touch`` does; policies that count hits
+        (the adaptive policy's shadows, ARC's promotion) do not count these.
+        """
+        ready = self._ready
+        refresh = self.policy.refresh
+        for key in keys:
+            if key in ready:
+                refresh(key)
+
     # -- loads ---------------------------------------------------------------
     def prepare_load(self, keys: Sequence[bytes]) -> LoadResult:
         """Pin ready ``keys`` for a load and return their slots.

@@ -8,7 +8,11 @@ Protocol, as the index drives it:
 
 * ``insert(key)`` once a store of ``key`` completed successfully; the key is
   now resident and evictable (unless protected at eviction time).
-* ``touch(key)`` when a resident key is used (a load, a GPU prefix hit).
+* ``touch(key)`` when a resident key is used (a load from this tier, a hit).
+* ``refresh(key)`` (optional hook) when a resident key should rank as recent
+  without counting as a hit of this tier: a chunk the engine's own prefix
+  cache served, or the head of a request whose tail was just stored (see
+  :mod:`kvoffload.manager.usage`). Default: ``touch``.
 * ``remove(key)`` when a resident key leaves for a reason other than
   eviction (reset of one key, a tier dropping a corrupt chunk).
 * ``evict(n, protected)`` chooses up to ``n`` resident victims for which
@@ -77,6 +81,10 @@ class EvictionPolicy(ABC):
     def admit(self, key: bytes) -> bool:
         """Whether a missing ``key`` should be stored now. Default: always."""
         return True
+
+    def refresh(self, key: bytes) -> None:
+        """Rank a resident ``key`` as recent without counting a hit. Default: ``touch``."""
+        self.touch(key)
 
     def on_miss(self, key: bytes) -> None:
         """A lookup missed ``key``. Default: nothing."""

@@ -10,14 +10,17 @@ and the index-only replay of ``kvoffload replay --index-only``.
 
 * :func:`record_use`: a request used its chunks. Every chunk of its prompt
   counts, whoever served it: the engine's own prefix cache, a load from the
-  tiers, or nobody yet (a chunk already stored is touched, others are
-  ignored). A hot system prompt that the engine keeps in its own cache is
-  therefore hot here too, and is not evicted as if nobody read it.
-  Touched tail first, so the head ends most recent.
+  tiers, or nobody yet (chunks the index does not hold are ignored). A hot
+  system prompt that the engine keeps in its own cache is therefore recent
+  here too, and is not evicted as if nobody read it. Ranked tail first, so
+  the head ends most recent; the engine's hits rank as recent without
+  counting as hits of this tier (``OffloadManager.refresh``), so the
+  adaptive policy's admission shadows count only what this tier serves.
 * :func:`record_stores`: some of its chunks were stored (or promoted from a
   lower tier). They enter the index tail first, then the chunks ahead of
-  them are touched again, tail first, so the whole request ends ordered
-  head-newest, tail-oldest, however many steps its stores took.
+  them are ranked recent again (``refresh``: an order, not another use), so
+  the whole request ends ordered head-newest, tail-oldest, however many
+  steps its stores took.
 
 With these rules kvoffload's LRU reproduces the hit ratios of vLLM's LRU on
 a slice of the Mooncake trace (``tests/test_replay.py``); see
@@ -33,9 +36,17 @@ from kvoffload.manager.offload_manager import OffloadManager
 __all__ = ["record_stores", "record_use"]
 
 
-def record_use(index: OffloadManager, keys: Sequence[bytes]) -> None:
-    """A request used ``keys`` (its chunks in chain order, head first): touch them tail first."""
-    index.touch(keys[::-1])
+def record_use(index: OffloadManager, keys: Sequence[bytes], served: int = 0) -> None:
+    """A request used ``keys`` (its chunks in chain order, head first): tail first.
+
+    The first ``served`` of them came from the engine's own prefix cache: they
+    rank as recent (``refresh``) but are no hit of this tier, so a policy
+    that counts hits to decide what to admit is not misled by traffic the
+    engine served itself. The others are ``touch`` ed.
+    """
+    index.touch(keys[: served - 1 : -1] if served else keys[::-1])
+    if served:
+        index.refresh(keys[served - 1 :: -1])
 
 
 def record_stores(
@@ -58,4 +69,4 @@ def record_stores(
     index.complete_store(done[::-1], success=True)
     first = request_keys.index(done[0])
     if first:
-        index.touch(request_keys[first - 1 :: -1])
+        index.refresh(request_keys[first - 1 :: -1])  # an order, not another use

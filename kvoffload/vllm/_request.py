@@ -116,7 +116,7 @@ class RequestState:
             keys, want = self.keys[g], tokens // span
             if len(keys) < want:
                 keys += extend_prefix_keys(
-                    keys, token_ids[: want * span], span, g, namespace, extras=self.extras
+                    keys, token_ids, span, g, namespace, extras=self.extras, stop=want * span
                 )
 
 

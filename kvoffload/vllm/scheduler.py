@@ -138,7 +138,11 @@ class OffloadScheduler:
         # Every chunk of the prompt was used, vLLM's own prefix-cache hits included:
         # a prompt its GPU cache keeps serving must not look cold here.
         if not req.use_recorded:
-            record_use(self.index, req.chain(self.tokens_per_chunk))
+            served = sum(
+                min(len(keys), req.local_hit // span)
+                for keys, span in zip(req.keys, self.tokens_per_chunk, strict=True)
+            )
+            record_use(self.index, req.chain(self.tokens_per_chunk), served)
             req.use_recorded = True
         if num_external <= 0 or not req.offered:
             # vLLM's own prefix-cache blocks (null ones are skipped later).

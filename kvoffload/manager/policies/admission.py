@@ -67,6 +67,9 @@ class AdmissionFilter(EvictionPolicy):
     def touch(self, key: bytes) -> None:
         self.inner.touch(key)
 
+    def refresh(self, key: bytes) -> None:
+        self.inner.refresh(key)
+
     def remove(self, key: bytes) -> None:
         self.inner.remove(key)
 

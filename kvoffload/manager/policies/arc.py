@@ -75,6 +75,13 @@ class ARCPolicy(EvictionPolicy):
             del self._t1[key]
             t2[key] = None
 
+    def refresh(self, key: bytes) -> None:
+        """Most recent in its own list: recency without the promotion a hit earns."""
+        for queue in (self._t1, self._t2):
+            if key in queue:
+                queue.move_to_end(key)
+                return
+
     def remove(self, key: bytes) -> None:
         self._t1.pop(key, None)
         self._t2.pop(key, None)
