@@ -170,7 +170,7 @@ class VLLMSide:
             num_scheduled_tokens={req.req_id: n for req, n in plan.scheduled},
             total_num_scheduled_tokens=plan.num_tokens, scheduled_spec_decode_tokens={},
             scheduled_encoder_inputs={}, finished_req_ids=set(plan.finished),
-            free_encoder_mm_hashes=[], preempted_req_ids=set(plan.preempted),
+            free_encoder_mm_hashes=[], preempted_req_ids=set(),
         )  # fmt: skip
         with self.clock:
             meta = self.connector.build_connector_meta(output)

@@ -9,6 +9,7 @@ import pytest
 
 from kvoffload.cli import main
 from kvoffload.cli._demo_trace import generate_demo_trace
+from kvoffload.cli.demo import render
 
 BUNDLED = Path(__file__).resolve().parents[1] / "kvoffload" / "examples" / "demo_trace.jsonl"
 
@@ -28,6 +29,10 @@ def test_demo_runs_verifies_and_reports_json(
     assert report["gpu_hit_tokens"] > 0 and report["failed_stores"] == 0
     assert report["gpu_hit_tokens"] + report["loaded_tokens"] < report["prompt_tokens"]
     assert any(tmp_path.rglob("*.kv"))  # write-through reached real files
+    text = render(report).splitlines()
+    assert text[0].startswith("kvoffload demo: 24 requests") and text[-1].startswith("OK: ")
+    loaded = next(line for line in text if "loaded by kvoffload" in line).split()
+    assert int(loaded[3]) == report["loaded_tokens"]
 
 
 def test_bundled_trace_is_the_generator_output() -> None:

@@ -127,30 +127,22 @@ class StandIn:
         return plan
 
     def _schedule_running(self, plan: StepPlan, budget: int) -> int:
-        i = 0
-        while i < len(self.running) and budget > 0:
-            req = self.running[i]
+        """Running requests continue their prefill first, as in vLLM.
+
+        There is no preemption: admission reserved every admitted prompt's
+        blocks (:meth:`_fits`), so a running request always finds its own.
+        """
+        for req in self.running:
+            if budget <= 0:
+                break
             n = min(req.num_tokens - req.computed, budget)
             self.cache.remove_skipped(req.blocks, req.computed)
-            while not self.cache.allocate(req.blocks, None, req.computed, req.computed + n):
-                victim = self.running[-1]
-                self._preempt(victim, plan)
-                if victim is req:
-                    return budget
+            if not self.cache.allocate(req.blocks, None, req.computed, req.computed + n):
+                raise RuntimeError(f"request {req.req_id!r} found no blocks: the reserve is wrong")
             self.cache.cache(req.blocks, req.hashes, req.computed + n)
             plan.scheduled.append((req, n))
             budget -= n
-            i += 1
         return budget
-
-    def _preempt(self, req: SimRequest, plan: StepPlan) -> None:
-        """vLLM's preemption: the request loses its blocks and starts over later."""
-        self.running.remove(req)
-        self.cache.free(req.blocks)
-        req.computed, req.status, req.told = 0, Status.WAITING, [0] * len(req.blocks)
-        self.waiting.insert(0, req)
-        plan.preempted.add(req.req_id)
-        self.stats.preemptions += 1
 
     def _schedule_waiting(self, plan: StepPlan, budget: int) -> None:
         i = 0

@@ -76,7 +76,7 @@ class KVOffloadSide:
             for req, n in plan.scheduled
         ]
         with self.clock:
-            orders = self.scheduler.plan_step(scheduled, plan.preempted)
+            orders = self.scheduler.plan_step(scheduled)  # the stand-in never preempts
         return _Meta(tuple(orders), idle=plan.num_tokens == 0)
 
     def update_connector_output(self, result: WorkerResult) -> None:

@@ -59,7 +59,6 @@ class StepPlan:
     #: Per scheduled request, the blocks allocated since it was last scheduled.
     new_blocks: dict[str, list[list[int]]] = field(default_factory=dict)
     finished: set[str] = field(default_factory=set)
-    preempted: set[str] = field(default_factory=set)
 
     @property
     def num_tokens(self) -> int:
@@ -120,7 +119,6 @@ class StandInStats:
     loaded_tokens: int = 0
     failed_load_tokens: int = 0
     deferred_lookups: int = 0
-    preemptions: int = 0
     gpu_evictions: int = 0
     #: With KV pages: loaded blocks checked and found exact; any block found wrong.
     verified_blocks: int = 0
