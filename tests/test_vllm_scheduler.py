@@ -317,13 +317,17 @@ def test_a_suspended_worker_fails_orders_and_keeps_the_tiers(rigs: list[Rig]) ->
     r.serve("r1", ids)
     r.worker.suspend()
     r.worker.suspend()  # idempotent, as vLLM asks
-    asleep = r.serve("r2", ids)
-    assert asleep.offered == r.top_hit(70)  # the chunks are still there...
-    assert asleep.failed == asleep.offered and asleep.loaded == 0  # ...but not loaded now
+    r.engine.reset_prefix_cache()
+    r.engine.add("r2", ids)
+    r.engine.step()  # r2's load is ordered, refused and reported failed in this step
+    stats = r.engine.stats
+    assert stats.external_tokens == r.top_hit(70)  # the chunks are still there...
+    assert stats.loaded_tokens == 0 and r.scheduler.figures()["failed_loads"] == 1  # ...not loaded
     assert r.worker.figures()["suspended_orders"] == 1  # r2's load (its chunks are stored)
     r.worker.resume()
-    awake = r.serve("r3", ids)
-    assert awake.offered == awake.loaded == r.top_hit(70) and awake.mismatched == 0
+    r.engine.run([])  # vLLM starts r2 over: the same hit, loaded this time
+    assert stats.failed_load_tokens == stats.loaded_tokens == r.top_hit(70)
+    assert stats.mismatched_blocks == 0 and stats.verified_blocks > 0
 
 
 def test_a_lookup_waits_for_a_promotion_in_flight(rigs: list[Rig], tmp_path: Path) -> None:

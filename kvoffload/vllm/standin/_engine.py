@@ -224,9 +224,9 @@ class StandIn:
 
     def _resume(self, req: SimRequest, ok: bool) -> None:
         """vLLM's ``_update_waiting_for_remote_kv``: cache what is valid, or start over."""
-        if not ok:  # a failed hybrid load: recompute from vLLM's own hit
+        if not ok:  # a failed request (hybrid layouts): vLLM starts it over, lookups included
             self.stats.failed_load_tokens += req.computed - req.local_hit
-            req.computed = req.local_hit
+            req.computed = 0
         loaded = max(0, req.computed - req.local_hit)
         self.stats.loaded_tokens += loaded
         if loaded and self.kv is not None:
