@@ -1,7 +1,7 @@
 """Every tier keeps tenants apart: a salted chunk is a hit for its own salt only.
 
-The connector's scheduler and worker sides run on real parts (the stand-in
-of ``test_vllm_scheduler`` plays vLLM): the CPU tier in one process, and the
+The connector's scheduler and worker sides run on real parts (the package's
+stand-in plays vLLM, through ``test_vllm_scheduler``'s rig): the CPU tier in one process, and the
 disk tier (real files) and the remote tier (a real Redis server on loopback)
 read by a second engine with an empty CPU tier, as after a restart or on
 another machine. Another salt, no salt, or the same salt with a LoRA adapter
@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from test_vllm_scheduler import Engine, llama_like, tokens, top_hit
+from test_vllm_scheduler import Rig, llama_like, tokens
 
 from kvoffload.keys import KeyExtras
 
@@ -40,20 +40,20 @@ def test_a_salted_chunk_is_a_hit_for_its_own_salt_only(
     settings = tier_settings(tier, tmp_path, request)
     disk = tmp_path / "kv" if tier == "disk" else None
     ids = tokens(70)
-    writer = Engine(llama_like(), disk, **settings)
+    writer = Rig(llama_like(), disk, **settings)
     writer.serve("alice-1", ids, extras=ALICE)
     if tier == "cpu":
         reader = writer
     else:  # a new engine: an empty CPU tier, the lower tier as the writer left it
         writer.close()
-        reader = Engine(llama_like(), disk, probes=True, **settings)
+        reader = Rig(llama_like(), disk, probes=True, **settings)
     sched = reader.scheduler
     for name, extras in OTHERS.items():
         assert sched.lookup(f"other-{name}", ids, 0, extras) == 0, name
         sched.request_finished(f"other-{name}")
     served = reader.serve("alice-2", ids, extras=ALICE)
-    assert served.offered == top_hit(reader, 70) > 0
-    assert served.loaded_ok and served.mismatched == 0
+    assert served.offered == served.loaded == reader.top_hit(70) > 0
+    assert served.mismatched == 0 and served.verified > 0
     figures = sched.figures()
     assert figures["hit_tokens"] == served.offered  # the misses above offered nothing
     assert (
@@ -70,7 +70,7 @@ def test_a_salted_chunk_is_a_hit_for_its_own_salt_only(
 def test_two_tenants_keep_separate_copies_on_disk(tmp_path: Path) -> None:
     """The same prompt under two salts is two sets of chunk files; each reads its own."""
     ids = tokens(70)
-    writer = Engine(llama_like(), tmp_path)
+    writer = Rig(llama_like(), tmp_path)
     writer.serve("a", ids, extras=ALICE)
     files_alice = set(tmp_path.rglob("*.kv"))
     writer.serve("b", ids, extras=KeyExtras(salt="bob"))
@@ -81,9 +81,10 @@ def test_two_tenants_keep_separate_copies_on_disk(tmp_path: Path) -> None:
         with path.open("r+b") as f:
             f.seek(4096 + 10)
             f.write(b"\x00\xff" * 8)
-    reader = Engine(llama_like(), tmp_path, probes=True)
+    reader = Rig(llama_like(), tmp_path, probes=True)
     served = reader.serve("a2", ids, extras=ALICE)
-    assert served.offered == top_hit(reader, 70) and served.loaded_ok and served.mismatched == 0
+    assert served.offered == served.loaded == reader.top_hit(70) and served.mismatched == 0
     bob = reader.serve("b2", ids, extras=KeyExtras(salt="bob"))
-    assert not bob.loaded_ok  # bob's damaged files are refused, never alice's handed over
+    # bob's damaged files are refused, never alice's handed over
+    assert bob.offered == bob.failed > 0 and bob.loaded == 0 and bob.mismatched == 0
     reader.close()

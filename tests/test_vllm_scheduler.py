@@ -25,7 +25,7 @@ import torch
 from kvoffload import build_offloading_config
 from kvoffload.config.layout import CacheGroup, KVLayout
 from kvoffload.engine import JobKind
-from kvoffload.keys import namespace_of
+from kvoffload.keys import KeyExtras, namespace_of
 from kvoffload.messages import JobReport
 from kvoffload.tiers.from_config import lower_probes
 from kvoffload.transfer import allocate_kv_caches
@@ -97,14 +97,17 @@ class Rig:
                               kv=KVPages(layout, kv))  # fmt: skip
         self.scheduler, self.worker = self.side.scheduler, self.side.worker
 
-    def serve(self, req_id: str, ids: list[int], *, gpu: bool = False) -> Served:
+    def serve(
+        self, req_id: str, ids: list[int], *, gpu: bool = False, extras: KeyExtras | None = None
+    ) -> Served:
         """One request, alone in the engine; the GPU cache is reset first unless ``gpu``."""
         if not gpu:
             self.engine.reset_prefix_cache()
         s = self.engine.stats
         before = (s.external_tokens, s.loaded_tokens, s.failed_load_tokens, s.gpu_hit_tokens,
                   s.verified_blocks, s.mismatched_blocks)  # fmt: skip
-        self.engine.run([(req_id, ids)], in_flight=1)
+        self.engine.add(req_id, ids, extras)
+        self.engine.run([], in_flight=1)
         after = (s.external_tokens, s.loaded_tokens, s.failed_load_tokens, s.gpu_hit_tokens,
                  s.verified_blocks, s.mismatched_blocks)  # fmt: skip
         return Served(*(a - b for a, b in zip(after, before, strict=True)))

@@ -153,33 +153,22 @@ class OffloadManager:
     def touch(self, keys: Iterable[bytes]) -> None:
         """Tell the policy ``keys`` were used, in the caller's order; unknown keys are ignored.
 
-        Call it for every use, GPU prefix-cache hits included, so that chunks
-        the engine still holds do not look cold here. Order matters to
-        recency policies: the last key touched is the most recent. A request's
-        keys passed tail first (``keys[::-1]``) make the chain head the most
-        recent, so the tail is evicted first and the head, which the tail
-        needs, survives; on the Claude Code trace at 8,000 chunks that was
-        +6.7 points of hit ratio for LRU (see also ``complete_store``).
+        The last key touched is the most recent: a request's keys tail first
+        keep its head, which the tail needs, longest (the order
+        :mod:`kvoffload.manager.usage` gives; +6.7 points of LRU hit ratio on
+        the Claude Code trace at 8,000 chunks).
         """
-        ready = self._ready
-        touch = self.policy.touch
-        for key in keys:
-            if key in ready:
-                touch(key)
+        self._rank(keys, self.policy.touch)
 
     def refresh(self, keys: Iterable[bytes]) -> None:
-        """Rank ``keys`` as recent, in the caller's order, without counting hits of this tier.
+        """Rank ``keys`` recent like ``touch``, but as no hit of this tier (see ``usage``)."""
+        self._rank(keys, self.policy.refresh)
 
-        For chunks another cache served (the engine's own prefix cache) and for
-        re-ranking a request's head after its tail was stored: recency
-        policies order them like ``touch`` does; policies that count hits
-        (the adaptive policy's shadows, ARC's promotion) do not count these.
-        """
+    def _rank(self, keys: Iterable[bytes], rank: Callable[[bytes], None]) -> None:
         ready = self._ready
-        refresh = self.policy.refresh
         for key in keys:
             if key in ready:
-                refresh(key)
+                rank(key)
 
     # -- loads ---------------------------------------------------------------
     def prepare_load(self, keys: Sequence[bytes]) -> LoadResult:

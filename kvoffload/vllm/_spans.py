@@ -9,9 +9,14 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import NamedTuple
 
+from kvoffload.config.layout import CacheGroup
 from kvoffload.messages import BlockSpan, ChunkSpan
+from kvoffload.vllm._hits import needed_tokens
 
-__all__ = ["LoadPiece", "load_spans", "store_spans"]
+__all__ = ["NULL_BLOCK", "LoadPiece", "load_pieces", "load_spans", "store_spans"]
+
+#: vLLM's placeholder block id for blocks a group does not hold (outside a window).
+NULL_BLOCK = 0
 
 
 class LoadPiece(NamedTuple):
@@ -22,6 +27,33 @@ class LoadPiece(NamedTuple):
     first: int
     stop: int
     keys: tuple[bytes, ...]
+
+
+def load_pieces(
+    groups: Sequence[CacheGroup],
+    keys: Sequence[Sequence[bytes]],
+    block_ids: Sequence[Sequence[int]],
+    hit: tuple[int, int],
+    blocks_per_chunk: int,
+) -> list[LoadPiece]:
+    """Per group, the engine blocks a hit fills and the chunks they lie in.
+
+    ``hit`` is ``(local, stop)``: vLLM's own hit and the hit point; a group's
+    blocks before what it needs, and null blocks, are not filled.
+    """
+    local, stop_token = hit
+    pieces = []
+    for g, group in enumerate(groups):
+        blocks, tpb = block_ids[g], group.tokens_per_block
+        first = needed_tokens(group, local, stop_token)[0] // tpb
+        stop = min(-(-stop_token // tpb), len(blocks))
+        while first < stop and blocks[first] == NULL_BLOCK:
+            first += 1
+        if first < stop:
+            c0 = first // blocks_per_chunk
+            chunk_keys = tuple(keys[g][c0 : -(-stop // blocks_per_chunk)])
+            pieces.append(LoadPiece(g, c0, first, stop, chunk_keys))
+    return pieces
 
 
 def _runs(flags: Sequence[object]) -> list[tuple[int, int]]:

@@ -237,8 +237,8 @@ class KVOffloadConnector(KVConnectorBase_V1, SupportsHMA):
             blocks = {step.req_id: step.block_ids for step in scheduled}
             for order in orders:
                 if order.kind is JobKind.STORE and order.req_id in blocks:
-                    self._events.describe(self._requests[order.req_id], order,
-                                          blocks[order.req_id], scheduler.index.storing_mask)  # fmt: skip
+                    request, ids = self._requests[order.req_id], blocks[order.req_id]
+                    self._events.describe(request, order, ids, scheduler.index.storing_mask)
         idle = scheduler_output.total_num_scheduled_tokens == 0
         return KVOffloadMetadata(tuple(orders), idle=idle)
 

@@ -34,14 +34,11 @@ from kvoffload.manager.results import IndexEvent
 from kvoffload.manager.usage import record_stores, record_use
 from kvoffload.messages import JobKind, JobReport, TransferOrder, merge_reports
 from kvoffload.tiers.base import TierProbe
-from kvoffload.vllm._hits import HitFinder, needed_tokens
+from kvoffload.vllm._hits import HitFinder
 from kvoffload.vllm._request import JobState, RequestState, StepRequest, covered, tier_shares
-from kvoffload.vllm._spans import LoadPiece, load_spans, store_spans
+from kvoffload.vllm._spans import NULL_BLOCK, load_pieces, load_spans, store_spans
 
 __all__ = ["NULL_BLOCK", "OffloadScheduler", "StepRequest", "TierProbe"]
-
-#: vLLM's placeholder block id for blocks a group does not hold (outside a window).
-NULL_BLOCK = 0
 
 
 class OffloadScheduler:
@@ -152,7 +149,7 @@ class OffloadScheduler:
         hit = req.offered
         local = hit - num_external
         req.mark_valid(0, local)
-        pieces = self._load_pieces(req, block_ids, local, hit)
+        pieces = load_pieces(self.layout.groups, req.keys, block_ids, (local, hit), self.bpc)
         slots, lost, job = self._reserve([k for p in pieces for k in p.keys], req.tenant)
         spans, unloadable = load_spans(pieces, block_ids, slots, lost, self.bpc)
         order = TransferOrder(self._new_job_id(), req_id, JobKind.LOAD, spans, unloadable)
@@ -171,23 +168,6 @@ class OffloadScheduler:
         figures["lower_hit_chunks"] += len(job.promoted)
         figures["unloadable_chunks"] += len(lost)
         return order
-
-    def _load_pieces(
-        self, req: RequestState, block_ids: Sequence[Sequence[int]], local: int, hit: int
-    ) -> list[LoadPiece]:
-        """Per group, the engine blocks a hit at ``hit`` fills and the chunks they lie in."""
-        pieces = []
-        for g, group in enumerate(self.layout.groups):
-            blocks, tpb = block_ids[g], group.tokens_per_block
-            first = needed_tokens(group, local, hit)[0] // tpb
-            stop = min(-(-hit // tpb), len(blocks))
-            while first < stop and blocks[first] == NULL_BLOCK:
-                first += 1
-            if first < stop:
-                c0 = first // self.bpc
-                keys = tuple(req.keys[g][c0 : -(-stop // self.bpc)])
-                pieces.append(LoadPiece(g, c0, first, stop, keys))
-        return pieces
 
     def _reserve(
         self, keys: list[bytes], tenant: str | None
@@ -215,22 +195,15 @@ class OffloadScheduler:
     def plan_step(
         self, scheduled: Iterable[StepRequest], preempted: Iterable[str] = ()
     ) -> list[TransferOrder]:
-        """This step's orders (vLLM's ``build_connector_meta``): loads planned since the
-        last step and stores of what ``scheduled`` requests compute now.
-
-        ``preempted`` requests lost their blocks first (see :meth:`preempted`).
+        """vLLM's ``build_connector_meta``: the stores of what ``scheduled`` computes now
+        (after ``preempted`` lost their blocks), with the loads planned since the last step.
         """
         for req_id in preempted:
             self.preempted(req_id)
-        for step in scheduled:
-            self.plan_store(
-                step.req_id,
-                step.token_ids,
-                computed=step.computed,
-                scheduled=step.scheduled,
-                block_ids=step.block_ids,
-                num_prompt_tokens=step.num_prompt_tokens,
-            )
+        for s in scheduled:
+            self.plan_store(s.req_id, s.token_ids, computed=s.computed, scheduled=s.scheduled,
+                            block_ids=s.block_ids,
+                            num_prompt_tokens=s.num_prompt_tokens)  # fmt: skip
         return self.take_orders()
 
     def plan_store(

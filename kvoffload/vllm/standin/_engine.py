@@ -7,7 +7,7 @@ from collections.abc import Iterable, Sequence
 
 from kvoffload.config.layout import KVLayout
 from kvoffload.errors import ConfigError
-from kvoffload.keys import prefix_keys_for_layout
+from kvoffload.keys import KeyExtras, prefix_keys_for_layout
 from kvoffload.vllm._hits import needed_tokens
 from kvoffload.vllm.standin._kv import KVPages
 from kvoffload.vllm.standin._prefix_cache import NULL_BLOCK, PrefixCache
@@ -55,7 +55,9 @@ class StandIn:
         self._idle = 0
 
     # -- feeding requests -----------------------------------------------------------------
-    def add(self, req_id: str, tokens: Sequence[int]) -> SimRequest:
+    def add(
+        self, req_id: str, tokens: Sequence[int], extras: KeyExtras | None = None
+    ) -> SimRequest:
         """A new request; ``ConfigError`` if it could never fit in the GPU cache."""
         need = sum(-(-len(tokens) // tpb) for tpb in self.layout.tokens_per_block)
         if need >= self.cache.num_blocks:
@@ -63,16 +65,20 @@ class StandIn:
                 f"request {req_id!r} ({len(tokens)} tokens) needs up to {need} blocks, more than "
                 f"a GPU cache of {self.cache.num_blocks} holds; give more GPU blocks"
             )
-        hashes = self.block_hashes(tokens)
+        hashes = self.block_hashes(tokens, extras)
         groups = len(self.layout.groups)
-        req = SimRequest(req_id, tokens, hashes, [[] for _ in range(groups)], told=[0] * groups)
+        req = SimRequest(req_id, tokens, hashes, [[] for _ in range(groups)], extras,
+                         told=[0] * groups)  # fmt: skip
         self.side.add_request(req)
         self.waiting.append(req)
         return req
 
-    def block_hashes(self, tokens: Sequence[int]) -> list[list[bytes]]:
-        """Per group, the GPU prefix cache's hash of each full block of ``tokens``."""
-        return prefix_keys_for_layout(tokens, self.layout.tokens_per_block, _GPU_NAMESPACE)
+    def block_hashes(
+        self, tokens: Sequence[int], extras: KeyExtras | None = None
+    ) -> list[list[bytes]]:
+        """Per group, the GPU prefix cache's hash of each full block (vLLM's, salts included)."""
+        tpb = self.layout.tokens_per_block
+        return prefix_keys_for_layout(tokens, tpb, _GPU_NAMESPACE, extras=extras)
 
     def run(
         self, requests: Iterable[tuple[str, Sequence[int]]], in_flight: int = 4

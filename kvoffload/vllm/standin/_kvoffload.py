@@ -64,7 +64,7 @@ class KVOffloadSide:
 
     def get_num_new_matched_tokens(self, req: SimRequest, num_computed: int) -> int | None:
         with self.clock:
-            return self.scheduler.lookup(req.req_id, req.tokens, num_computed)
+            return self.scheduler.lookup(req.req_id, req.tokens, num_computed, req.extras)
 
     def update_state_after_alloc(self, req: SimRequest, num_external: int) -> None:
         with self.clock:

@@ -25,11 +25,9 @@ from collections.abc import Iterable, Sequence
 
 from kvoffload.config.layout import KVLayout
 from kvoffload.vllm._hits import needed_tokens
+from kvoffload.vllm._spans import NULL_BLOCK
 
 __all__ = ["NULL_BLOCK", "PrefixCache"]
-
-#: vLLM's null block: a placeholder for blocks a group does not hold.
-NULL_BLOCK = 0
 
 Table = list[list[int]]
 

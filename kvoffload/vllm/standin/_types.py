@@ -8,6 +8,8 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Protocol
 
+from kvoffload.keys import KeyExtras
+
 __all__ = [
     "ConnectorSide",
     "SimRequest",
@@ -35,6 +37,8 @@ class SimRequest:
     #: Per group, the hash of each full block (every token up to its end).
     hashes: list[list[bytes]]
     blocks: list[list[int]]
+    #: What its KV depends on besides its tokens (salt, LoRA adapter, ...), keyed with them.
+    extras: KeyExtras | None = None
     status: Status = Status.WAITING
     computed: int = 0
     #: Tokens the GPU prefix cache served, and those the connector offered and vLLM took.
