@@ -32,8 +32,8 @@ def test_plan_prints_groups_and_budget(capsys: pytest.CaptureFixture[str]) -> No
             "4      sliding_mla     the 8 tokens before H    8.44 KiB..32.06 KiB (2 sizes)",
         ]),
         (["tiny_qwen3_next", "--block-size", "128"], [
-            "0      mamba  the state at H        35 KiB state (page 64 KiB)  16384 states",
-            "3      full   every token before H  64 KiB                      4194304 tokens",
+            "0      mamba  the state at H (one state)  35 KiB state (page 64 KiB)  16384 states",
+            "3      full   every token before H        64 KiB                      4194304 tokens",
         ]),
         (["tiny_llama4", "--hybrid", "on"], [
             "0      chunked_local  tokens since H's 1024-token chunk",
@@ -73,6 +73,28 @@ def test_plan_json_lists_each_layers_page_of_a_mixed_group(
     qwen = main(["plan", "tiny_qwen3_next", "--json"])
     state = json.loads(capsys.readouterr().out)["groups"][0]
     assert qwen == 0 and state["reuse"] == "state" and "cpu_states_if_alone" in state
+
+
+@pytest.mark.parametrize(
+    ("extra", "prefix"),
+    [
+        # Every chunk: 16384 chunks of the four groups' 256-token chunks (block raised to 256).
+        ({"retention_interval": 1}, 16384 // 4 * 256),
+        # 15649 full-attention chunks, and 3 states at each of 245 hit points (the end and
+        # every 16384 tokens): 16384 chunks.
+        ({}, 15649 * 256),
+        # One hit point, at the end: 3 states.
+        ({"retention_interval": 0}, (16384 - 3) * 256),
+    ],
+)
+def test_plan_holds_a_longer_prefix_with_retention(
+    extra: dict[str, int], prefix: int, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A state group keeps one state per hit point, not one per chunk, of a shared prefix."""
+    config = json.dumps({"cpu_bytes_to_use": "1GiB", **extra})
+    args = ["plan", "tiny_qwen3_next", "--block-size", "128", "--extra-config", config]
+    assert main([*args, "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["cpu_prefix_tokens"] == prefix
 
 
 def test_plan_reads_extra_config_from_a_file(

@@ -71,8 +71,10 @@ def test_the_maximum_is_accepted_and_below_the_minimum_is_not(
     top = key.bounds.maximum
     for value in (top, str(top), float(top)):
         assert the_value(build_with(uniform_layout, key, value), key) == top
-    with pytest.raises(ConfigError, match=f"^{key.name!r} must be greater than 0, got 0$"):
-        build_with(uniform_layout, key, key.bounds.minimum - 1)
+    low = key.bounds.minimum - 1
+    bound = "greater than 0" if low == 0 else f"at least {key.bounds.minimum:,}"
+    with pytest.raises(ConfigError, match=f"^{key.name!r} must be {bound}, got {low}$"):
+        build_with(uniform_layout, key, low)
 
 
 @pytest.mark.parametrize("key", NUMERIC_KEYS, ids=lambda key: key.name)

@@ -253,6 +253,38 @@ def test_reset_keeps_pinned_and_in_flight_chunks(policy: str) -> None:
     manager.check_integrity()
 
 
+def test_discard_drops_only_ready_unpinned_chunks(policy: str) -> None:
+    manager = filled(policy, 4, 3)
+    manager.prepare_load([K[1]])
+    store = manager.prepare_store([K[5]])
+    assert store is not None
+    dropped = manager.discard([K[0], K[1], K[5], K[9], K[0]])  # pinned, in flight, unknown
+    assert dropped == [K[0]]
+    assert [(e.kind, e.key) for e in manager.take_events()] == [(EventKind.REMOVED, K[0])]
+    assert manager.ready_mask([K[0], K[1], K[2]]) == [False, True, True]
+    manager.check_integrity()  # the policy forgot it too
+    again = manager.prepare_store([K[6]])  # its slot is free again
+    assert again is not None and again.evicted == ()
+    manager.complete_store([*store.keys, *again.keys])
+    manager.complete_load([K[1]])
+    assert manager.stats()["removed"] == 1
+    manager.check_integrity()
+
+
+def test_discard_gives_a_tenant_its_share_back() -> None:
+    manager = OffloadManager(4, "lru", tenant_share=0.5)
+    for tenant, keys in (("a", K[:2]), ("b", K[2:4])):
+        stored = manager.prepare_store(keys, tenant=tenant)
+        assert stored is not None
+        manager.complete_store(stored.keys)
+    assert manager.discard([K[0]]) == [K[0]]
+    manager.check_integrity()  # the tenants' counts agree with the index
+    again = manager.prepare_store([K[5]], tenant="a")
+    assert again is not None and again.evicted == ()  # a's freed slot, nobody evicted
+    manager.complete_store(again.keys)
+    manager.check_integrity()
+
+
 def test_record_events_off(policy: str) -> None:
     manager = OffloadManager(1, policy, record_events=False)
     for i in range(3):

@@ -18,6 +18,7 @@ from kvoffload.config.keys import KEYS
 from kvoffload.config.layout import CacheGroup, Reuse
 from kvoffload.config.values import format_bytes, safe_repr
 from kvoffload.errors import ConfigError
+from kvoffload.vllm._hits import needed_chunks
 
 __all__ = ["EXAMPLES", "example_path", "register", "run"]
 
@@ -93,10 +94,17 @@ def _extra_config(text: str) -> Any:
         raise ConfigError(f"--extra-config is not valid JSON ({exc}): {safe_repr(text)}") from exc
 
 
+def _retention_note(config: OffloadConfig) -> str:
+    if config.retention_step == 0:
+        return "none: retention_interval 0"
+    return f"{config.retention_step} tokens"
+
+
 def _needs(group: CacheGroup) -> str:
     """What a hit at ``H`` needs from ``group``, in words."""
     if group.reuse is Reuse.STATE:
-        return "the state at H"
+        per = "one state" if group.num_layers == 1 else f"{group.num_layers} states, one a layer"
+        return f"the state at H ({per})"
     if group.attention_chunk_size is not None:
         return f"tokens since H's {group.attention_chunk_size}-token chunk"
     if group.sliding_window is not None:
@@ -112,6 +120,45 @@ def _page_text(group: CacheGroup, engine_page: int) -> str:
     if len(pages) == 1:
         return format_bytes(pages[0])
     return f"{format_bytes(pages[0])}..{format_bytes(pages[-1])} ({len(pages)} sizes)"
+
+
+#: The longest prefix ``cpu_prefix_tokens`` considers: past any context window.
+MAX_PREFIX = 1 << 24
+
+
+def prefix_chunks(config: OffloadConfig, tokens: int) -> int:
+    """Chunks a prefix of ``tokens`` tokens keeps: every chunk of the full-prefix groups,
+    and of window and state groups what its hit points need (its end, every retention step).
+
+    A window's chunks only move right as the hit point grows, so the union of
+    the points' windows is one sweep.
+    """
+    step = config.retention_step
+    points = [*range(step, tokens, step), tokens] if step else [tokens]
+    total = 0
+    for group, span in zip(config.layout.groups, config.tokens_per_chunk, strict=True):
+        if group.reuse is Reuse.PREFIX:
+            total += tokens // span
+            continue
+        reached = 0
+        for point in points:
+            needed = needed_chunks(group, span, 0, point)
+            total += max(0, needed.stop - max(needed.start, reached))
+            reached = max(reached, needed.stop)
+    return total
+
+
+def cpu_prefix_tokens(config: OffloadConfig) -> int:
+    """The longest prefix (on a hit boundary, at most ``MAX_PREFIX``) the CPU tier holds."""
+    align, room = config.hit_alignment, config.num_cpu_chunks
+    low, high = 0, MAX_PREFIX // align
+    while low < high:  # the chunks a prefix keeps grow with it
+        mid = (low + high + 1) // 2
+        if prefix_chunks(config, mid * align) <= room:
+            low = mid
+        else:
+            high = mid - 1
+    return low * align
 
 
 def plan_summary(config: OffloadConfig) -> dict[str, Any]:
@@ -135,8 +182,6 @@ def plan_summary(config: OffloadConfig) -> dict[str, Any]:
         else:
             entry["cpu_tokens_if_alone"] = config.num_cpu_chunks * span
         groups.append(entry)
-    # A prefix of T tokens needs T / tokens_per_chunk chunks in every group.
-    chunks_per_token = sum(1 / span for span in config.tokens_per_chunk)
     return {
         "groups": groups,
         "blocks_per_chunk": config.blocks_per_chunk,
@@ -144,7 +189,7 @@ def plan_summary(config: OffloadConfig) -> dict[str, Any]:
         "cpu_bytes_to_use": config.cpu_bytes_to_use,
         "world_size": config.world_size,
         "cpu_chunks_per_worker": config.num_cpu_chunks,
-        "cpu_prefix_tokens": int(config.num_cpu_chunks / chunks_per_token),
+        "cpu_prefix_tokens": cpu_prefix_tokens(config),
         "disk_path": config.disk_path,
         "disk_chunks": config.num_disk_chunks,
     }
@@ -187,8 +232,9 @@ def run(args: argparse.Namespace) -> int:
     print(config)
     print(
         f"\nThe CPU tier holds {config.num_cpu_chunks} chunks per worker "
-        f"({format_bytes(config.max_chunk_bytes)} slots): a shared prefix of about "
-        f"{summary['cpu_prefix_tokens']} tokens in every group. Per group:\n"
+        f"({format_bytes(config.max_chunk_bytes)} slots): a shared prefix of "
+        f"{summary['cpu_prefix_tokens']} tokens with a hit point at its end and every "
+        f"retention step ({_retention_note(config)}). Per group:\n"
     )
     print("\n".join(_group_table(config, summary)))
     return 0

@@ -131,6 +131,8 @@ _BYTES = values.Bounds(1, 2**60)
 _BLOCKS = values.Bounds(1, 2**20, "2^20")
 #: Tokens per chunk: 2^24 (16M) tokens, past any context window.
 _TOKENS = values.Bounds(1, 2**24, "2^24")
+#: Tokens between retained hit points: 0 for none; 2^24 (16M) tokens, past any context window.
+_INTERVAL = values.Bounds(0, 2**24, "2^24")
 #: Sightings before a store: a higher threshold would store almost nothing.
 _SIGHTINGS = values.Bounds(1, 1000)
 #: Waits in milliseconds: a server slower than a day is down, and a day fits every timer.
@@ -160,6 +162,14 @@ KEYS: tuple[Key, ...] = (
         "Most of the CPU tier one tenant (one `cache_salt`; requests without one are a "
         "tenant too) may hold, as a fraction of its chunks: a tenant at its share evicts "
         "its own chunks, never the others'. Unset: no limit."),
+    Key("retention_interval", KeyType.INT,
+        "Sliding-window chunks and recurrent states are stored only where a later hit can "
+        "land: the aligned ends of each request's prompt and output, where its prefix left "
+        "what was stored, and one hit point every this many tokens (rounded up to a chunk "
+        "boundary of every group). 0: no periodic points; 1: every chunk boundary (stores "
+        "every chunk). Full-attention chunks are always all stored. The default kept 98% of "
+        "the hits of storing every chunk for 29% of its bytes (docs/benchmarks.md).",
+        bounds=_INTERVAL),
     Key("disk_path", KeyType.PATH,
         "Directory of the disk tier (created 0700), on a local file system. Processes may "
         "share it (data-parallel replicas, several servers, tensor-parallel ranks): each "

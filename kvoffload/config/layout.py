@@ -8,6 +8,14 @@ is why kvoffload sizes chunks in blocks per group rather than in tokens. The
 layers of one group usually have one page size; DeepSeek-V4's packed groups
 mix layers of different page sizes (``layer_page_bytes``).
 
+A *state* group (Mamba, gated DeltaNet: :attr:`Reuse.STATE`) holds no tokens:
+each of its blocks is one recurrent state, the one after exactly
+``(i + 1) * tokens_per_block`` tokens for block ``i``, and ``page_bytes`` is
+one layer's state (conv and SSM together, without the engine's padding). A
+chunk of a state group is the single state at the chunk's end, so it is one
+block whatever ``blocks_per_chunk`` is, and a hit can only land where such a
+state was stored.
+
 Everything here validates itself on construction, so code further down can
 trust a ``KVLayout`` without re-checking it.
 """
@@ -69,10 +77,11 @@ class CacheGroup:
     """One KV cache group: layers sharing a block table.
 
     ``page_bytes`` is the size of one block of one layer, K and V together,
-    exactly as the engine allocates it (padding included). When the layers'
-    pages differ (DeepSeek-V4 packs MLA, indexer and compressor layers into
-    one group), ``layer_page_bytes`` gives each layer's page in layer order
-    and ``page_bytes`` is the largest of them.
+    exactly as the engine allocates it (padding included), except for a state
+    group: one layer's state without the engine's padding (see the module
+    docstring). When the layers' pages differ (DeepSeek-V4 packs MLA, indexer
+    and compressor layers into one group), ``layer_page_bytes`` gives each
+    layer's page in layer order and ``page_bytes`` is the largest of them.
     """
 
     kind: str
@@ -150,9 +159,21 @@ class CacheGroup:
         """Bytes of one block across all layers of the group."""
         return sum(self.layer_pages)
 
+    def chunk_blocks(self, blocks_per_chunk: int) -> int:
+        """Engine blocks one chunk holds: ``blocks_per_chunk``, or 1 for a state group.
+
+        A state chunk keeps only the state at its end: the states inside it
+        are never a hit point (hits land on chunk boundaries of every group).
+        """
+        return 1 if self.reuse is Reuse.STATE else blocks_per_chunk
+
+    def chunk_first_block(self, chunk: int, blocks_per_chunk: int) -> int:
+        """Index, in a request's block table, of the first engine block chunk ``chunk`` holds."""
+        return (chunk + 1) * blocks_per_chunk - self.chunk_blocks(blocks_per_chunk)
+
     def chunk_bytes(self, blocks_per_chunk: int) -> int:
-        """Bytes of one chunk of this group: every layer's pages of ``blocks_per_chunk`` blocks."""
-        return self.block_bytes * blocks_per_chunk
+        """Bytes of one chunk of this group: every layer's pages of its blocks."""
+        return self.block_bytes * self.chunk_blocks(blocks_per_chunk)
 
 
 @dataclass(frozen=True, slots=True)
@@ -182,6 +203,11 @@ class KVLayout:
     @property
     def tokens_per_block(self) -> tuple[int, ...]:
         return tuple(g.tokens_per_block for g in self.groups)
+
+    @property
+    def has_state(self) -> bool:
+        """Whether a group holds recurrent states (:attr:`Reuse.STATE`)."""
+        return any(g.reuse is Reuse.STATE for g in self.groups)
 
     @property
     def is_uniform(self) -> bool:

@@ -7,9 +7,10 @@ twice, so it cannot disagree with itself.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
-from kvoffload.config.layout import KVLayout
+from kvoffload.config.layout import KVLayout, Reuse
 from kvoffload.config.values import format_bytes
 from kvoffload.registry import DEFAULT_POLICY
 
@@ -52,6 +53,8 @@ class OffloadConfig:
     offload_prompt_only: bool = False
     #: Most of the CPU tier's chunks one tenant (cache salt) may hold; None: no limit.
     tenant_cpu_share: float | None = None
+    #: Tokens between the hit points kept besides each request's ends (0: none; 1: all).
+    retention_interval: int = 16384
     #: Directory of the disk tier, or None for no disk tier.
     disk_path: str | None = None
     #: Byte budget of everything under ``disk_path``, shared by every process and rank on it
@@ -87,6 +90,18 @@ class OffloadConfig:
     def max_chunk_bytes(self) -> int:
         """Slot size of the CPU tier: every slot can hold a chunk of any group."""
         return max(self.chunk_bytes)
+
+    @property
+    def hit_alignment(self) -> int:
+        """Hits land on multiples of this many tokens: a chunk boundary of every group."""
+        return math.lcm(*self.tokens_per_chunk)
+
+    @property
+    def retention_step(self) -> int:
+        """Tokens between periodic hit points: ``retention_interval`` rounded up to a hit
+        boundary, 0 for none."""
+        interval, align = self.retention_interval, self.hit_alignment
+        return -(-interval // align) * align
 
     @property
     def cpu_bytes_per_worker(self) -> int:
@@ -134,11 +149,23 @@ class OffloadConfig:
             ("offload_prompt_only", str(self.offload_prompt_only).lower()),
             ("tenant_cpu_share", "off" if self.tenant_cpu_share is None
              else f"{self.tenant_cpu_share:g} of the CPU tier per tenant"),
+            ("retention_interval", self._retention_text()),
             ("disk tier", disk),
             ("remote tier", self._remote_text()),
         ]  # fmt: skip
         summary = [f"{name:<20} {value}" for name, value in settings]
         return "\n".join([*table, "", *summary])
+
+    def _retention_text(self) -> str:
+        if not any(g.reuse is not Reuse.PREFIX for g in self.layout.groups):
+            return f"{self.retention_interval} (no window or state group: every chunk is kept)"
+        if self.retention_step == 0:
+            return "0: window chunks and states at each request's ends only"
+        return (
+            f"{self.retention_interval}: window chunks and states at each request's ends "
+            f"and every {self.retention_step} tokens (hits land on multiples of "
+            f"{self.hit_alignment})"
+        )
 
     def _remote_text(self) -> str:
         if self.remote_url is None:

@@ -120,10 +120,11 @@ class OffloadEngine:
         """Queue a store of whole chunks; returns its job id at once."""
         for span in spans:
             self._check_span(span)
-            if not span.blocks.covers_whole_chunks(self.transfer.blocks_per_chunk):
+            bpc = self.transfer.chunk_blocks(span.group)
+            if not span.blocks.covers_whole_chunks(bpc):
                 raise TransferError(
                     f"group {span.group}: a store must cover whole chunks of "
-                    f"{self.transfer.blocks_per_chunk} blocks from offset 0, got "
+                    f"{bpc} blocks from offset 0, got "
                     f"{len(span.blocks.block_ids)} blocks at offset {span.blocks.first_offset}"
                 )
         return self._submit(JobKind.STORE, spans, self._engine_event())
@@ -182,7 +183,7 @@ class OffloadEngine:
     def _check_span(self, span: ChunkSpan) -> None:
         if self._closed:
             raise TransferError("the offload engine is closed")
-        need = span.blocks.num_chunks(self.transfer.blocks_per_chunk)
+        need = span.blocks.num_chunks(self.transfer.chunk_blocks(span.group))
         if not len(span.keys) == len(span.slots) == need:
             raise TransferError(
                 f"group {span.group}: {len(span.blocks.block_ids)} blocks at offset "
@@ -305,7 +306,7 @@ class OffloadEngine:
 
     def _load_span(self, span: ChunkSpan, outcome: Outcome) -> None:
         nbytes = self.transfer.chunk_bytes(span.group)
-        ranges = span.blocks.chunk_ranges(self.transfer.blocks_per_chunk)
+        ranges = span.blocks.chunk_ranges(self.transfer.chunk_blocks(span.group))
         ok = []
         for key, slot in zip(span.keys, span.slots, strict=True):
             why: list[str] = []
@@ -333,7 +334,7 @@ class OffloadEngine:
     def _scatter(
         self, span: ChunkSpan, start: int, stop: int, nbytes: int, outcome: Outcome
     ) -> bool:
-        cpu, bpc = self.cascade.cpu, self.transfer.blocks_per_chunk
+        cpu, bpc = self.cascade.cpu, self.transfer.chunk_blocks(span.group)
         sub = span.blocks.sub(start, stop, bpc)
         begin = time.perf_counter()
         try:

@@ -303,6 +303,15 @@ class OffloadManager:
             if self.tenants is not None:
                 self.tenants.dropped(keys, ready=False)
 
+    def discard(self, keys: Iterable[bytes]) -> list[bytes]:
+        """Drop ready, unpinned ``keys`` (chunks no hit will need); returns those dropped."""
+        gone = list(dict.fromkeys(k for k in keys if k in self._ready and k not in self._pins))
+        for key in gone:
+            self.policy.remove(key)
+        self._drop(gone)
+        self._counters["removed"] += len(gone)
+        return gone
+
     # -- housekeeping --------------------------------------------------------
     def take_events(self) -> list[IndexEvent]:
         """Events since the last call, oldest first; the index forgets them."""
@@ -316,16 +325,9 @@ class OffloadManager:
         two lookups counts twice), ``pinned`` counts distinct pinned chunks,
         ``used`` is ready plus storing.
         """
-        stats = dict(self._counters)
-        stats.update(
-            capacity=self.capacity,
-            used=len(self._ready) + len(self._storing),
-            ready=len(self._ready),
-            storing=len(self._storing),
-            pinned=len(self._pins),
-            free=len(self._free),
-        )
-        return stats
+        ready, storing = len(self._ready), len(self._storing)
+        return dict(self._counters, capacity=self.capacity, used=ready + storing, ready=ready,
+                    storing=storing, pinned=len(self._pins), free=len(self._free))  # fmt: skip
 
     def reset(self) -> None:
         """Drop every ready chunk that is not pinned, with a ``REMOVED`` event each.
@@ -334,18 +336,10 @@ class OffloadManager:
         the worker side still complete against valid slots (invariant 2).
         Policy state (ghosts, adaptation) starts over; counters keep counting.
         """
-        pins, ready = self._pins, self._ready
-        dropped = [key for key in ready if key not in pins]
-        record = self._events.append if self.record_events else None
-        for key in dropped:
-            slot = ready.pop(key)
-            self._free.append(slot)
-            if record is not None:
-                record(IndexEvent(_REMOVED, key, slot))
-        if self.tenants is not None:
-            self.tenants.dropped(dropped, ready=True)
+        dropped = [key for key in self._ready if key not in self._pins]
+        self._drop(dropped)
         self.policy.reset()
-        for key in ready:
+        for key in self._ready:
             self.policy.insert(key)
         self._counters["removed"] += len(dropped)
         self._counters["resets"] += 1
@@ -386,14 +380,16 @@ class OffloadManager:
                 f"policy {self.policy.name!r} returned {len(victims)} victim(s) for {need} "
                 f"({len(bad)} not evictable: {shown or 'none'}); it is out of sync with the index"
             )
-        free = self._free
+        self._drop(victims)
+        self._counters["evictions"] += need
+        return victims
+
+    def _drop(self, keys: Sequence[bytes]) -> None:
+        """Free the slots of ready ``keys`` (the policy already let go of them), with events."""
         record = self._events.append if self.record_events else None
-        for key in victims:
-            slot = ready.pop(key)
-            free.append(slot)
+        for key in keys:
+            self._free.append(slot := self._ready.pop(key))
             if record is not None:
                 record(IndexEvent(_REMOVED, key, slot))
-        self._counters["evictions"] += need
         if self.tenants is not None:
-            self.tenants.dropped(victims, ready=True)
-        return victims
+            self.tenants.dropped(keys, ready=True)

@@ -83,6 +83,10 @@ class KVTransfer:
     def chunk_bytes(self, group: int) -> int:
         return self.layout.groups[group].chunk_bytes(self.blocks_per_chunk)
 
+    def chunk_blocks(self, group: int) -> int:
+        """Engine blocks one chunk of ``group`` holds (one for a state group)."""
+        return self.layout.groups[group].chunk_blocks(self.blocks_per_chunk)
+
     def num_blocks(self, group: int) -> int:
         return self.groups[group][0].num_blocks
 
@@ -106,16 +110,16 @@ class KVTransfer:
     ) -> npt.NDArray[np.int64]:
         if not 0 <= group < len(self.groups):
             raise TransferError(f"group {group} is not in the layout (0..{len(self.groups) - 1})")
-        if span.first_offset >= self.blocks_per_chunk:
+        bpc = self.chunk_blocks(group)
+        if span.first_offset >= bpc:
             raise TransferError(
-                f"first_offset {span.first_offset} must be < blocks_per_chunk "
-                f"{self.blocks_per_chunk}"
+                f"first_offset {span.first_offset} must be < {bpc}, the group's blocks per chunk"
             )
         ids = np.asarray(span.block_ids, dtype=np.int64)
         nb = self.num_blocks(group)
         if int(ids.max()) >= nb:
             raise TransferError(f"group {group}: block id {int(ids.max())} >= num_blocks {nb}")
-        need, size = span.num_chunks(self.blocks_per_chunk), self.chunk_bytes(group)
+        need, size = span.num_chunks(bpc), self.chunk_bytes(group)
         if len(chunks) != need:
             raise TransferError(f"group {group}: span touches {need} chunks, got {len(chunks)}")
         for buf in chunks:
@@ -165,7 +169,7 @@ class KVTransfer:
     ) -> None:
         """Split the span into runs (see :mod:`._moves`); one copy per layer per run."""
         layers = self.groups[group]
-        bpc, size = self.blocks_per_chunk, self.chunk_bytes(group)
+        bpc, size = self.chunk_blocks(group), self.chunk_bytes(group)
         ranges = span.chunk_ranges(bpc)
         c = 0
         while c < len(ranges):

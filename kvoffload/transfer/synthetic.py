@@ -10,10 +10,10 @@ from enum import Enum
 
 import torch
 
-from kvoffload.config.layout import KVLayout
+from kvoffload.config.layout import CacheGroup, KVLayout, Reuse
 from kvoffload.errors import TransferError
 
-__all__ = ["EngineLayout", "allocate_kv_caches", "fill_blocks"]
+__all__ = ["EngineLayout", "allocate_kv_caches", "fill_blocks", "state_page_stride"]
 
 
 class EngineLayout(Enum):
@@ -59,6 +59,20 @@ def _layer_tensor(  # noqa: PLR0917 - private helper, called positionally
     return torch.zeros(num_blocks, 2, tpb, row, dtype=dtype, device=device).transpose(0, 1)
 
 
+def _state_tensor(group: CacheGroup, num_blocks: int, stride: int, device: str) -> torch.Tensor:
+    """A recurrent layer as vLLM hands it over: ``[num_blocks, 1, 1, state_bytes]`` of int8
+    whose blocks lie ``stride`` bytes apart (vLLM pads a state page to the attention page)."""
+    buffer = torch.zeros(num_blocks * stride, dtype=torch.int8, device=device)
+    return buffer.as_strided((num_blocks, 1, 1, group.page_bytes), (stride, group.page_bytes,
+                             group.page_bytes, 1))  # fmt: skip
+
+
+def state_page_stride(layout: KVLayout, group: CacheGroup) -> int:
+    """Block stride of a synthetic state tensor: the largest page of the layout, always padded."""
+    largest = max(g.page_bytes for g in layout.groups)
+    return -(-max(largest, group.page_bytes + 1) // 64) * 64
+
+
 def allocate_kv_caches(
     layout: KVLayout,
     num_blocks: int,
@@ -66,12 +80,20 @@ def allocate_kv_caches(
     engine_layout: EngineLayout = EngineLayout.BLOCK_FIRST,
     device: str = "cpu",
 ) -> dict[str, torch.Tensor]:
-    """Zeroed per-layer KV tensors for ``layout``, as ``register_kv_caches`` receives them."""
-    return {
-        name: _layer_tensor(page, group.tokens_per_block, num_blocks, dtype, engine_layout, device)
-        for group in layout.groups
-        for name, page in zip(group.layer_names, group.layer_pages, strict=True)
-    }
+    """Zeroed per-layer KV tensors for ``layout``, as ``register_kv_caches`` receives them.
+
+    State groups get vLLM's recurrent-state views whatever ``engine_layout`` says.
+    """
+    out = {}
+    for group in layout.groups:
+        for name, page in zip(group.layer_names, group.layer_pages, strict=True):
+            if group.reuse is Reuse.STATE:
+                stride = state_page_stride(layout, group)
+                out[name] = _state_tensor(group, num_blocks, stride, device)
+            else:
+                tpb = group.tokens_per_block
+                out[name] = _layer_tensor(page, tpb, num_blocks, dtype, engine_layout, device)
+    return out
 
 
 def fill_blocks(kv_caches: dict[str, torch.Tensor], seed: int = 0) -> None:
