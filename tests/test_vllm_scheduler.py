@@ -84,7 +84,11 @@ class Rig:
 
     def __init__(self, layout: KVLayout, tmp: Path | None = None, probes: bool = False,
                  **extra: Any) -> None:  # fmt: skip
-        settings: dict[str, Any] = {"blocks_per_chunk": 2, "cpu_bytes_to_use": "1MiB", **extra}
+        # Every chunk stored (retention_interval 1): these tests are about hits and loads;
+        # which chunks retention keeps is tested in test_vllm_retention.py.
+        settings: dict[str, Any] = {
+            "blocks_per_chunk": 2, "cpu_bytes_to_use": "1MiB", "retention_interval": 1, **extra
+        }  # fmt: skip
         if tmp is not None:
             settings.update(disk_path=str(tmp), disk_bytes_to_use="16MiB")
         self.layout = layout

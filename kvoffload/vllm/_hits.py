@@ -3,7 +3,7 @@
 A hit of ``H`` tokens must be servable by every group at once, and vLLM only
 resumes a hybrid request at a multiple of every group's block, so ``H`` is a
 multiple of the least common multiple of the groups' chunk spans. What a
-group must supply for ``H`` depends on its kind (:func:`needed_tokens`):
+group must supply for ``H`` depends on its :class:`Reuse` (:func:`needed_tokens`):
 
 * full attention (MLA, compressed MLA) attends to everything: every chunk
   from the engine's own hit up to ``H``;
@@ -13,13 +13,21 @@ group must supply for ``H`` depends on its kind (:func:`needed_tokens`):
 * chunked local attention of chunk ``C`` attends within its attention chunk
   only (vLLM nulls the blocks of earlier chunks): the tokens since the start
   of the current one, ``[H // C * C, H)``, nothing at all when ``H`` is a
-  multiple of ``C``.
+  multiple of ``C``;
+* a recurrent state (Mamba, gated DeltaNet) carries the whole prefix in one
+  snapshot: only the state taken at ``H``, so ``H`` must be a boundary where
+  one was stored.
 
-So a long prompt whose sliding-window chunks were evicted early still hits,
-as long as the window before the hit point is there. Availability is the
-CPU index (exact) or a lower-tier probe (a hint: disk files, the remote
-server, one batched query per tier and request). A hint that proves wrong is
-a failed load, which vLLM recomputes (invariant 3).
+Window chunks and states are stored only at some hit points (see
+:mod:`kvoffload.vllm._retention`), so the hits a request can get are sparse:
+the search below checks each candidate in constant time per group (runs of
+available chunks), never chunk by chunk. Availability is the CPU index
+(exact) or a lower-tier probe (a hint: disk files, the remote server). Lower
+tiers are asked in a few batches: every chunk the full-prefix groups need,
+then one chunk per candidate hit point of one window or state group (the
+last it needs), then, for the best candidates that passed, the rest of what
+they need. A hint that proves wrong is a failed load, which vLLM recomputes
+(invariant 3).
 """
 
 from __future__ import annotations
@@ -33,7 +41,10 @@ from kvoffload.errors import ConfigError
 from kvoffload.manager.offload_manager import OffloadManager
 from kvoffload.tiers.base import TierProbe
 
-__all__ = ["Availability", "Hit", "HitFinder", "needed_tokens"]
+__all__ = ["Availability", "Hit", "HitFinder", "needed_chunks", "needed_tokens"]
+
+#: Candidates (beyond the CPU tier's best) whose whole needs a lookup asks lower tiers about.
+PROBE_ROUNDS = 4
 
 
 class Availability(Enum):
@@ -51,13 +62,18 @@ class Hit(NamedTuple):
 
     tokens: int
     pending: bool
+    #: Where the full-prefix groups' available chunks end (aligned): past the hit, the
+    #: junction where this prompt left the history stored so far.
+    prefix_end: int = 0
 
 
 def needed_tokens(group: CacheGroup, local_hit: int, hit: int) -> tuple[int, int]:
     """``[first, stop)``: the tokens of ``group`` a hit at ``hit`` needs beyond ``local_hit``.
 
     The one place that says what each :class:`Reuse` needs; groups whose rule
-    is not written here are refused at engine start, never served wrongly.
+    is not written here are refused at engine start, never served wrongly. A
+    state group "needs" the last token before ``hit``: the chunk (and the
+    engine block) that ends at ``hit`` holds the state after it.
     """
     if group.reuse is Reuse.PREFIX:
         return local_hit, hit
@@ -66,7 +82,87 @@ def needed_tokens(group: CacheGroup, local_hit: int, hit: int) -> tuple[int, int
     if group.reuse is Reuse.WINDOW and group.attention_chunk_size is not None:
         chunk = group.attention_chunk_size
         return max(local_hit, hit // chunk * chunk), hit
+    if group.reuse is Reuse.STATE:
+        return max(local_hit, hit - 1), hit
     raise ConfigError(f"no hit rule for KV cache groups of kind {group.kind!r} yet")
+
+
+def needed_chunks(group: CacheGroup, span: int, local_hit: int, hit: int) -> range:
+    """Indices of the chunks (``span`` tokens each) of ``group`` a hit at ``hit`` needs."""
+    first, stop = needed_tokens(group, local_hit, hit)
+    return range(first // span, -(-stop // span)) if first < stop else range(0)
+
+
+def _availability(ready: bool, storing: bool) -> Availability:
+    if ready:
+        return Availability.READY
+    return Availability.PENDING if storing else Availability.MISSING
+
+
+class _Search:
+    """One lookup's availability, per group, from chunk ``base[g]`` up to the top."""
+
+    def __init__(self, finder: HitFinder, keys: Sequence[Sequence[bytes]], local: int, top: int):
+        self.finder, self.keys, self.local = finder, keys, local
+        index, spans = finder.index, finder.tokens_per_chunk
+        self.base = [local // span for span in spans]
+        self.states: list[list[Availability]] = []
+        for g, span in enumerate(spans):
+            group_keys = keys[g][self.base[g] : top // span]
+            ready, busy = index.ready_mask(group_keys), index.storing_mask(group_keys)
+            self.states.append([_availability(r, b) for r, b in zip(ready, busy, strict=True)])
+        self.probed: set[tuple[int, int]] = set()
+        self.runs = [self._runs(g) for g in range(len(spans))]
+
+    def _runs(self, g: int) -> list[int]:
+        """``runs[i]``: available chunks in a row ending at chunk ``base + i``."""
+        out, n = [], 0
+        for state in self.states[g]:
+            n = 0 if state is Availability.MISSING else n + 1
+            out.append(n)
+        return out
+
+    def probe(self, chunks: Sequence[tuple[int, int]]) -> None:
+        """Ask the lower tiers, tier by tier in one batch each, about missing ``(group, chunk)``."""
+        missing = Availability.MISSING
+        wanted = [
+            gc
+            for gc in dict.fromkeys(chunks)
+            if gc not in self.probed and self.state(*gc) is missing
+        ]
+        self.probed.update(wanted)
+        touched = set()
+        for probe in self.finder.probes:
+            if not wanted:
+                break
+            answers = probe.contains_many([self.keys[g][c] for g, c in wanted])
+            for (g, c), yes in zip(wanted, answers, strict=True):
+                if yes:
+                    self.states[g][c - self.base[g]] = Availability.READY
+                    self.finder.found_in[self.keys[g][c]] = probe.name
+                    touched.add(g)
+            wanted = [w for w, yes in zip(wanted, answers, strict=True) if not yes]
+        for g in touched:
+            self.runs[g] = self._runs(g)
+
+    def state(self, g: int, c: int) -> Availability:
+        i = c - self.base[g]
+        return self.states[g][i] if 0 <= i < len(self.states[g]) else Availability.MISSING
+
+    def first_missing(self, g: int) -> int:
+        """The first chunk of group ``g`` at or after the base that is missing."""
+        states = self.states[g]
+        for i, state in enumerate(states):
+            if state is Availability.MISSING:
+                return self.base[g] + i
+        return self.base[g] + len(states)
+
+    def servable(self, g: int, needed: range) -> bool:
+        """Whether every chunk in ``needed`` of group ``g`` is available (constant time)."""
+        if not needed:
+            return True
+        i = needed.stop - 1 - self.base[g]
+        return 0 <= i < len(self.runs[g]) and self.runs[g][i] >= len(needed)
 
 
 class HitFinder:
@@ -83,101 +179,75 @@ class HitFinder:
         self.tokens_per_chunk = tuple(tokens_per_chunk)
         self.index = index
         self.probes = tuple(probes)
-        #: Keys the last :meth:`availability` found in a lower tier -> that tier's name.
+        #: Keys the last :meth:`find` found in a lower tier -> that tier's name.
         self.found_in: dict[bytes, str] = {}
+        groups = layout.groups
+        self._prefix = [g for g, group in enumerate(groups) if group.reuse is Reuse.PREFIX]
+        self._sparse = [g for g, group in enumerate(groups) if group.reuse is not Reuse.PREFIX]
+        # The sparse group whose last needed chunk best tells a stored hit point: a state.
+        states = [g for g in self._sparse if groups[g].reuse is Reuse.STATE]
+        telling = states or self._sparse
+        self._telling: int | None = telling[0] if telling else None
 
     def find(self, keys: Sequence[Sequence[bytes]], local_hit: int, top: int, step: int) -> Hit:
-        """The longest hit ``H <= top``, stepping down by ``step``; ``H <= local_hit`` if none.
+        """The longest hit ``H <= top`` on a multiple of ``step``; ``H <= local_hit`` if none.
 
         Every chunk ``H`` needs is ready or pending, and the CPU tier has room
         for them all (a chunk loaded from a lower tier is promoted into a
-        CPU slot). ``keys[g]`` names group ``g``'s chunks up to ``top``.
+        CPU slot). ``keys[g]`` names group ``g``'s chunks up to ``top``. The
+        first chunk missing in a full-prefix group bounds the search from above.
         """
-        available = self.availability(keys, local_hit, top)
-        hit = self._prefix_cap(available, local_hit, top, step)
-        while hit > local_hit and not self._servable(available, local_hit, hit):
-            hit -= step
-        if hit <= local_hit:
-            return Hit(local_hit, pending=False)
-        return Hit(hit, Availability.PENDING in self._needed(available, local_hit, hit))
-
-    def _prefix_cap(
-        self, available: list[dict[int, Availability]], local_hit: int, top: int, step: int
-    ) -> int:
-        """``top``, lowered to where the first chunk missing in a group that needs every chunk
-        from ``local_hit`` on (full attention; a window still longer than the hit).
-
-        Only a shortcut: ``find`` would step down to the same point one ``step``
-        at a time, checking every group each time (quadratic in long prompts).
-        It relies on the first token a group needs never falling as the hit
-        point grows, which holds for every kind :func:`needed_tokens` knows.
-        """
-        hit = top
-        for g, (group, span) in enumerate(
-            zip(self.layout.groups, self.tokens_per_chunk, strict=True)
-        ):
-            if needed_tokens(group, local_hit, top)[0] != local_hit:
-                continue
-            c, states = local_hit // span, available[g]
-            while states.get(c, Availability.MISSING) is not Availability.MISSING:
-                c += 1
-            hit = min(hit, c * span // step * step)
-        return max(hit, local_hit)
-
-    def availability(
-        self, keys: Sequence[Sequence[bytes]], local_hit: int, top: int
-    ) -> list[dict[int, Availability]]:
-        """Per group: chunk index -> :class:`Availability` of the chunks a hit up to ``top`` needs.
-
-        The CPU index answers first; each lower tier is asked once, in one
-        batch, for what the tiers above it lack.
-        """
-        out: list[dict[int, Availability]] = []
-        wanted: list[tuple[int, int, bytes]] = []
         self.found_in = {}
-        for g, span in enumerate(self.tokens_per_chunk):
-            first, stop = local_hit // span, top // span
-            group_keys = keys[g][first:stop]
-            ready = self.index.ready_mask(group_keys)
-            storing = self.index.storing_mask(group_keys)
-            states: dict[int, Availability] = {}
-            for c, key, yes, busy in zip(
-                range(first, stop), group_keys, ready, storing, strict=True
-            ):
-                if yes:
-                    states[c] = Availability.READY
-                elif busy:
-                    states[c] = Availability.PENDING
-                else:
-                    states[c] = Availability.MISSING
-                    wanted.append((g, c, key))
-            out.append(states)
-        for probe in self.probes:
-            if not wanted:
-                break
-            answers = probe.contains_many([key for _, _, key in wanted])
-            for (g, c, key), yes in zip(wanted, answers, strict=True):
-                if yes:
-                    out[g][c] = Availability.READY
-                    self.found_in[key] = probe.name
-            wanted = [w for w, yes in zip(wanted, answers, strict=True) if not yes]
-        return out
+        search = _Search(self, keys, local_hit, top)
+        spans = self.tokens_per_chunk
+        if self.probes:
+            search.probe([(g, search.base[g] + i) for g in self._prefix
+                          for i in range(len(search.states[g]))])  # fmt: skip
+        cap = top
+        for g in self._prefix:
+            cap = min(cap, search.first_missing(g) * spans[g] // step * step)
+        candidates = range(cap, local_hit, -step)
+        best = next((h for h in candidates if self._servable(search, h)), local_hit)
+        if self.probes and self._telling is not None:
+            best = self._probe_above(search, [h for h in candidates if h > best], best)
+        if best <= local_hit:
+            return Hit(local_hit, False, cap)
+        return Hit(best, self._pending(search, best), cap)
 
-    def _needed(
-        self, available: list[dict[int, Availability]], local_hit: int, hit: int
-    ) -> list[Availability]:
-        """The states of every chunk a hit at ``hit`` needs, all groups together."""
-        states: list[Availability] = []
-        for g, (group, span) in enumerate(
-            zip(self.layout.groups, self.tokens_per_chunk, strict=True)
-        ):
-            first, stop = needed_tokens(group, local_hit, hit)
-            states += [
-                available[g].get(c, Availability.MISSING)
-                for c in range(first // span, stop // span)
-            ]
-        return states
+    def _needs(self, local: int, hit: int) -> list[range]:
+        return [
+            needed_chunks(group, span, local, hit)
+            for group, span in zip(self.layout.groups, self.tokens_per_chunk, strict=True)
+        ]
 
-    def _servable(self, available: list[dict[int, Availability]], local_hit: int, hit: int) -> bool:
-        states = self._needed(available, local_hit, hit)
-        return Availability.MISSING not in states and len(states) <= self.index.room()
+    def _servable(self, search: _Search, hit: int) -> bool:
+        """Every chunk of ``hit`` is available (full-prefix ones are, below the cap) and fits."""
+        needs = self._needs(search.local, hit)
+        if not all(search.servable(g, needs[g]) for g in self._sparse):
+            return False
+        return sum(len(r) for r in needs) <= self.index.room()
+
+    def _probe_above(self, search: _Search, candidates: list[int], best: int) -> int:
+        """A better hit than ``best`` out of the lower tiers: see the module docstring."""
+        assert self._telling is not None
+        g = self._telling
+        last = {h: self._needs(search.local, h)[g] for h in candidates}
+        search.probe([(g, needed[-1]) for needed in last.values() if needed])
+        passed = [
+            h for h in candidates
+            if not last[h] or search.state(g, last[h][-1]) is not Availability.MISSING
+        ]  # fmt: skip
+        for hit in passed[:PROBE_ROUNDS]:
+            needs = self._needs(search.local, hit)
+            search.probe([(s, c) for s in self._sparse for c in needs[s]])
+            if self._servable(search, hit):
+                return hit
+        return best
+
+    def _pending(self, search: _Search, hit: int) -> bool:
+        """Whether a chunk ``hit`` needs is still being stored or promoted (ask again later)."""
+        return any(
+            search.state(g, c) is Availability.PENDING
+            for g, needed in enumerate(self._needs(search.local, hit))
+            for c in needed
+        )

@@ -33,7 +33,16 @@ from kvoffload.errors import ConfigError
 if TYPE_CHECKING:
     from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheGroupSpec, KVCacheSpec
 
-__all__ = ["SPEC_TABLE", "Action", "GroupMap", "SpecRow", "group_map", "spec_row"]
+__all__ = [
+    "SPEC_TABLE",
+    "Action",
+    "GroupMap",
+    "SpecRow",
+    "boundary_states",
+    "group_map",
+    "spec_row",
+    "state_refusal",
+]
 
 #: The module whose spec classes the table names; a same-named class elsewhere is unknown.
 SPEC_MODULE = "vllm.v1.kv_cache_interface"
@@ -94,9 +103,9 @@ SPEC_TABLE: Mapping[str, SpecRow] = MappingProxyType({
     "HiSparseResidentSpec": _skip("HiSparse's reclaimable device copies, not prefix-cacheable: "
         "vLLM rebuilds them from the host source group"),
     "EncoderOnlyAttentionSpec": _skip("keeps no KV between steps (vLLM sizes it at 0 bytes)"),
-    "MambaSpec": _refuse("recurrent state (GDN, Mamba) is not offloaded yet: a hit needs the "
-        "one state stored at its end, which vLLM keeps only with mamba_cache_mode='align' and "
-        "enable_prefix_caching=True (kvoffload issue 10)"),
+    "MambaSpec": _serve("mamba", "recurrent state (gated DeltaNet, Mamba): a hit needs the one "
+        "state taken at its end, which vLLM keeps at block boundaries only with "
+        "mamba_cache_mode='align' (refused otherwise, see check_state_spec)"),
     "CrossAttentionSpec": _refuse("the decoder's KV depends on the encoder's input, which "
         "chunk keys do not name; vLLM has no prefix cache for encoder-decoder models either"),
     "RSWASpec": _refuse("a generated token's KV differs between decode (windowed) and "
@@ -142,6 +151,23 @@ class GroupMap(NamedTuple):
                 f"built for {self.num_vllm_groups}"
             )
         return tuple(block_ids[g] for g in self.group_ids)
+
+    def served_states(self, handed: Sequence[tuple[int, int, int]]) -> list[tuple[int, int, int]]:
+        """vLLM's ``(group, block id, tokens)`` state hand-offs, in the layout's group indices."""
+        ours = {vllm_g: g for g, vllm_g in enumerate(self.group_ids)}
+        return [(ours[g], block, tokens) for g, block, tokens in handed if g in ours]
+
+
+def boundary_states(output: Any) -> dict[str, list[tuple[int, int, int]]]:
+    """vLLM's hand-off of the recurrent states a step's forward pass writes, per request.
+
+    ``SchedulerOutput.kv_connector_block_state.boundary_state_offloads`` (vLLM
+    0.32 and 0.33); the scheduler side finds the states at a step's ends
+    without it, so an older vLLM that lacks it loses nothing else.
+    """
+    state = getattr(output, "kv_connector_block_state", None)
+    handed = getattr(state, "boundary_state_offloads", None)
+    return dict(handed) if handed else {}
 
 
 def _layer_specs(spec: KVCacheSpec) -> dict[str, KVCacheSpec] | None:
@@ -209,7 +235,36 @@ def _decide(g: int, group: KVCacheGroupSpec) -> tuple[SpecRow, KVCacheSpec]:
             ), first
     if row.action is Action.SERVE and not getattr(first, "prefix_cacheable", True):
         return _refuse(f"{name} says it is not prefix-cacheable"), first
+    if row.kind == "mamba":
+        why = state_refusal(first)
+        if why is not None:
+            return _refuse(why), first
     return row, first
+
+
+def state_refusal(spec: Any) -> str | None:
+    """Why a recurrent group cannot be served exactly, naming the fix; None if it can.
+
+    A hit at ``H`` needs the state after exactly ``H`` tokens. vLLM keeps one
+    at each block boundary it scheduled to only with ``mamba_cache_mode="align"``
+    (which ``enable_prefix_caching=True`` turns on); otherwise each request has
+    one running state and nothing a hit could restore. Speculative decoding
+    moves states between blocks in ways not served yet.
+    """
+    mode = getattr(spec, "mamba_cache_mode", None)
+    if mode != "align":
+        return (
+            f"a recurrent (Mamba / gated DeltaNet) group needs vLLM to keep a state at each "
+            f"block boundary, but mamba_cache_mode is {mode!r}; start vLLM with "
+            f'enable_prefix_caching=True and mamba_cache_mode="align" (--enable-prefix-caching '
+            f"--mamba-cache-mode align)"
+        )
+    if getattr(spec, "num_speculative_blocks", 0):
+        return (
+            f"a recurrent group with speculative decoding ({spec.num_speculative_blocks} "
+            "speculative state blocks) is not offloaded yet; run without speculative decoding"
+        )
+    return None
 
 
 def _window(kind: str, spec: Any) -> dict[str, int]:

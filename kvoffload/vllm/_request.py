@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Collection, Container, Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -41,7 +41,9 @@ class RequestState:
     group ``g`` is known to be real (computed, served by vLLM's prefix cache,
     or loaded by us); only chunks inside them may be stored. Chunks below
     ``next_chunk[g]`` were stored or skipped, except those in ``retry[g]``
-    (no CPU room at the time).
+    (no CPU room at the time, or a window chunk a later hit point may want).
+    The hit points its window chunks and states are kept for are in
+    :mod:`kvoffload.vllm._retention`.
     """
 
     keys: list[list[bytes]]
@@ -58,6 +60,12 @@ class RequestState:
     #: Whether this admission's use was told to the index (once per lookup: vLLM calls
     #: update_state_after_alloc again when a request resumes after its load).
     use_recorded: bool = False
+    #: Where the full-prefix chunks the last lookup found end (a hit point to keep).
+    junction: int = 0
+    prompt_tokens: int = 0
+    #: The trailing hit point (0: none yet), and the keys stored only for it.
+    trail: int = 0
+    trail_keys: set[bytes] = field(default_factory=set)
     jobs: set[int] = field(default_factory=set)
     finished: bool = False
 
@@ -89,20 +97,30 @@ class RequestState:
         self.next_chunk = [0] * n
         self.retry = [set() for _ in range(n)]
 
-    def chain(self, tokens_per_chunk: Sequence[int]) -> list[bytes]:
-        """Every key so far in chain order, head first: by the token its chunk ends at, then group.
+    def chain(
+        self, tokens_per_chunk: Sequence[int], wanted: Sequence[Container[int] | None] = ()
+    ) -> list[bytes]:
+        """Keys so far in chain order, head first: by the token their chunk ends at, then group.
 
         The order :mod:`kvoffload.manager.usage` needs for a request that spans
-        several groups with different chunk sizes.
+        several groups with different chunk sizes. ``wanted[g]``, if given and
+        not ``None``, keeps only those chunk indices of group ``g``.
         """
-        if len(self.keys) == 1:
+        if len(self.keys) == 1 and not wanted:
             return list(self.keys[0])
-        ends = sorted(
+        return [self.keys[g][c] for _, g, c in self.chain_ends(tokens_per_chunk, wanted)]
+
+    def chain_ends(
+        self, tokens_per_chunk: Sequence[int], wanted: Sequence[Container[int] | None] = ()
+    ) -> list[tuple[int, int, int]]:
+        """``(end token, group, chunk)`` of :meth:`chain`'s keys, in its order."""
+        only = list(wanted) or [None] * len(self.keys)
+        return sorted(
             ((c + 1) * span, g, c)
-            for g, span in enumerate(tokens_per_chunk)
+            for g, (span, keep) in enumerate(zip(tokens_per_chunk, only, strict=True))
             for c in range(len(self.keys[g]))
+            if keep is None or c in keep
         )
-        return [self.keys[g][c] for _, g, c in ends]
 
     def extend_keys(
         self,
@@ -131,6 +149,9 @@ class StepRequest(NamedTuple):
     #: The request's engine blocks per group (vLLM's null block where it holds none).
     block_ids: Sequence[Sequence[int]]
     num_prompt_tokens: int
+    #: ``(group, block id, tokens)`` of recurrent states vLLM says the step writes besides
+    #: the one at its end (see :meth:`~kvoffload.vllm.scheduler.OffloadScheduler.plan_store`).
+    states: Collection[tuple[int, int, int]] = ()
 
 
 @dataclass(slots=True)

@@ -48,7 +48,7 @@ from kvoffload.messages import JobReport, TransferOrder, merge_reports
 from kvoffload.tiers.from_config import rank_probes
 from kvoffload.vllm._events import ChunkEvents
 from kvoffload.vllm._extras import ExtrasReader, Unkeyable, refuse_draft_kv
-from kvoffload.vllm._layout import GroupMap, group_map
+from kvoffload.vllm._layout import GroupMap, boundary_states, group_map
 from kvoffload.vllm._metrics import Deltas, scheduler_figures, worker_payload
 from kvoffload.vllm._prom import KVOffloadPromMetrics, KVOffloadStats
 from kvoffload.vllm.scheduler import OffloadScheduler, StepRequest
@@ -214,11 +214,10 @@ class KVOffloadConnector(KVConnectorBase_V1, SupportsHMA):
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         manager = self._kv_cache_manager
-        steps = [
-            (new.req_id, new.num_computed_tokens) for new in scheduler_output.scheduled_new_reqs
-        ]
-        cached = scheduler_output.scheduled_cached_reqs
+        new, cached = scheduler_output.scheduled_new_reqs, scheduler_output.scheduled_cached_reqs
+        steps = [(r.req_id, r.num_computed_tokens) for r in new]
         steps += list(zip(cached.req_ids, cached.num_computed_tokens, strict=True))
+        handed = boundary_states(scheduler_output)
         scheduled = [
             StepRequest(
                 req_id,
@@ -227,6 +226,7 @@ class KVOffloadConnector(KVConnectorBase_V1, SupportsHMA):
                 scheduler_output.num_scheduled_tokens.get(req_id, 0),
                 self.groups.served_block_ids(manager.get_block_ids(req_id)),
                 request.num_prompt_tokens,
+                self.groups.served_states(handed.get(req_id, ())),
             )
             for req_id, computed in steps
             if (request := self._requests.get(req_id)) is not None and manager is not None
@@ -291,8 +291,10 @@ class KVOffloadConnector(KVConnectorBase_V1, SupportsHMA):
         # layers that share another layer's KV (Gemma's num_kv_shared_layers).
         served = {name: kv_caches[name] for name in self.layout.layer_names if name in kv_caches}
         engine = OffloadEngine.from_config(self.config, served, self.namespace(rank))
-        # vLLM takes failed loads as block ids only when it has a single group.
-        self._worker = OffloadWorker(engine, report_blocks=self.groups.num_vllm_groups == 1)
+        # vLLM takes failed loads by block only with one group, and resumes at the failed
+        # block: a state group keeps no state there, so those layouts report by request.
+        by_block = self.groups.num_vllm_groups == 1 and not self.layout.has_state
+        self._worker = OffloadWorker(engine, report_blocks=by_block)
 
     # vLLM 0.33's sleep mode; vLLM 0.32 never calls these.
     @classmethod

@@ -6,14 +6,17 @@ which knows nothing of vLLM and is tested without it.
 
 **Hits** follow each group kind's rule (:mod:`kvoffload.vllm._hits`): full
 attention needs every chunk up to the hit point, a sliding window only the
-chunks inside the window before it.
+chunks inside the window before it, a recurrent group only the state taken
+at it. **Stores** keep every full-attention chunk, and window chunks and
+states only for the request's hit points (:mod:`kvoffload.vllm._retention`).
 
-**What may be stored.** A chunk is stored once its tokens are computed and
-every one of its blocks holds real KV: computed by the engine, served by
-vLLM's prefix cache, or loaded by us. Blocks a sliding-window load skipped
-hold nothing and vLLM nulls (block id 0) those it frees, so each request
-keeps the token ranges whose KV is known to be valid, per group, and a chunk
-outside them (or with a null block) is skipped, never stored.
+**What may be stored.** A chunk whose tokens are computed and whose blocks
+all hold real KV (computed, served by vLLM's prefix cache, or loaded by us).
+A sliding-window load skips blocks and vLLM nulls (block id 0) those it
+frees, so each request keeps, per group, the token ranges known valid; a
+chunk outside them or with a null block is never stored. A recurrent state
+is in the block ending at its boundary only from the end of the step that
+reached it to the end of the next one: stored then or never.
 
 **Blocks are never reused under a store.** The worker side finishes every
 store's copy out of the engine's blocks before the step's output reaches
@@ -24,10 +27,10 @@ completed here whenever their reports arrive.
 
 from __future__ import annotations
 
-import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Collection, Iterable, Sequence
 
 from kvoffload.config import OffloadConfig
+from kvoffload.config.layout import Reuse
 from kvoffload.keys import KeyExtras
 from kvoffload.manager.offload_manager import OffloadManager
 from kvoffload.manager.results import IndexEvent
@@ -35,10 +38,11 @@ from kvoffload.manager.usage import record_stores, record_use
 from kvoffload.messages import JobKind, JobReport, TransferOrder, merge_reports
 from kvoffload.tiers.base import TierProbe
 from kvoffload.vllm._hits import HitFinder
-from kvoffload.vllm._request import JobState, RequestState, StepRequest, covered, tier_shares
-from kvoffload.vllm._spans import NULL_BLOCK, load_pieces, load_spans, store_spans
+from kvoffload.vllm._request import JobState, RequestState, StepRequest, tier_shares
+from kvoffload.vllm._retention import Choice, Chosen, Retention, Trails
+from kvoffload.vllm._spans import StorePiece, load_pieces, load_spans, stateless, store_spans
 
-__all__ = ["NULL_BLOCK", "OffloadScheduler", "StepRequest", "TierProbe"]
+__all__ = ["OffloadScheduler", "StepRequest", "TierProbe"]
 
 
 class OffloadScheduler:
@@ -65,8 +69,10 @@ class OffloadScheduler:
         self.bpc = config.blocks_per_chunk
         self.tokens_per_chunk = config.tokens_per_chunk
         #: Hits land on multiples of this many tokens (every group's chunk boundary).
-        self.alignment = math.lcm(*self.tokens_per_chunk)
+        self.alignment = config.hit_alignment
         self.hits = HitFinder(self.layout, self.tokens_per_chunk, self.index, self.probes)
+        self.retention = Retention(config)
+        self.trails = Trails(self.index)
         self._requests: dict[str, RequestState] = {}
         self._jobs: dict[int, JobState] = {}
         self._orders: list[TransferOrder] = []
@@ -75,7 +81,8 @@ class OffloadScheduler:
             ("lookups", "deferred_lookups", "hit_requests", "hit_tokens", "loaded_tokens",
              "failed_load_tokens", "loads", "failed_loads", "unloadable_chunks", "stores",
              "stored_chunks", "failed_store_chunks", "skipped_store_chunks", "cpu_hit_chunks",
-             "lower_hit_chunks", "resets"), 0)  # fmt: skip
+             "lower_hit_chunks", "unretained_chunks", "dropped_chunks", "resets"),
+            0)  # fmt: skip
         #: hit_tokens / loaded_tokens -> tier -> tokens (see ``tier_shares``).
         self._by_tier: dict[str, dict[str, int]] = {"hit_tokens": {}, "loaded_tokens": {}}
 
@@ -109,6 +116,7 @@ class OffloadScheduler:
             return 0
         hit = self.hits.find(req.keys, local_hit, top, self.alignment)
         req.found_in = self.hits.found_in
+        req.junction = hit.prefix_end
         if hit.tokens <= local_hit:
             return 0
         if hit.pending:
@@ -132,14 +140,8 @@ class OffloadScheduler:
         req = self._requests.get(req_id)
         if req is None:
             return None
-        # Every chunk of the prompt was used, vLLM's own prefix-cache hits included:
-        # a prompt its GPU cache keeps serving must not look cold here.
-        if not req.use_recorded:
-            served = sum(
-                min(len(keys), req.local_hit // span)
-                for keys, span in zip(req.keys, self.tokens_per_chunk, strict=True)
-            )
-            record_use(self.index, req.chain(self.tokens_per_chunk), served)
+        if not req.use_recorded:  # vLLM's own prefix-cache hits included
+            record_use(self.index, *self.retention.used(req))
             req.use_recorded = True
         if num_external <= 0 or not req.offered:
             # vLLM's own prefix-cache blocks (null ones are skipped later).
@@ -149,9 +151,11 @@ class OffloadScheduler:
         hit = req.offered
         local = hit - num_external
         req.mark_valid(0, local)
-        pieces = load_pieces(self.layout.groups, req.keys, block_ids, (local, hit), self.bpc)
+        groups = self.layout.groups
+        pieces = load_pieces(groups, req.keys, block_ids, (local, hit), self.bpc)
         slots, lost, job = self._reserve([k for p in pieces for k in p.keys], req.tenant)
-        spans, unloadable = load_spans(pieces, block_ids, slots, lost, self.bpc)
+        lost |= stateless(pieces, groups, block_ids)  # a state needs its block: fail, not skip
+        spans, unloadable = load_spans(pieces, block_ids, slots, lost, self.bpc, groups=groups)
         order = TransferOrder(self._new_job_id(), req_id, JobKind.LOAD, spans, unloadable)
         job.order, job.tokens = order, num_external
         tiers = ["cpu"] * len(job.pinned) + [req.found_in.get(k, "lower") for k in job.promoted]
@@ -202,8 +206,8 @@ class OffloadScheduler:
             self.preempted(req_id)
         for s in scheduled:
             self.plan_store(s.req_id, s.token_ids, computed=s.computed, scheduled=s.scheduled,
-                            block_ids=s.block_ids,
-                            num_prompt_tokens=s.num_prompt_tokens)  # fmt: skip
+                            block_ids=s.block_ids, num_prompt_tokens=s.num_prompt_tokens,
+                            states=s.states)  # fmt: skip
         return self.take_orders()
 
     def plan_store(
@@ -215,66 +219,65 @@ class OffloadScheduler:
         scheduled: int,
         block_ids: Sequence[Sequence[int]],
         num_prompt_tokens: int,
+        states: Collection[tuple[int, int, int]] = (),
     ) -> TransferOrder | None:
         """Queue a store of the chunks this step completes (tokens ``computed + scheduled``).
 
         Called for every scheduled request at every step; the worker runs the
         order after the step's forward pass, when those tokens' KV is written.
+        ``states`` are ``(group, block id, tokens)`` of recurrent states vLLM
+        reports its forward pass writes besides the one at the step's end
+        (vLLM's ``boundary_state_offloads``); the states after ``computed``
+        and after ``computed + scheduled`` tokens are found without it.
         """
         req = self._request(req_id)
         end = min(computed + scheduled, len(token_ids))
         req.mark_valid(computed, end)
         if self.config.offload_prompt_only:
             end = min(end, num_prompt_tokens)
+        req.prompt_tokens = num_prompt_tokens
         req.extend_keys(token_ids, end, self.tokens_per_chunk, self.namespace)
-        chosen = self._storable(req, block_ids, end)
-        if not chosen:
-            return None
+        moved = self.retention.advance(req, end)
+        selection = self.retention.select(req, block_ids, (computed, end), states)
+        self._figures["skipped_store_chunks"] += selection.invalid + selection.unretained
+        self._figures["unretained_chunks"] += selection.unretained
+        chosen = selection.chosen
+        self.trails.keep(req.keys[c.group][c.chunk] for c in chosen if c.choice is Choice.KEEP)
+        order = self._store(req, req_id, chosen) if chosen else None
+        if moved:
+            still = self.retention.point_chunks(req, req.trail)
+            self._figures["dropped_chunks"] += self.trails.release(req, req_id, still)
+            if self.retention.is_point(req, req.trail):
+                self.trails.finish(req, req_id)  # the trailing point is a lasting one
+        return order
+
+    def _store(self, req: RequestState, req_id: str, chosen: list[Chosen]) -> TransferOrder | None:
+        """Reserve CPU slots for ``chosen`` (as many as fit) and queue their store order."""
         # Chunk ends in token order: if the CPU tier has room for only some of them,
         # the ones kept form a prefix in every group, which is what later hits need.
-        chosen.sort(key=lambda gc: ((gc[1] + 1) * self.tokens_per_chunk[gc[0]], gc[0]))
-        keys = [req.keys[g][c] for g, c in chosen]
+        spans = self.tokens_per_chunk
+        chosen.sort(key=lambda c: ((c.chunk + 1) * spans[c.group], c.group))
+        keys = [req.keys[c.group][c.chunk] for c in chosen]
         reserved, n = None, min(len(keys), self.index.room())
         while n > 0 and (reserved := self.index.prepare_store(keys[:n], tenant=req.tenant)) is None:
             n //= 2
-        for g, c in chosen[n if reserved is not None else 0 :]:
-            req.retry[g].add(c)  # no room now (stores in flight): try again next step
+        for c in chosen[n if reserved is not None else 0 :]:
+            if self.layout.groups[c.group].reuse is not Reuse.STATE:
+                req.retry[c.group].add(c.chunk)  # no room now (stores in flight): next step
+        new = set(reserved.keys) if reserved is not None else set()
+        trailing = [k for k, c in zip(keys, chosen, strict=True) if c.choice is Choice.TRAIL]
+        self.trails.hold(req, req_id, trailing, new)
         if reserved is None or not reserved.keys:
             return None
-        where = {key: gc for key, gc in zip(keys, chosen, strict=True)}
-        chunks = [
-            (*where[key], key, slot)
+        where = dict(zip(keys, chosen, strict=True))
+        pieces = [
+            StorePiece(where[key].group, where[key].chunk, key, slot, where[key].blocks)
             for key, slot in zip(reserved.keys, reserved.slots, strict=True)
         ]
-        spans = store_spans(chunks, block_ids, self.bpc)
-        order = TransferOrder(self._new_job_id(), req_id, JobKind.STORE, spans)
+        order = TransferOrder(self._new_job_id(), req_id, JobKind.STORE, store_spans(pieces))
         self._queue(req, JobState(order))
         self._figures["stores"] += 1
         return order
-
-    def _storable(
-        self, req: RequestState, block_ids: Sequence[Sequence[int]], end: int
-    ) -> list[tuple[int, int]]:
-        """``(group, chunk)`` of every new or retried chunk below ``end`` whose KV is valid.
-
-        The others (a null block, blocks no one wrote) are counted as skipped
-        and never looked at again.
-        """
-        chosen: list[tuple[int, int]] = []
-        skipped = 0
-        for g, span in enumerate(self.tokens_per_chunk):
-            blocks, stop = block_ids[g], end // span
-            retry, req.retry[g] = sorted(req.retry[g]), set()
-            for c in [*retry, *range(req.next_chunk[g], stop)]:
-                ids = blocks[c * self.bpc : (c + 1) * self.bpc]
-                if (len(ids) == self.bpc and NULL_BLOCK not in ids
-                        and covered(req.valid[g], c * span, (c + 1) * span)):  # fmt: skip
-                    chosen.append((g, c))
-                else:
-                    skipped += 1
-            req.next_chunk[g] = max(req.next_chunk[g], stop)
-        self._figures["skipped_store_chunks"] += skipped
-        return chosen
 
     # -- reports and lifecycle ----------------------------------------------------------
     def take_orders(self) -> list[TransferOrder]:
@@ -314,13 +317,14 @@ class OffloadScheduler:
         else:
             keys = order.keys
             self._stored(req, keys, set(keys) - failed)
+            figures["dropped_chunks"] += self.trails.stored(keys)
             figures["stored_chunks"] += len(keys) - len(failed & set(keys))
             figures["failed_store_chunks"] += len(failed & set(keys))
         self._release(order.req_id, order.job_id)
 
     def _stored(self, req: RequestState | None, keys: Sequence[bytes], good: set[bytes]) -> None:
         """Complete stores (or promotions) of ``keys``: ``good`` ones succeeded, in chain order."""
-        chain = list(keys) if req is None else req.chain(self.tokens_per_chunk)
+        chain = list(keys) if req is None else self.retention.chain(req, keys)
         done = [k for k in chain if k in good]
         record_stores(self.index, chain, done, [k for k in keys if k not in good])
 
@@ -329,6 +333,7 @@ class OffloadScheduler:
         req = self._requests.get(req_id)
         if req is not None:
             req.finished = True
+            self.trails.finish(req, req_id)  # its trailing point is its output's end
             self._release(req_id, None)
 
     def preempted(self, req_id: str) -> None:
@@ -338,10 +343,8 @@ class OffloadScheduler:
             req.forget_blocks()
 
     def reset(self) -> bool:
-        """Drop every CPU chunk no job is using (vLLM's ``reset_prefix_cache`` with the connector).
-
-        Lower tiers keep theirs: they are shared (a remote server) or outlive
-        the process by design (disk).
+        """Drop every CPU chunk no job is using (vLLM's ``reset_prefix_cache`` with the connector);
+        lower tiers keep theirs: they are shared (a remote server) or outlive the process (disk).
         """
         self.index.reset()
         self._figures["resets"] += 1

@@ -1,0 +1,325 @@
+"""Which sliding-window chunks and recurrent states a request stores: those a hit can use.
+
+A hit at ``H`` needs every full-attention chunk below ``H`` but only the
+window before ``H`` of a sliding-window group and only the state taken at
+``H`` of a recurrent one (:func:`~kvoffload.vllm._hits.needed_tokens`). So
+storing every window chunk and every state is mostly wasted: on a layout of
+five sliding-window layers per full-attention layer, five sixths of the bytes.
+Full-prefix chunks are all stored; window chunks and states only for these
+*hit points* of a request, all multiples of the hit alignment ``A``:
+
+* the aligned end of its prompt, ``(P - 1) // A * A``: the same prompt again;
+* where the chunks its lookup found in the full-prefix groups end (the
+  junction where it left what was stored before), and the engine's own hit:
+  the next request sharing that prefix;
+* every ``retention_interval`` tokens (rounded up to a multiple of ``A``):
+  prefixes shared in other places;
+* the aligned end of what it computed when it finishes: the next turn of a
+  conversation. That point is known only at the end, and by then vLLM has
+  freed the window blocks before it and the states are gone, so from its
+  prompt's end on a request keeps a *trailing* point at the aligned end of
+  what it computed so far: its chunks are stored as it moves on, and those
+  of the previous trailing point that no other point needs are dropped from
+  the index (:class:`Trails`). When the request finishes, its last trailing
+  point stays.
+
+A window chunk no point wants yet, but that a later point may (it lies in
+the window of the next multiple of ``A``), waits in the request's blocks: the
+window of any later point starts after what vLLM frees. A state exists only
+in the step whose forward pass reached its boundary (vLLM overwrites the
+running state), so a state is stored then or never.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Iterable, Sequence
+from enum import Enum
+from typing import NamedTuple
+
+from kvoffload.config import OffloadConfig
+from kvoffload.config.layout import Reuse
+from kvoffload.manager.offload_manager import OffloadManager
+from kvoffload.vllm._hits import needed_chunks
+from kvoffload.vllm._request import RequestState, covered
+from kvoffload.vllm._spans import NULL_BLOCK
+
+__all__ = ["Choice", "Chosen", "Retention", "Selection", "Trails"]
+
+
+class Choice(Enum):
+    """What becomes of one window chunk or state a step could store."""
+
+    #: A hit point of the request needs it for good.
+    KEEP = "keep"
+    #: Only the request's trailing point needs it (for now).
+    TRAIL = "trail"
+    #: No point needs it yet, a later one may: look again at the next step.
+    WAIT = "wait"
+    #: No point ever will.
+    SKIP = "skip"
+
+
+class Chosen(NamedTuple):
+    """A chunk a step stores: group, chunk index, its engine blocks, and why."""
+
+    group: int
+    chunk: int
+    blocks: tuple[int, ...]
+    choice: Choice
+
+
+class Selection(NamedTuple):
+    """What one step of one request may store, and how many chunks it passed over."""
+
+    chosen: list[Chosen]
+    #: Chunks whose KV is not there (a null block, blocks no one wrote).
+    invalid: int
+    #: Window chunks and states no hit point of the request wants.
+    unretained: int
+
+
+class Retention:
+    """The hit points of each request, and what they want of each window or state group."""
+
+    def __init__(self, config: OffloadConfig) -> None:
+        self.layout = config.layout
+        self.spans = config.tokens_per_chunk
+        self.bpc = config.blocks_per_chunk
+        self.align = config.hit_alignment
+        self.step = config.retention_step
+        self.trailing = not config.offload_prompt_only
+
+    def select(
+        self,
+        req: RequestState,
+        block_ids: Sequence[Sequence[int]],
+        bounds: tuple[int, int],
+        states: Collection[tuple[int, int, int]] = (),
+    ) -> Selection:
+        """The chunks a step computing tokens ``bounds = (computed, end)`` may store.
+
+        Every new or retried chunk below ``end`` whose KV is valid, if its
+        group needs every chunk or a hit point of the request wants it; the
+        others are counted and never looked at again, except window chunks
+        a later hit point may want (``retry``). ``states`` as in
+        :meth:`~kvoffload.vllm.scheduler.OffloadScheduler.plan_store`.
+        """
+        chosen: list[Chosen] = []
+        invalid = unretained = 0
+        end = bounds[1]
+        for g, (group, span) in enumerate(zip(self.layout.groups, self.spans, strict=True)):
+            if group.reuse is Reuse.STATE:
+                continue
+            blocks, stop = block_ids[g], end // span
+            retry, req.retry[g] = sorted(req.retry[g]), set()
+            for c in [*retry, *range(req.next_chunk[g], stop)]:
+                ids = tuple(blocks[c * self.bpc : (c + 1) * self.bpc])
+                if (len(ids) < self.bpc or NULL_BLOCK in ids
+                        or not covered(req.valid[g], c * span, (c + 1) * span)):  # fmt: skip
+                    invalid += 1
+                    continue
+                choice = (
+                    Choice.KEEP
+                    if group.reuse is Reuse.PREFIX
+                    else self.window_choice(req, g, c, end)
+                )
+                if choice is Choice.WAIT:
+                    req.retry[g].add(c)
+                elif choice is Choice.SKIP:
+                    unretained += 1
+                else:
+                    chosen.append(Chosen(g, c, ids, choice))
+            req.next_chunk[g] = max(req.next_chunk[g], stop)
+        for state in self._states(req, block_ids, bounds, states):
+            if state.choice is Choice.SKIP:
+                unretained += 1
+            elif state.blocks[0] == NULL_BLOCK:
+                invalid += 1
+            else:
+                chosen.append(state)
+        return Selection(chosen, invalid, unretained)
+
+    def _states(
+        self,
+        req: RequestState,
+        block_ids: Sequence[Sequence[int]],
+        bounds: tuple[int, int],
+        handed: Collection[tuple[int, int, int]],
+    ) -> list[Chosen]:
+        """The states at chunk boundaries a step finds in the engine's blocks.
+
+        The state after ``computed`` tokens (the previous step's end, or a hit)
+        is still in its block, and the one after ``end`` is there once the
+        forward pass ran; ``handed`` adds states vLLM reports written inside
+        the step (a prefill checkpoint).
+        """
+        out = []
+        for g, (group, span) in enumerate(zip(self.layout.groups, self.spans, strict=True)):
+            if group.reuse is not Reuse.STATE:
+                continue
+            tpb, blocks = group.tokens_per_block, block_ids[g]
+            found = {b: blocks[b // tpb - 1] for b in bounds if 0 < b <= len(blocks) * tpb}
+            found.update({b: block for h, block, b in handed if h == g and b > 0})
+            for point, block in sorted(found.items()):
+                if point % span or not covered(req.valid[g], point - 1, point):
+                    continue
+                out.append(Chosen(g, point // span - 1, (block,), self.state_choice(req, point)))
+        return out
+
+    def prompt_end(self, req: RequestState) -> int:
+        return max(req.prompt_tokens - 1, 0) // self.align * self.align
+
+    def is_point(self, req: RequestState, point: int) -> bool:
+        """Whether ``point`` is one of the request's lasting hit points (not the trailing one)."""
+        if point <= 0 or point % self.align:
+            return False
+        if point in (self.prompt_end(req), req.junction, req.local_hit):
+            return True
+        return self.step > 0 and point % self.step == 0
+
+    def advance(self, req: RequestState, end: int) -> bool:
+        """Move the trailing point to ``end``'s aligned end once the prompt is computed.
+
+        Returns whether it moved (the previous point's chunks may be released).
+        """
+        if not self.trailing or end < req.prompt_tokens:
+            return False
+        point = end // self.align * self.align
+        if point <= req.trail:
+            return False
+        req.trail = point
+        return True
+
+    def window_choice(self, req: RequestState, g: int, chunk: int, end: int) -> Choice:
+        """What to do with chunk ``chunk`` of window group ``g``, ``end`` tokens computed."""
+        group, span = self.layout.groups[g], self.spans[g]
+        first = (chunk + 1) * span
+        width = group.sliding_window or group.attention_chunk_size or 0  # a window's reach
+        points = range(-(-first // self.align) * self.align, first + width, self.align)
+        wants = [p for p in points if chunk in needed_chunks(group, span, 0, p)]
+        if any(self.is_point(req, p) for p in wants):
+            return Choice.KEEP
+        if req.trail in wants:
+            return Choice.TRAIL
+        # Windows only move right: the next multiple of A is the last chance.
+        later = (end // self.align + 1) * self.align
+        if chunk in needed_chunks(group, span, 0, later):
+            return Choice.WAIT
+        return Choice.SKIP
+
+    def state_choice(self, req: RequestState, point: int) -> Choice:
+        """What to do with the state at ``point`` (a state group's chunk boundary)."""
+        if self.is_point(req, point):
+            return Choice.KEEP
+        return Choice.TRAIL if point == req.trail else Choice.SKIP
+
+    def point_chunks(self, req: RequestState, point: int) -> set[bytes]:
+        """Keys of the window chunks and states ``point`` needs, as far as the request knows."""
+        out: set[bytes] = set()
+        for g, group in enumerate(self.layout.groups):
+            if group.reuse is Reuse.PREFIX:
+                continue
+            keys = req.keys[g]
+            out.update(keys[c] for c in needed_chunks(group, self.spans[g], 0, point)
+                       if c < len(keys))  # fmt: skip
+        return out
+
+    def used(self, req: RequestState) -> tuple[list[bytes], int]:
+        """What a request's prompt used, in chain order, and how many of those vLLM served.
+
+        For :func:`~kvoffload.manager.usage.record_use`: every full-prefix chunk
+        (a prompt vLLM's GPU cache keeps serving must not look cold to the
+        tiers); of window and state groups, what a hit at the point it was
+        served to, or at its prompt's end, needs. Window chunks and states kept
+        for other hit points were not used: they age and go first.
+        """
+        top = min(len(keys) * span for keys, span in zip(req.keys, self.spans, strict=True))
+        points = {max(req.offered, req.local_hit), top}
+        wanted = [
+            None
+            if group.reuse is Reuse.PREFIX
+            else {c for p in points for c in needed_chunks(group, span, 0, p)}
+            for group, span in zip(self.layout.groups, self.spans, strict=True)
+        ]
+        ends = req.chain_ends(self.spans, wanted)
+        served = sum(1 for end, _, _ in ends if end <= req.local_hit)
+        return [req.keys[g][c] for _, g, c in ends], served
+
+    def chain(self, req: RequestState, keys: Collection[bytes]) -> list[bytes]:
+        """The request's chain that a store of ``keys`` completes in (``record_stores``).
+
+        Every full-prefix chunk, and of window and state groups only ``keys``:
+        ranking the chain ahead of them recent must not refresh what the
+        request keeps for its other hit points.
+        """
+        mine = set(keys)
+        wanted = [
+            None
+            if group.reuse is Reuse.PREFIX
+            else {c for c, key in enumerate(group_keys) if key in mine}
+            for group, group_keys in zip(self.layout.groups, req.keys, strict=True)
+        ]
+        return req.chain(self.spans, wanted)
+
+
+class Trails:
+    """Chunks stored only for requests' trailing points, dropped when no request trails them.
+
+    A chunk another request keeps for good is never dropped: keeping it
+    removes it from here. A chunk still being stored when it is released is
+    dropped when its store completes, unless someone wanted it again meanwhile.
+    """
+
+    def __init__(self, index: OffloadManager) -> None:
+        self.index = index
+        self._holders: dict[bytes, set[str]] = {}
+        self._doomed: set[bytes] = set()
+
+    def keep(self, keys: Iterable[bytes]) -> None:
+        """``keys`` are wanted for good."""
+        for key in keys:
+            self._holders.pop(key, None)
+            self._doomed.discard(key)
+
+    def hold(self, req: RequestState, req_id: str, keys: Iterable[bytes], new: set[bytes]) -> None:
+        """``req`` trails ``keys``; ``new`` are those its store reserved (nobody held them)."""
+        for key in keys:
+            holders = self._holders.get(key)
+            if holders is None and key not in new and key not in self._doomed:
+                continue  # stored for good by someone else, or not stored at all
+            self._holders.setdefault(key, set()).add(req_id)
+            self._doomed.discard(key)
+            req.trail_keys.add(key)
+
+    def release(self, req: RequestState, req_id: str, still: set[bytes]) -> int:
+        """``req`` no longer trails its keys outside ``still``; returns how many were dropped."""
+        gone = req.trail_keys - still
+        req.trail_keys -= gone
+        dropped = []
+        for key in gone:
+            holders = self._holders.get(key)
+            if holders is None:
+                continue
+            holders.discard(req_id)
+            if not holders:
+                del self._holders[key]
+                dropped.append(key)
+        removed = self.index.discard(dropped)
+        self._doomed.update(set(dropped) - set(removed))
+        return len(removed)
+
+    def finish(self, req: RequestState, req_id: str) -> None:
+        """The request ended: what it trails now is its output's hit point, kept for good."""
+        for key in req.trail_keys:
+            holders = self._holders.get(key)
+            if holders is not None and req_id in holders:
+                del self._holders[key]
+        req.trail_keys.clear()
+
+    def stored(self, keys: Sequence[bytes]) -> int:
+        """Stores of ``keys`` completed: drop those released meanwhile; returns how many."""
+        doomed = [key for key in keys if key in self._doomed]
+        if not doomed:
+            return 0
+        self._doomed.difference_update(doomed)
+        return len(self.index.discard(doomed))
