@@ -17,6 +17,7 @@ import pytest
 
 from kvoffload import build_offloading_config
 from kvoffload.config.layout import CacheGroup, KVLayout
+from kvoffload.errors import ConfigError
 from kvoffload.keys import namespace_of, prefix_keys_for_layout
 from kvoffload.manager import EventKind
 from kvoffload.transfer import allocate_kv_caches
@@ -30,7 +31,14 @@ GEMMA = KVLayout(
         CacheGroup("full", 4, ("f0",), PAGE),
     )
 )
-LAYOUTS = pytest.mark.parametrize("layout", [LLAMA, GEMMA], ids=["llama", "gemma"])
+#: Qwen3-Next-like: recurrent-state groups (a state of 160 bytes per 8-token block) and a full one.
+QWEN = KVLayout(
+    (
+        *(CacheGroup("mamba", 8, (f"m{i}",), 160) for i in range(2)),
+        CacheGroup("full", 8, ("a0",), PAGE),
+    )
+)
+LAYOUTS = pytest.mark.parametrize("layout", [LLAMA, GEMMA, QWEN], ids=["llama", "gemma", "qwen"])
 
 
 def tokens(n: int, seed: int) -> list[int]:
@@ -93,7 +101,13 @@ def test_hybrid_hits_need_every_full_block_and_only_the_window_of_sliding_groups
 
 # -- kvoffload's connector through the stand-in ------------------------------------------------
 def make(
-    layout: KVLayout, tmp_path: Path, *, cpu_chunks: int, gpu_blocks: int, **extra: object
+    layout: KVLayout,
+    tmp_path: Path,
+    *,
+    cpu_chunks: int,
+    gpu_blocks: int,
+    step_tokens: int = 64,
+    **extra: object,
 ) -> tuple[StandIn, KVOffloadSide]:
     slot = max(g.chunk_bytes(1) for g in layout.groups)
     config = build_offloading_config(
@@ -101,7 +115,8 @@ def make(
     )
     kv = allocate_kv_caches(layout, gpu_blocks)
     side = KVOffloadSide(config, namespace_of("standin-test", "bfloat16", layout), kv)
-    engine = StandIn(layout, side, gpu_blocks=gpu_blocks, step_tokens=64, kv=KVPages(layout, kv))
+    pages = KVPages(layout, kv)
+    engine = StandIn(layout, side, gpu_blocks=gpu_blocks, step_tokens=step_tokens, kv=pages)
     return engine, side
 
 
@@ -123,7 +138,9 @@ def served(tmp_path: Path) -> Iterator[Callable[..., tuple[StandIn, KVOffloadSid
 def test_prompts_evicted_from_the_gpu_come_back_from_the_cpu_bit_exact(
     served: Callable[..., tuple[StandIn, KVOffloadSide]], layout: KVLayout
 ) -> None:
-    engine, side = served(layout, cpu_chunks=200, gpu_blocks=80)
+    # A state group holds one block per request: Qwen's prompts need a smaller GPU cache to
+    # be evicted from it.
+    engine, side = served(layout, cpu_chunks=200, gpu_blocks=48 if layout is QWEN else 80)
     first = [(f"a{i}", tokens(100, 10 + i)) for i in range(4)]
     again = [(f"b{i}", ids) for i, (_, ids) in enumerate(first)]
     stats = engine.run([*first, *again])  # four prompts do not fit the GPU cache together
@@ -168,3 +185,33 @@ def test_a_request_is_evicted_tail_first(
     engine.run([("c", tokens(5, 42))], in_flight=1)  # ...and c's chunk evicts the oldest
     keys = prefix_keys_for_layout(a, [4], side.scheduler.namespace)[0]
     assert side.scheduler.index.ready_mask(keys) == [True, True, False]
+
+
+def test_a_recurrent_prompt_runs_in_aligned_steps_and_keeps_the_state_a_hit_needs(
+    served: Callable[..., tuple[StandIn, KVOffloadSide]],
+) -> None:
+    engine, side = served(QWEN, cpu_chunks=200, gpu_blocks=64)
+    engine.step_tokens = 20  # not a multiple of the 8-token block
+    ids = tokens(100, 7)
+    req = engine.add("a", ids)
+    ends = []
+    while req.computed < len(ids):
+        engine.step()
+        ends.append(req.computed)
+    # vLLM's align mode: prefill steps end on blocks, one at 96 (the last before token 99).
+    assert ends == [16, 32, 48, 64, 80, 96, 100]
+    engine.step()
+    stats = engine.run([("b", ids)])  # vLLM's own cache: the state kept at 96
+    assert stats.gpu_hit_tokens == 96 and stats.loaded_tokens == 0
+    engine.reset_prefix_cache()
+    engine.run([("c", ids)])  # only kvoffload holds it now
+    assert stats.loaded_tokens == 96 and stats.mismatched_blocks == 0
+    assert stats.verified_blocks == 96 // 8 + 2  # every full block, and each group's state
+    figures = side.scheduler.figures()
+    assert figures["failed_loads"] == 0 and figures["unretained_chunks"] > 0
+    side.scheduler.index.check_integrity()
+
+
+def test_the_stand_in_refuses_steps_shorter_than_a_state_block(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="step_tokens=4 is below"):
+        make(QWEN, tmp_path, cpu_chunks=8, gpu_blocks=16, step_tokens=4)

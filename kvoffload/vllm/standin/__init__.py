@@ -39,6 +39,7 @@ from kvoffload.vllm.standin._engine import MAX_IDLE_STEPS, StandIn
 from kvoffload.vllm.standin._kv import KVPages, expected_page
 from kvoffload.vllm.standin._kvoffload import KVOffloadSide
 from kvoffload.vllm.standin._prefix_cache import NULL_BLOCK, PrefixCache
+from kvoffload.vllm.standin._state import aligned_stop, state_block_size, state_key
 from kvoffload.vllm.standin._types import (
     ConnectorSide,
     SimRequest,
@@ -63,5 +64,8 @@ __all__ = [
     "StepPlan",
     "Stopwatch",
     "WorkerResult",
+    "aligned_stop",
     "expected_page",
+    "state_block_size",
+    "state_key",
 ]

@@ -5,12 +5,13 @@ from __future__ import annotations
 import time
 from collections.abc import Iterable, Sequence
 
-from kvoffload.config.layout import KVLayout
+from kvoffload.config.layout import KVLayout, Reuse
 from kvoffload.errors import ConfigError
 from kvoffload.keys import KeyExtras, prefix_keys_for_layout
 from kvoffload.vllm._hits import needed_tokens
 from kvoffload.vllm.standin._kv import KVPages
 from kvoffload.vllm.standin._prefix_cache import NULL_BLOCK, PrefixCache
+from kvoffload.vllm.standin._state import aligned_stop, state_block_size, state_key
 from kvoffload.vllm.standin._types import (
     ConnectorSide,
     SimRequest,
@@ -44,6 +45,12 @@ class StandIn:
         max_running: int = 16,
         kv: KVPages | None = None,
     ) -> None:
+        block = state_block_size(layout)
+        if block is not None and step_tokens < block:
+            raise ConfigError(
+                f"step_tokens={step_tokens} is below the state groups' block of {block} tokens: "
+                "vLLM's align mode ends every prefill step on a block; give more step tokens"
+            )
         self.layout, self.side, self.kv = layout, side, kv
         self.cache = PrefixCache(layout, gpu_blocks)
         self.step_tokens, self.max_running = step_tokens, max_running
@@ -141,7 +148,9 @@ class StandIn:
         for req in self.running:
             if budget <= 0:
                 break
-            n = min(req.num_tokens - req.computed, budget)
+            n = self._tokens(req, budget)
+            if not n:
+                continue
             self.cache.remove_skipped(req.blocks, req.computed)
             if not self.cache.allocate(req.blocks, None, req.computed, req.computed + n):
                 raise RuntimeError(f"request {req.req_id!r} found no blocks: the reserve is wrong")
@@ -170,7 +179,10 @@ class StandIn:
                     i += 1
                     continue
                 external, req.computed = offered, local + offered
-            n = 0 if external else min(req.num_tokens - req.computed, budget)
+            n = 0 if external else self._tokens(req, budget)
+            if not (n or external):
+                req.computed -= local
+                break
             if not self.cache.allocate(req.blocks, hit, req.computed, req.computed + n):
                 req.computed -= local + external
                 break
@@ -190,6 +202,11 @@ class StandIn:
             plan.scheduled.append((req, n))
             plan.first.add(req.req_id)
             budget -= n
+
+    def _tokens(self, req: SimRequest, budget: int) -> int:
+        """Tokens of ``req`` this step computes, within ``budget`` (vLLM's align split)."""
+        stop = min(req.num_tokens, req.computed + budget)
+        return aligned_stop(self.layout, req.computed, stop, req.num_tokens) - req.computed
 
     def _fits(self, req: SimRequest) -> bool:
         """vLLM's admission reserve: a new request's whole prompt and what the admitted ones
@@ -251,11 +268,18 @@ class StandIn:
         if kv is None:
             return
         for req, n in plan.scheduled:
-            for g, tpb in enumerate(self.layout.tokens_per_block):
-                stop = min(req.computed + n, req.num_tokens) // tpb
-                for b in range(req.computed // tpb, stop):
-                    if req.blocks[g][b] != NULL_BLOCK:
-                        kv.write(g, req.blocks[g][b], req.hashes[g][b])
+            end = min(req.computed + n, req.num_tokens)
+            for g, group in enumerate(self.layout.groups):
+                tpb, blocks, hashes = group.tokens_per_block, req.blocks[g], req.hashes[g]
+                if group.reuse is Reuse.STATE:  # the state after the step, in its last block
+                    if n and blocks[(end - 1) // tpb] != NULL_BLOCK:
+                        kv.write(
+                            g, blocks[(end - 1) // tpb], state_key(hashes, req.tokens, end, tpb)
+                        )
+                    continue
+                for b in range(req.computed // tpb, end // tpb):
+                    if blocks[b] != NULL_BLOCK:
+                        kv.write(g, blocks[b], hashes[b])
 
     def _verify(self, req: SimRequest, start: int, stop: int) -> None:
         """Check every full block a load of tokens ``[start, stop)`` filled, bit-exact."""

@@ -46,6 +46,9 @@ class KVPages:
 
     @staticmethod
     def _bytes(tensor: torch.Tensor) -> torch.Tensor:
+        if tensor.dim() == 4 and tensor.shape[1:3] == (1, 1) and tensor.stride(-1) == 1:
+            # A recurrent state as vLLM hands it over: its bytes only, the padding untouched.
+            return tensor.view(torch.uint8)[:, 0, 0]
         if not tensor.is_contiguous():
             raise ValueError(
                 "the stand-in writes pages of block-first (contiguous) KV tensors only"

@@ -15,6 +15,8 @@ Which blocks a hit needs is the scheduler's own rule
 point for full attention, the window before it for a sliding window, and
 whatever a new group kind declares there; blocks a group does not need
 are vLLM's null block. Hits land on multiples of every group's block size.
+A recurrent state group gets one block per step, the one the step ends in
+(:mod:`kvoffload.vllm.standin._state`).
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ import math
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 
-from kvoffload.config.layout import KVLayout
+from kvoffload.config.layout import KVLayout, Reuse
 from kvoffload.vllm._hits import needed_tokens
 from kvoffload.vllm._spans import NULL_BLOCK
 
@@ -106,7 +108,8 @@ class PrefixCache:
             ]  # fmt: skip
             stop = -(-total // tpb)
             plans.append((base, skipped, stop))
-            fresh += max(0, stop - max(len(base), skipped))
+            new = max(0, stop - max(len(base), skipped))
+            fresh += min(new, 1) if group.reuse is Reuse.STATE else new
             if hit is not None:
                 reused += sum(1 for b in base if b and not self._refs[b])
         if fresh + reused > len(self._free):
@@ -117,6 +120,8 @@ class PrefixCache:
                 table[g] = base
             ids = table[g]
             ids += [NULL_BLOCK] * max(0, min(skipped, stop) - len(ids))
+            if self.layout.groups[g].reuse is Reuse.STATE:  # the step's state: its last block
+                ids += [NULL_BLOCK] * max(0, stop - 1 - len(ids))
             ids += self._take(stop - len(ids))
         return True
 
@@ -140,6 +145,8 @@ class PrefixCache:
             first = min(needed_tokens(group, 0, computed)[0] // self.tokens_per_block[g], len(ids))
             removed = []
             for b in range(first - 1, -1, -1):
+                if ids[b] == NULL_BLOCK and group.reuse is Reuse.STATE:
+                    continue  # states of earlier steps sit between null blocks
                 if ids[b] == NULL_BLOCK:
                     break
                 removed.append(ids[b])
