@@ -64,6 +64,60 @@ LLAMA4: dict[str, Any] = {
     "torch_dtype": "bfloat16",
 }
 
+#: A 4-layer Qwen3-Next: three gated-DeltaNet layers and one full-attention layer
+#: (full_attention_interval 4), a few experts. On vLLM's CPU backend with prefix caching
+#: (mamba_cache_mode "align") that is four KV cache groups of 256 tokens per block: three
+#: recurrent-state groups and one full-attention group. Head dims are 64: the CPU
+#: gated-DeltaNet kernel rejects 32.
+QWEN3_NEXT: dict[str, Any] = {
+    "architectures": ["Qwen3NextForCausalLM"],
+    "model_type": "qwen3_next",
+    "vocab_size": 512,
+    "hidden_size": 128,
+    "intermediate_size": 256,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 2,
+    "num_key_value_heads": 1,
+    "head_dim": 64,
+    "linear_num_key_heads": 2,
+    "linear_num_value_heads": 4,
+    "linear_key_head_dim": 64,
+    "linear_value_head_dim": 64,
+    "linear_conv_kernel_dim": 4,
+    "num_experts": 4,
+    "num_experts_per_tok": 2,
+    "moe_intermediate_size": 64,
+    "shared_expert_intermediate_size": 64,
+    "decoder_sparse_step": 1,
+    "full_attention_interval": 4,
+    "max_position_embeddings": 4096,
+    "torch_dtype": "bfloat16",
+}
+
+
+def _state_sensitive(model: Any) -> None:
+    """Make a random Qwen3-Next's output depend on its recurrent state, and its logits peaked.
+
+    With random ``A_log`` (about 0.8 to 2.3) a gated-DeltaNet state decays to
+    nothing within a token, so a wrong or zeroed state gives the same tokens
+    and no test could see it (measured on vLLM's CPU build). ``A_log = -6`` and
+    ``dt_bias = -2`` make the state last; a scaled-up ``lm_head`` makes greedy
+    choices far from ties.
+    """
+    import torch
+
+    with torch.no_grad():
+        model.lm_head.weight.mul_(30.0)
+        for name, param in model.named_parameters():
+            if name.endswith("linear_attn.A_log"):
+                param.fill_(-6.0)
+            elif name.endswith("linear_attn.dt_bias"):
+                param.fill_(-2.0)
+
+
+#: What ``build`` does to a model's random weights before saving them, by model type.
+ADJUST = {"qwen3_next": _state_sensitive}
+
 #: A Llama big enough that prefill costs real time on a CPU, for the TTFT benchmark.
 BIG_LLAMA: dict[str, Any] = {
     **LLAMA,
@@ -96,6 +150,9 @@ def build(config: dict[str, Any], path: Path, seed: int = 0) -> Path:
     torch.manual_seed(seed)
     hf_config = AutoConfig.for_model(**config)
     model = AutoModelForCausalLM.from_config(hf_config).to(torch.bfloat16)
+    adjust = ADJUST.get(config["model_type"])
+    if adjust is not None:
+        adjust(model)
     partial = path.with_name(f"{path.name}.partial-{os.getpid()}")
     shutil.rmtree(partial, ignore_errors=True)
     model.save_pretrained(partial)
@@ -154,6 +211,7 @@ MODELS = {
     "llama4": LLAMA4,
     "big_llama": BIG_LLAMA,
     "serve_llama": SERVE_LLAMA,
+    "qwen3_next": QWEN3_NEXT,
 }
 
 if __name__ == "__main__":

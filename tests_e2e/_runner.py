@@ -26,7 +26,9 @@ Each pass may first act: ``reset`` (``llm.reset_prefix_cache()``, vLLM's own
 cache only), ``reset_connector`` (the same with ``reset_connector=True``),
 ``corrupt`` (a directory: overwrite bytes in the middle of every ``*.kv``
 file under it), ``delete`` (a directory: remove every ``*.kv`` file under
-it). ``prompts`` in a pass replaces the spec's for that pass. With
+it). ``prompts`` in a pass replaces the spec's for that pass; ``follow_up``
+(a number ``n``) makes each prompt the next turn of a conversation: the
+previous pass's prompt, what it generated, and ``n`` new token ids. With
 ``"one_by_one": true`` the pass sends its prompts one ``generate()`` at a
 time, and with ``"reset_each": true`` resets vLLM's prefix cache before each
 (the benchmark's way to time one prompt's prefill alone).
@@ -65,6 +67,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import sys
 import time
 import traceback
@@ -254,6 +257,15 @@ def _prompt(entry: Any, model: str = "") -> tuple[dict[str, Any], Any]:
     return prompt, lora
 
 
+def follow_up(prompts: list[list[int]], outputs: list[list[int]], n: int) -> list[list[int]]:
+    """The next turn of each conversation: prompt, its output, ``n`` new token ids (seeded)."""
+    turns = []
+    for i, (prompt, output) in enumerate(zip(prompts, outputs, strict=True)):
+        rng = random.Random(f"follow-up {i} {len(prompt)}")
+        turns.append(prompt + output + [rng.randrange(1, 500) for _ in range(n)])
+    return turns
+
+
 def _record(outputs: list[Any]) -> dict[str, Any]:
     ttft = [getattr(out.metrics, "first_token_latency", None) for out in outputs]
     return {
@@ -309,9 +321,14 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
         "passes": [],
     }
     params = SamplingParams(temperature=0.0, max_tokens=spec.get("max_tokens", 8), ignore_eos=True)
+    last: tuple[list[list[int]], list[list[int]]] | None = None
     for step in spec.get("passes", [{}]):
         acted = _act(llm, step)
         entries = step.get("prompts", spec["prompts"])
+        if step.get("follow_up"):
+            if last is None:
+                raise ValueError("'follow_up' needs a pass before it")
+            entries = follow_up(*last, step["follow_up"])
         prompts, loras = zip(*[_prompt(p, spec["model"]) for p in entries], strict=True)
         started = time.perf_counter()
         if step.get("one_by_one"):
@@ -327,6 +344,7 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
             outputs = llm.generate(list(prompts), params, use_tqdm=False, lora_request=lora_list)
             seconds = None
         record = _record(outputs)
+        last = (entries, record["tokens"])
         record.update(seconds=time.perf_counter() - started, prompt_seconds=seconds, acted=acted)
         record["figures"] = _figures() if "kv_transfer_config" in engine else {}
         if sink is not None:

@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 from _harness import Engine, Reference
-from _models import GEMMA4, LLAMA, build
+from _models import GEMMA4, LLAMA, QWEN3_NEXT, build
 
 # The remote-tier tests use the unit tests' real Redis servers on loopback (appended,
 # so that tests/conftest.py never shadows this one).
@@ -54,6 +54,11 @@ def llama(models: Path) -> str:
 @pytest.fixture(scope="session")
 def gemma4(models: Path) -> str:
     return str(build(GEMMA4, models / "gemma4"))
+
+
+@pytest.fixture(scope="session")
+def qwen3_next(models: Path) -> str:
+    return str(build(QWEN3_NEXT, models / "qwen3_next"))
 
 
 @pytest.fixture(scope="session")

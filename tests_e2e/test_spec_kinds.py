@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import inspect
 import math
+from dataclasses import replace
 from types import SimpleNamespace
 from typing import Any
 
@@ -147,7 +148,12 @@ def test_skipped_kinds_are_neither_stored_nor_loaded(
 
 MAMBA = MambaSpec(block_size=256, shapes=((3, 512), (4, 64, 64)), dtypes=(BF16, BF16))
 REFUSED = [
-    (MAMBA, {}, r"MambaSpec.*mamba_cache_mode='align' and enable_prefix_caching=True"),
+    (MAMBA, {}, r'MambaSpec.*enable_prefix_caching=True and mamba_cache_mode="align"'),
+    (
+        replace(MAMBA, mamba_cache_mode="align", num_speculative_blocks=2),
+        {},
+        "MambaSpec.*speculative decoding",
+    ),
     (CrossAttentionSpec(**ATTN), {}, "CrossAttentionSpec.*encoder's input"),
     (RSWASpec(**ATTN, rswa_window=64), {}, "RSWASpec.*decode"),
     (FullAttentionSpec(**ATTN, non_causal=True), {}, "FullAttentionSpec.*prefix LM"),
@@ -287,7 +293,7 @@ def test_llama4_is_one_full_group_with_the_hybrid_allocator_off() -> None:
     assert [(g.kind, g.num_layers) for g in served.layout.groups] == [("full", 8)]
 
 
-def test_qwen3_next_is_refused_until_recurrent_state_is_served() -> None:
+def test_qwen3_next_is_three_state_groups_and_one_full_group() -> None:
     """Three gated-DeltaNet layers and one full layer, as vLLM's CPU backend groups them."""
     page = 256 * 2 * 64 * 2  # the attention page the state page is padded up to
     gdn = MambaSpec(block_size=256, shapes=((3, 512), (4, 64, 64)), dtypes=(BF16, BF16),
@@ -299,8 +305,15 @@ def test_qwen3_next_is_refused_until_recurrent_state_is_served() -> None:
     assert [type(g.kv_cache_spec).__name__ for g in built.scheduler.kv_cache_groups] == [
         "MambaSpec", "MambaSpec", "MambaSpec", "FullAttentionSpec",
     ]  # fmt: skip
-    with pytest.raises(ConfigError, match=r"group 0 .*mamba_cache_mode='align'"):
-        group_map(built.scheduler)
+    layout = group_map(built.scheduler).layout
+    state = (3 * 512 + 4 * 64 * 64) * 2  # vLLM pads it to ``page``; only the state is moved
+    assert [(g.kind, g.tokens_per_block, g.page_bytes) for g in layout.groups] == [
+        ("mamba", 256, state), ("mamba", 256, state), ("mamba", 256, state), ("full", 256, page),
+    ]  # fmt: skip
+    assert group_map(built.worker).layout == layout
+    group = layout.groups[0]
+    assert needed_tokens(group, 0, 1024) == (1023, 1024)  # the block ending at 1024
+    assert group.chunk_bytes(blocks_per_chunk=2) == state  # one state per chunk
 
 
 # -- kvoffload plan forms the groups vLLM forms -----------------------------------------------

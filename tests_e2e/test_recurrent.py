@@ -1,0 +1,146 @@
+"""Recurrent hybrids on a real vLLM engine: a tiny Qwen3-Next (three gated-DeltaNet layers,
+one full-attention layer) served exactly from the connector's tiers.
+
+The oracle is vLLM's own prefix cache: the same prompts run twice in one
+engine without a reset give tokens computed from the same state and KV
+(``reference``'s second pass). With the connector, the second pass runs
+after ``reset_prefix_cache()``, so only the connector can serve the history:
+it must give exactly the oracle's tokens and hits. The model's gated-DeltaNet
+state is made to last (``_models.QWEN3_NEXT``): with the state the connector
+loads replaced by zeros, every prompt's tokens differ from the first one on
+(checked by hand when this suite was written), so a wrong state cannot pass.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+from _harness import (
+    TWO_PASSES,
+    Engine,
+    Reference,
+    assert_loaded_tokens_match,
+    delta,
+    needs_connector,
+    shared_prefix_prompts,
+    with_disk,
+)
+
+pytestmark = needs_connector
+
+#: vLLM keeps a state at each block boundary only with prefix caching in "align" mode.
+QWEN_ENGINE: dict[str, Any] = {
+    "enable_prefix_caching": True,
+    "mamba_cache_mode": "align",
+    "max_model_len": 4096,
+}
+#: Three prompts (1120-1122 tokens) sharing 1,100: vLLM stops the prefill at 1,024 (the last
+#: 256-token boundary before the last token) and keeps the state there.
+QWEN_PROMPTS = shared_prefix_prompts(3, prefix_len=1100, suffix_len=20, vocab=512)
+#: vLLM's tokens per block of the four KV cache groups (three state groups, then attention).
+QWEN_GROUPS = [256, 256, 256, 256]
+#: The payload of one state chunk: conv (3 x 512) and SSM (4 x 64 x 64) state in bf16.
+STATE_BYTES = (3 * 512 + 4 * 64 * 64) * 2
+
+
+def assert_like_the_oracle(result: dict[str, Any], oracle: dict[str, Any]) -> None:
+    """Pass by pass, the connector run gives the oracle's tokens; its last pass its hits too."""
+    assert result["error"] is None, result["error"]
+    assert result["kv_cache_groups"] == QWEN_GROUPS
+    for n, (done, want) in enumerate(zip(result["passes"], oracle["passes"], strict=False)):
+        assert done["tokens"] == want["tokens"], f"pass {n} generated other tokens"
+    assert result["passes"][-1]["cached"] == oracle["passes"][-1]["cached"]
+
+
+@pytest.mark.parametrize("blocks_per_chunk", [1, 2])
+def test_qwen3_next_round_trip(
+    engine: Engine, reference: Reference, qwen3_next: str, blocks_per_chunk: int
+) -> None:
+    expected = reference(qwen3_next, QWEN_ENGINE, QWEN_PROMPTS)
+    oracle = {"passes": expected["passes"][:2]}  # the second: vLLM's own prefix cache
+    result = engine(
+        model=qwen3_next,
+        engine=QWEN_ENGINE,
+        prompts=QWEN_PROMPTS,
+        passes=TWO_PASSES,
+        connector={"blocks_per_chunk": blocks_per_chunk, "cpu_bytes_to_use": "256MiB"},
+    )
+    assert_like_the_oracle(result, oracle)
+    assert result["passes"][1]["cached"] == [1024] * 3
+    assert_loaded_tokens_match(result, 1)
+    scheduler, worker = result["figures"]["scheduler"], result["figures"]["worker"]
+    assert scheduler["failed_loads"] == 0 and worker.get("failed_load_chunks", 0) == 0
+    # Pass 1 stored the attention chunks up to 1,024 and one state per group at 1,024.
+    assert delta(result, 0, "scheduler", "stored_chunks") == 1024 // (256 * blocks_per_chunk) + 3
+
+
+def test_qwen3_next_next_turn_hits_the_output_end(engine: Engine, qwen3_next: str) -> None:
+    """A second turn (prompt, 200 generated tokens, 40 more) resumes at the output's end.
+
+    The state after 1,280 tokens existed only while decoding; the connector
+    kept it as the request's trailing hit point. vLLM's own cache keeps it
+    too when it retains every boundary (the oracle's retention interval).
+    """
+    prompts = QWEN_PROMPTS[:2]
+    args = {**QWEN_ENGINE, "prefix_cache_retention_interval": None}
+    follow = {"follow_up": 40}
+    oracle = engine(model=qwen3_next, engine=args, prompts=prompts, max_tokens=200,
+                    passes=[{}, follow])  # fmt: skip
+    assert oracle["passes"][1]["cached"] == [1280, 1280], oracle["passes"][1]["cached"]
+    result = engine(
+        model=qwen3_next, engine=args, prompts=prompts, max_tokens=200,
+        passes=[{}, {"reset": True, **follow}], connector={"cpu_bytes_to_use": "256MiB"},
+    )  # fmt: skip
+    assert_like_the_oracle(result, oracle)
+    assert_loaded_tokens_match(result, 1)
+    assert result["figures"]["scheduler"]["failed_loads"] == 0
+
+
+def state_files(directory: Path) -> list[Path]:
+    """The chunk files of recurrent states: their payload is one state, not attention KV."""
+    size = 4096 + -(-STATE_BYTES // 4096) * 4096
+    return [p for p in sorted(directory.rglob("*.kv")) if p.stat().st_size == size]
+
+
+def test_qwen3_next_disk_restart_and_corrupt_states(
+    engine: Engine, reference: Reference, qwen3_next: str, tmp_path: Path
+) -> None:
+    """A fresh process loads from the disk tier; damaged states are recomputed, same tokens."""
+    expected = reference(qwen3_next, QWEN_ENGINE, QWEN_PROMPTS)
+    oracle = {"passes": [expected["passes"][1]]}  # vLLM's own prefix cache
+    connector = with_disk(tmp_path / "kv", "256MiB", cpu_bytes_to_use="256MiB")
+    first = engine(model=qwen3_next, engine=QWEN_ENGINE, prompts=QWEN_PROMPTS, connector=connector)
+    assert first["error"] is None and first["figures"]["scheduler"]["stored_chunks"] > 0
+    assert len(state_files(tmp_path / "kv")) == 3  # one state per group, at 1,024
+
+    second = engine(model=qwen3_next, engine=QWEN_ENGINE, prompts=QWEN_PROMPTS,
+                    connector=connector)  # fmt: skip
+    assert_like_the_oracle(second, oracle)
+    assert second["figures"]["scheduler"]["lower_hit_chunks"] > 0
+    assert_loaded_tokens_match(second, 0)
+
+    damaged = state_files(tmp_path / "kv")
+    for path in damaged:  # the states only: the attention chunks stay sound
+        data = bytearray(path.read_bytes())
+        data[len(data) // 2 : len(data) // 2 + 64] = bytes(64)
+        path.write_bytes(bytes(data))
+    third = engine(model=qwen3_next, engine=QWEN_ENGINE, prompts=QWEN_PROMPTS,
+                   connector=connector, failure_policy="recompute")  # fmt: skip
+    assert third["error"] is None, third["error"]
+    assert third["passes"][0]["tokens"] == expected["passes"][0]["tokens"]
+    scheduler, worker = third["figures"]["scheduler"], third["figures"]["worker"]
+    assert scheduler["failed_loads"] > 0 and worker["failed_load_jobs"] > 0
+    assert worker["tiers"]["disk"]["corrupt"] == len(damaged) == 3
+
+
+def test_qwen3_next_without_boundary_states_is_refused(engine: Engine, qwen3_next: str) -> None:
+    """Without prefix caching vLLM keeps one running state per request (mode "none")."""
+    args = {"enable_prefix_caching": False}
+    result = engine(model=qwen3_next, engine={"max_model_len": 4096, **args},
+                    prompts=QWEN_PROMPTS[:1], connector={"cpu_bytes_to_use": "64MiB"})  # fmt: skip
+    assert result["error"] is not None, "the engine started"
+    assert "ConfigError" in result["error"]
+    assert 'mamba_cache_mode="align"' in result["error"]
+    assert "enable_prefix_caching=True" in result["error"]
