@@ -1,0 +1,330 @@
+"""Retention against storing every chunk, on a Gemma-style layout and a multi-turn trace.
+
+What it measures, per ``retention_interval`` (``1`` stores every chunk, the
+reference): the bytes each request stores in the CPU tier, the history a
+fixed CPU budget can still serve at the end of the trace (the hit each
+conversation's next turn would get), and the multi-turn hit ratio (tokens
+served by kvoffload over prompt tokens).
+
+The layout is Gemma-3-27B's shape on a GPU: per group ten layers, 16-token
+blocks, 8 KiB of KV per token and layer (16 KV heads of 128, bf16); five
+sliding-window groups (window 1024) and one full-attention group;
+``blocks_per_chunk`` 16, so 256-token chunks of 20 MiB each. The run moves
+real bytes through kvoffload's own scheduler and worker (``OffloadScheduler``,
+``OffloadWorker``, ``OffloadEngine``, the CPU tier), with pages of a few
+bytes so it fits any machine; byte figures are the chunks stored times the
+real chunk size.
+
+This script plays vLLM's part: one request at a time (lookup, allocation,
+load, prefill in one step, decode, finish; vLLM's own prefix cache holds
+nothing between requests), sliding-window blocks freed once they leave the
+window, as vLLM does. Decode steps end on every chunk boundary rather than
+every token: with no recurrent group, the stores planned are the same.
+
+The trace: ``--conversations`` conversations share a 2,048-token system
+prompt, each then reads its own document (16K tokens of context in all), and
+takes turns (a user message of 1,000-3,000 tokens, an answer of 300-1,200)
+until its context passes 32K tokens; turns of different conversations
+interleave at random (seeded). Run it in the core environment::
+
+    .venv/bin/python benchmarks/retention.py [--conversations 48] [--cpu-gib 512] [--json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvoffload import build_offloading_config
+from kvoffload.config.layout import CacheGroup, KVLayout
+from kvoffload.engine import JobKind, OffloadEngine
+from kvoffload.keys import namespace_of
+from kvoffload.transfer import allocate_kv_caches
+from kvoffload.vllm.scheduler import OffloadScheduler
+from kvoffload.vllm.standin import NULL_BLOCK
+from kvoffload.vllm.worker import OffloadWorker
+
+TOKENS_PER_BLOCK = 16
+BLOCKS_PER_CHUNK = 16
+WINDOW = 1024
+LAYERS_PER_GROUP = 10
+SLIDING_GROUPS = 5
+#: Real KV bytes of one 16-token block of one layer: 16 tokens x 16 KV heads x 128 x 2 x bf16.
+REAL_PAGE = TOKENS_PER_BLOCK * 16 * 128 * 2 * 2
+#: What the run moves per page instead (any size works; the chunk count is what matters).
+PAGE = 64
+GIB = 1 << 30
+MOONCAKE = "/work/shared/traces/mooncake_conversation_trace.jsonl"
+
+
+def layout(page: int) -> KVLayout:
+    def names(g: int) -> tuple[str, ...]:
+        return tuple(f"g{g}.l{i}" for i in range(LAYERS_PER_GROUP))
+
+    sliding = [
+        CacheGroup("sliding", TOKENS_PER_BLOCK, names(g), page, sliding_window=WINDOW)
+        for g in range(SLIDING_GROUPS)
+    ]
+    return KVLayout((*sliding, CacheGroup("full", TOKENS_PER_BLOCK, names(SLIDING_GROUPS), page)))
+
+
+REAL_CHUNK = layout(REAL_PAGE).groups[0].chunk_bytes(BLOCKS_PER_CHUNK)
+
+
+@dataclass
+class Turn:
+    conversation: int
+    prompt: list[int]
+    output: list[int]
+
+
+def _tokens(rng: random.Random, n: int) -> list[int]:
+    return [rng.randrange(1, 150_000) for _ in range(n)]
+
+
+def synthetic_trace(conversations: int, seed: int) -> list[Turn]:
+    """Conversations of long turns (see ``--synthetic``), interleaved at random (seeded)."""
+    rng = random.Random(seed)
+    system = _tokens(rng, 2048)
+    pending: list[list[Turn]] = []
+    for c in range(conversations):
+        context = system + _tokens(rng, 16_384 - len(system))
+        turns = []
+        while len(context) < 32_768:
+            output = _tokens(rng, rng.randint(300, 1200))
+            turns.append(Turn(c, list(context), output))
+            context = context + output + _tokens(rng, rng.randint(1000, 3000))
+        pending.append(turns)
+    order = []
+    while any(pending):
+        live = [turns for turns in pending if turns]
+        order.append(rng.choice(live).pop(0))
+    return order
+
+
+def _sessions(rows: list[dict[str, Any]]) -> list[list[int]]:
+    """Requests (indices) per session: a request joins the session of the longest earlier
+    request it shares two or more 512-token blocks with."""
+    sessions: list[list[int]] = []
+    owner: dict[tuple[int, ...], int] = {}
+    for i, row in enumerate(rows):
+        ids = tuple(row["hash_ids"])
+        found = next((owner[ids[:k]] for k in range(len(ids) - 1, 1, -1) if ids[:k] in owner),
+                     None)  # fmt: skip
+        if found is None:
+            found = len(sessions)
+            sessions.append([])
+        sessions[found].append(i)
+        for k in range(2, len(ids) + 1):
+            owner.setdefault(ids[:k], found)
+    return sessions
+
+
+def mooncake_trace(path: str, sessions: int, seed: int) -> list[Turn]:
+    """The first ``sessions`` multi-turn sessions of a Mooncake trace whose contexts stay
+    within 16K-32K tokens, in trace order, as token ids.
+
+    A session's first prompt expands each 512-token block id into its own
+    tokens (so prompts of different sessions share what the trace says they
+    share); each later prompt is the previous prompt, its output and new
+    tokens, cut to the trace's input length (a prompt shorter than the last
+    one plus its output is a retry or a cut context).
+    """
+    with open(path, encoding="utf-8") as lines:
+        rows = [json.loads(line) for line in lines if line.strip()]
+    chosen = [
+        s for s in _sessions(rows)
+        if len(s) > 1 and all(16_384 <= rows[i]["input_length"] <= 32_768 for i in s)
+    ][:sessions]  # fmt: skip
+    rng = random.Random(seed)
+    blocks: dict[int, list[int]] = {}
+    turns: list[tuple[int, Turn]] = []
+    for c, session in enumerate(chosen):
+        stream: list[int] = []
+        for i in session:
+            row = rows[i]
+            length, output = row["input_length"], _tokens(rng, max(1, row["output_length"]))
+            if not stream:
+                for block in row["hash_ids"]:
+                    stream += blocks.setdefault(block, _tokens(rng, 512))
+            stream = stream[:length] + _tokens(rng, max(0, length - len(stream)))
+            turns.append((i, Turn(c, stream[:length], output)))
+            stream = stream[:length] + output
+    return [turn for _, turn in sorted(turns, key=lambda t: t[0])]
+
+
+@dataclass
+class Engine:
+    """vLLM's part around one scheduler and one worker (see the module docstring)."""
+
+    interval: int
+    cpu_chunks: int
+    layout: KVLayout = field(default_factory=lambda: layout(PAGE))
+
+    def __post_init__(self) -> None:
+        slot = self.layout.groups[0].chunk_bytes(BLOCKS_PER_CHUNK)
+        self.config = build_offloading_config(
+            {
+                "cpu_bytes_to_use": self.cpu_chunks * slot,
+                "blocks_per_chunk": BLOCKS_PER_CHUNK,
+                "retention_interval": self.interval,
+                "eviction_policy": "lru",
+            },
+            self.layout,
+        )
+        namespace = namespace_of("gemma-style", "bfloat16", self.layout)
+        self.num_blocks = 40_000 // TOKENS_PER_BLOCK + 2
+        kv = allocate_kv_caches(self.layout, self.num_blocks)
+        self.worker = OffloadWorker(
+            OffloadEngine.from_config(self.config, kv, namespace), report_blocks=False
+        )
+        self.scheduler = OffloadScheduler(self.config, namespace)
+        self.next_id = 0
+
+    def _step(self) -> None:
+        orders = self.scheduler.take_orders()
+        self.worker.submit(orders, JobKind.LOAD)
+        self.worker.before_forward()
+        self.worker.submit(orders, JobKind.STORE)
+        assert self.worker.engine.wait(timeout=600)
+        polled = self.worker.poll()
+        assert not polled.failed_recving, polled
+        for report in self.worker.take_reports():
+            self.scheduler.on_report(report)
+
+    def _blocks(self, n_tokens: int) -> list[list[int]]:
+        # One request at a time: block ids 1.. are free again for each (0 is the null block).
+        n = -(-n_tokens // TOKENS_PER_BLOCK)
+        return [list(range(1, n + 1)) for _ in self.layout.groups]
+
+    def _free_outside_window(self, table: list[list[int]], computed: int) -> None:
+        """vLLM frees sliding-window blocks wholly before the window of the next token."""
+        before = max(0, computed - WINDOW + 1) // TOKENS_PER_BLOCK
+        for g, group in enumerate(self.layout.groups):
+            if group.sliding_window is not None:
+                table[g][:before] = [NULL_BLOCK] * before
+
+    def serve(self, turn: Turn) -> int:
+        """One request; returns the tokens kvoffload served."""
+        req_id = f"r{self.next_id}"
+        self.next_id += 1
+        prompt, tokens = turn.prompt, turn.prompt + turn.output
+        offered = self.scheduler.lookup(req_id, prompt, 0)
+        assert offered is not None  # one request at a time: no store is ever in flight
+        table = self._blocks(len(tokens))
+        self._free_outside_window(table, offered)
+        self.scheduler.plan_load(req_id, table, offered)
+        self._step()  # the load
+        computed, last = offered, len(tokens) - 1  # the last token generated is never computed
+        span = TOKENS_PER_BLOCK * BLOCKS_PER_CHUNK
+        while computed < last:
+            # The prefill in one step, then decode steps ending on chunk boundaries.
+            end = (
+                len(prompt) if computed < len(prompt) else min(last, (computed // span + 1) * span)
+            )
+            self._plan(req_id, tokens, table, computed=computed, end=end, prompt=len(prompt))
+            computed = end
+            self._free_outside_window(table, computed)
+        self.scheduler.request_finished(req_id)
+        return offered
+
+    def _plan(self, req_id: str, tokens: list[int], table: list[list[int]], *, computed: int,
+              end: int, prompt: int) -> None:  # fmt: skip
+        self.scheduler.plan_store(req_id, tokens, computed=computed, scheduled=end - computed,
+                                  block_ids=table, num_prompt_tokens=prompt)  # fmt: skip
+        self._step()
+
+    def servable(self, context: list[int]) -> int:
+        """The hit the next turn on ``context`` would get now (a side-effect-free lookup)."""
+        hit = self.scheduler.lookup("probe", [*context, 1], 0) or 0
+        self.scheduler.request_finished("probe")
+        return hit
+
+    def close(self) -> None:
+        self.worker.close()
+
+
+def run(turns: list[Turn], interval: int, cpu_chunks: int) -> dict[str, Any]:
+    engine = Engine(interval, cpu_chunks)
+    started = time.perf_counter()
+    prompt_tokens = hit_tokens = 0
+    last: dict[int, Turn] = {}
+    for turn in turns:
+        hit_tokens += engine.serve(turn)
+        prompt_tokens += len(turn.prompt)
+        last[turn.conversation] = turn
+    history = sum(engine.servable(t.prompt + t.output) for t in last.values())
+    figures = engine.scheduler.figures()
+    engine.close()
+    stored = figures["stored_chunks"]
+    return {
+        "retention_interval": interval,
+        "requests": len(turns),
+        "stored_mib_per_request": stored * REAL_CHUNK / len(turns) / (1 << 20),
+        "kept_mib_per_request": (stored - figures["dropped_chunks"])
+        * REAL_CHUNK
+        / len(turns)
+        / (1 << 20),
+        "resident_gib": figures["index_ready"] * REAL_CHUNK / GIB,
+        "history_tokens_per_gib": history / (cpu_chunks * REAL_CHUNK / GIB),
+        "hit_ratio": hit_tokens / prompt_tokens,
+        "dropped_chunks": figures["dropped_chunks"],
+        "evictions": figures["index_evictions"],
+        "seconds": time.perf_counter() - started,
+    }
+
+
+def table(rows: list[dict[str, Any]], reference: dict[str, Any]) -> str:
+    lines = [
+        "| retention_interval | written per request | kept per request | history tokens per GiB "
+        "| vs every chunk | multi-turn hit ratio |",
+        "|---|---|---|---|---|---|",
+    ]
+    for row in rows:
+        name = "1 (every chunk)" if row["retention_interval"] == 1 else row["retention_interval"]
+        ratio = row["history_tokens_per_gib"] / reference["history_tokens_per_gib"]
+        lines.append(
+            f"| {name} | {row['stored_mib_per_request']:,.0f} MiB | "
+            f"{row['kept_mib_per_request']:,.0f} MiB | "
+            f"{row['history_tokens_per_gib']:,.0f} | {ratio:.2f}x | {row['hit_ratio']:.1%} |"
+        )
+    return "\n".join(lines)
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--trace", default=MOONCAKE, help="Mooncake-format trace (JSON lines)")
+    parser.add_argument("--conversations", type=int, default=120, help="sessions replayed")
+    parser.add_argument(
+        "--synthetic",
+        action="store_true",
+        help="a synthetic trace of long turns instead (see synthetic_trace)",
+    )
+    parser.add_argument("--cpu-gib", type=float, default=512.0, help="CPU tier, real bytes")
+    parser.add_argument("--intervals", default="1,0,16384", help="retention_interval values")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args(argv)
+    if args.synthetic:
+        turns = synthetic_trace(args.conversations, args.seed)
+    else:
+        turns = mooncake_trace(args.trace, args.conversations, args.seed)
+    cpu_chunks = int(args.cpu_gib * GIB // REAL_CHUNK)
+    rows = [run(turns, int(i), cpu_chunks) for i in args.intervals.split(",")]
+    if args.json:
+        print(json.dumps(rows, indent=2))
+        return 0
+    print(f"{args.conversations} conversations, {len(turns)} requests, CPU tier "
+          f"{args.cpu_gib:g} GiB ({cpu_chunks} chunks of {REAL_CHUNK >> 20} MiB)")  # fmt: skip
+    reference = next((r for r in rows if r["retention_interval"] == 1), rows[0])
+    print(table(rows, reference))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
