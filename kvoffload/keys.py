@@ -31,10 +31,10 @@ machines: the disk and remote tiers are shared by restarts and by engines.
 
 from __future__ import annotations
 
-import array
+import functools
 import hashlib
 import struct
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Protocol
 
 import numpy as np
@@ -95,16 +95,6 @@ def short_key(key: bytes) -> str:
 
 def _token_array(token_ids: object) -> npt.NDArray[np.int64]:
     """``token_ids`` as little-endian int64, refusing anything that would be truncated."""
-    if isinstance(token_ids, list) and not (token_ids and type(token_ids[0]) is bool):
-        # vLLM hands a connector lists of ints: ``array`` converts them several times
-        # faster than numpy's type inference, and raises on floats and overflows,
-        # which the numpy path below then reports.
-        try:
-            packed = array.array("q", token_ids)
-        except (TypeError, OverflowError):
-            pass
-        else:
-            return np.frombuffer(packed, dtype=np.int64).astype(_INT64, copy=False)
     try:
         values = np.asarray(token_ids)
     except (OverflowError, ValueError, TypeError) as exc:
@@ -120,6 +110,31 @@ def _token_array(token_ids: object) -> npt.NDArray[np.int64]:
     return values.astype(_INT64, copy=False)
 
 
+@functools.lru_cache(maxsize=64)
+def _packer(tokens_per_chunk: int) -> Callable[..., bytes]:
+    """Packs one chunk of Python ints into its int64 bytes (one compiled format per span)."""
+    return struct.Struct(f"<{tokens_per_chunk}q").pack
+
+
+def _list_chunks(token_ids: object, first: int, count: int, span: int) -> list[bytes] | None:
+    """The int64 bytes of ``count`` chunks of a list of ints from token ``first``, or ``None``.
+
+    vLLM hands a connector Python lists. ``struct`` packs them chunk by chunk
+    several times faster than ``array`` or numpy convert them (those parse or
+    infer every item), and no copy of the whole prompt is made: this was the
+    bulk of a lookup's cost. Anything else (arrays, a bool first, floats,
+    values beyond int64) returns ``None`` for :func:`_token_array` to convert
+    or refuse.
+    """
+    if type(token_ids) is not list or (token_ids and type(token_ids[0]) is bool):
+        return None
+    pack = _packer(span)
+    try:
+        return [pack(*token_ids[lo : lo + span]) for lo in range(first, first + count * span, span)]
+    except struct.error:
+        return None
+
+
 def _chain_seed(
     group_idx: int, tokens_per_chunk: int, namespace: bytes, extras: KeyExtras | None
 ) -> bytes:
@@ -129,41 +144,75 @@ def _chain_seed(
         raise ConfigError(f"namespace must be bytes, got {type(namespace).__name__}")
     if extras is not None and not isinstance(extras, KeyExtras):
         raise ConfigError(f"extras must be KeyExtras or None, got {type(extras).__name__}")
-    header = _SEED_TAG + struct.pack("<IQ", group_idx, tokens_per_chunk)
-    seed = hashlib.blake2b(header + namespace, digest_size=KEY_BYTES).digest()
+    seed = _plain_seed(group_idx, tokens_per_chunk, bytes(namespace))
     tag = None if extras is None else extras.request_tag()
     if tag is not None:  # the seed has a fixed length, so seed + tag is unambiguous
         seed = hashlib.blake2b(seed + tag, digest_size=KEY_BYTES).digest()
     return seed
 
 
+@functools.lru_cache(maxsize=256)
+def _plain_seed(group_idx: int, tokens_per_chunk: int, namespace: bytes) -> bytes:
+    """The seed before extras: the same few per engine, so hashed once each."""
+    header = _SEED_TAG + struct.pack("<IQ", group_idx, tokens_per_chunk)
+    return hashlib.blake2b(header + namespace, digest_size=KEY_BYTES).digest()
+
+
 def _chain(
     previous: bytes,
-    tokens: npt.NDArray[np.int64],
+    chunks: Sequence[bytes | memoryview],
     tokens_per_chunk: int,
     first_chunk: int = 0,
     extras: KeyExtras | None = None,
 ) -> list[bytes]:
-    """Keys of the full chunks of ``tokens`` (chunk ``first_chunk`` on), chained onto ``previous``.
+    """Keys of ``chunks`` (their int64 bytes; chunk ``first_chunk`` on), chained onto ``previous``.
 
     A chunk's token bytes have a fixed length, so the extras appended after
     them (:meth:`KeyExtras.chunk_tag`) can never be mistaken for tokens.
     """
-    count = len(tokens) // tokens_per_chunk
-    data = memoryview(tokens[: count * tokens_per_chunk].tobytes())
-    step = tokens_per_chunk * _INT64.itemsize
     blake2b = hashlib.blake2b
     keys: list[bytes] = []
-    tag = extras.chunk_tag if extras is not None and extras.per_chunk else None
-    for i, start in enumerate(range(0, count * step, step)):
+    if extras is None or not extras.per_chunk:
+        for data in chunks:
+            hasher = blake2b(previous, digest_size=KEY_BYTES)
+            hasher.update(data)
+            previous = hasher.digest()
+            keys.append(previous)
+        return keys
+    tag = extras.chunk_tag
+    for i, data in enumerate(chunks):
         hasher = blake2b(previous, digest_size=KEY_BYTES)
-        hasher.update(data[start : start + step])
-        if tag is not None:
-            first = (first_chunk + i) * tokens_per_chunk
-            hasher.update(tag(first, first + tokens_per_chunk))
+        hasher.update(data)
+        first = (first_chunk + i) * tokens_per_chunk
+        hasher.update(tag(first, first + tokens_per_chunk))
         previous = hasher.digest()
         keys.append(previous)
     return keys
+
+
+def _array_chunks(
+    tokens: npt.NDArray[np.int64], tokens_per_chunk: int
+) -> Sequence[bytes | memoryview]:
+    """The int64 bytes of each full chunk of ``tokens``, views of one buffer."""
+    count = len(tokens) // tokens_per_chunk
+    data = memoryview(tokens[: count * tokens_per_chunk].tobytes())
+    step = tokens_per_chunk * _INT64.itemsize
+    return [data[start : start + step] for start in range(0, count * step, step)]
+
+
+def _chunk_bytes(
+    token_ids: Sequence[int] | npt.NDArray[np.integer], start: int, stop: int, span: int
+) -> Sequence[bytes | memoryview]:
+    """The int64 bytes of the full chunks of ``token_ids[start * span : stop]``."""
+    first = start * span
+    count = max(0, stop - first) // span
+    ids: object = token_ids
+    if type(ids) is not list and not isinstance(ids, np.ndarray):
+        ids, first = token_ids[first : first + count * span], 0  # vLLM's ConstantList -> list
+    packed = _list_chunks(ids, first, count, span)
+    if packed is not None:
+        return packed
+    return _array_chunks(_token_array(token_ids[start * span : stop]), span)
 
 
 def prefix_keys(
@@ -182,7 +231,8 @@ def prefix_keys(
     """
     tokens_per_chunk = checked_int("tokens_per_chunk", tokens_per_chunk)
     seed = _chain_seed(group_idx, tokens_per_chunk, namespace, extras)
-    return _chain(seed, _token_array(token_ids), tokens_per_chunk, 0, extras)
+    chunks = _chunk_bytes(token_ids, 0, len(token_ids), tokens_per_chunk)
+    return _chain(seed, chunks, tokens_per_chunk, 0, extras)
 
 
 def extend_prefix_keys(
@@ -213,8 +263,8 @@ def extend_prefix_keys(
         )
     previous = keys[-1] if done else seed
     # Only the new tokens are converted: a growing request pays for its growth.
-    tail = _token_array(token_ids[done * tokens_per_chunk : length])
-    return _chain(previous, tail, tokens_per_chunk, done, extras)
+    chunks = _chunk_bytes(token_ids, done, length, tokens_per_chunk)
+    return _chain(previous, chunks, tokens_per_chunk, done, extras)
 
 
 def prefix_keys_for_layout(
@@ -226,18 +276,21 @@ def prefix_keys_for_layout(
 ) -> list[list[bytes]]:
     """Keys of every group: ``tokens_per_chunk[g]`` is group ``g``'s chunk span in tokens.
 
-    Token ids are converted once and shared by all groups, which is the cost
-    that matters for hybrid layouts with several groups.
+    With several groups, token ids are converted once and shared by all of
+    them, which is the cost that matters for hybrid layouts.
     """
     if isinstance(tokens_per_chunk, str | bytes) or not isinstance(tokens_per_chunk, Sequence):
         raise ConfigError(
             f"tokens_per_chunk must be a sequence of ints (one per group), got {tokens_per_chunk!r}"
         )
     spans = [checked_int(f"tokens_per_chunk[{g}]", t) for g, t in enumerate(tokens_per_chunk)]
+    if len(spans) == 1:
+        return [prefix_keys(token_ids, spans[0], 0, namespace, extras=extras)]
     tokens = _token_array(token_ids)
+    seeds = [_chain_seed(g, span, namespace, extras) for g, span in enumerate(spans)]
     return [
-        _chain(_chain_seed(g, span, namespace, extras), tokens, span, 0, extras)
-        for g, span in enumerate(spans)
+        _chain(seed, _array_chunks(tokens, span), span, 0, extras)
+        for seed, span in zip(seeds, spans, strict=True)
     ]
 
 

@@ -7,7 +7,9 @@ import os
 import struct
 import subprocess
 import sys
+from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -127,6 +129,27 @@ def test_input_types_agree() -> None:
     assert prefix_keys(np.array(tokens, dtype=np.int32), 4) == expected
     assert prefix_keys(np.array(tokens, dtype=np.int64), 4) == expected
     assert prefix_keys(np.arange(8, dtype=np.uint16), 4) == prefix_keys(list(range(8)), 4)
+    assert prefix_keys([np.int64(t) for t in tokens], 4) == expected
+
+
+class ListView(Sequence[int]):
+    """vLLM's ``ConstantList``: a read-only sequence over a list whose slices are lists."""
+
+    def __init__(self, items: list[int]) -> None:
+        self._items = items
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def __getitem__(self, item: Any) -> Any:
+        return self._items[item]
+
+
+def test_a_read_only_view_of_a_list_hashes_like_the_list() -> None:
+    tokens = list(range(1000, 1100))
+    keys = prefix_keys(tokens, 8)
+    assert prefix_keys(ListView(tokens), 8) == keys
+    assert extend_prefix_keys(keys[:3], ListView(tokens), 8, stop=70) == keys[3:8]
 
 
 @pytest.mark.parametrize("span", [0, -1, 2.0, True, "4", None])
