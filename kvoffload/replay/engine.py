@@ -152,7 +152,9 @@ def replay_engine(
         layout,
     )
     kv = allocate_kv_caches(layout, settings.gpu_blocks, torch.uint8)
-    side = KVOffloadSide(config, namespace_of("kvoffload-replay", "uint8", layout), kv)
+    # No KV events, as vLLM runs by default (its own connector then keeps none either).
+    namespace = namespace_of("kvoffload-replay", "uint8", layout)
+    side = KVOffloadSide(config, namespace, kv, record_events=False)
     stats = run_side(trace, side, layout, settings, progress=progress, desc=f"{policy}@{capacity}")
     return EngineRow.of(trace, "kvoffload", policy, (capacity, settings.gpu_blocks), stats)
 

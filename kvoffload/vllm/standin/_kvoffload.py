@@ -40,7 +40,8 @@ class KVOffloadSide:
 
     ``settle``: every step waits for its jobs, so each one reports in the step
     that ran it and a run is repeatable (the replay and the tests); without
-    it, jobs report whenever they finish, as in a live engine.
+    it, jobs report whenever they finish, as in a live engine. ``record_events``:
+    whether the index keeps its events for ``scheduler.take_events``.
     """
 
     def __init__(
@@ -51,8 +52,12 @@ class KVOffloadSide:
         probes: Sequence[TierProbe] = (),
         *,
         settle: bool = True,
+        record_events: bool = True,
     ) -> None:
         self.scheduler = OffloadScheduler(config, namespace, probes)
+        # Without them the index keeps no events, as the connector's when vLLM
+        # publishes none (its default); nobody drains them here.
+        self.scheduler.index.record_events = record_events
         engine = OffloadEngine.from_config(config, kv_caches, namespace)
         self.worker = OffloadWorker(engine, report_blocks=len(config.layout.groups) == 1)
         self.settle = settle
@@ -103,6 +108,8 @@ class KVOffloadSide:
             worker.engine.wait(timeout=SETTLE_TIMEOUT_S)
         polled = worker.poll(idle=meta.idle)
         reports: list[JobReport] = worker.take_reports()
+        if self.settle:  # in job order, not the order two job threads happened to finish in
+            reports.sort(key=lambda report: report.job_id)
         return WorkerResult(
             polled.finished_recving, polled.failed_recving, worker.take_failed_blocks(), reports
         )
