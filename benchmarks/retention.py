@@ -15,11 +15,17 @@ real bytes through kvoffload's own scheduler and worker (``OffloadScheduler``,
 bytes so it fits any machine; byte figures are the chunks stored times the
 real chunk size.
 
-This script plays vLLM's part: one request at a time (lookup, allocation,
-load, prefill in one step, decode, finish; vLLM's own prefix cache holds
-nothing between requests), sliding-window blocks freed once they leave the
-window, as vLLM does. Decode steps end on every chunk boundary rather than
-every token: with no recurrent group, the stores planned are the same.
+vLLM's part is played by the package's stand-in (``kvoffload.vllm.standin``,
+the one the demo, ``kvoffload replay`` and the tests use) driving the
+connector's two sides (``KVOffloadSide``: ``get_num_new_matched_tokens``,
+``update_state_after_alloc``, ``build_connector_meta``, the worker around the
+forward pass): one request at a time, its prompt in chunked-prefill steps of
+8,192 tokens, then its output decoded; sliding-window blocks freed once they
+leave the window; vLLM's own prefix cache off (``enable_prefix_caching``
+false), so every hit comes from the CPU tier. Decode steps end on chunk
+boundaries rather than every token (``decode_tokens``): with no recurrent
+group the stores planned are the same, since a chunk is stored by the step
+that completes it and every hit point is a chunk boundary, so a step end.
 
 The trace: ``--conversations`` conversations share a 2,048-token system
 prompt, each then reads its own document (16K tokens of context in all), and
@@ -37,23 +43,23 @@ import json
 import random
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from kvoffload import build_offloading_config
 from kvoffload.config.layout import CacheGroup, KVLayout
-from kvoffload.engine import JobKind, OffloadEngine
 from kvoffload.keys import namespace_of
 from kvoffload.transfer import allocate_kv_caches
-from kvoffload.vllm.scheduler import OffloadScheduler
-from kvoffload.vllm.standin import NULL_BLOCK
-from kvoffload.vllm.worker import OffloadWorker
+from kvoffload.vllm.standin import KVOffloadSide, StandIn
 
 TOKENS_PER_BLOCK = 16
 BLOCKS_PER_CHUNK = 16
 WINDOW = 1024
 LAYERS_PER_GROUP = 10
 SLIDING_GROUPS = 5
+#: vLLM's default ``max_num_batched_tokens`` with chunked prefill.
+STEP_TOKENS = 8192
+SPAN = TOKENS_PER_BLOCK * BLOCKS_PER_CHUNK
 #: Real KV bytes of one 16-token block of one layer: 16 tokens x 16 KV heads x 128 x 2 x bf16.
 REAL_PAGE = TOKENS_PER_BLOCK * 16 * 128 * 2 * 2
 #: What the run moves per page instead (any size works; the chunk count is what matters).
@@ -158,123 +164,57 @@ def mooncake_trace(path: str, sessions: int, seed: int) -> list[Turn]:
     return [turn for _, turn in sorted(turns, key=lambda t: t[0])]
 
 
-@dataclass
-class Engine:
-    """vLLM's part around one scheduler and one worker (see the module docstring)."""
+def serve(turns: list[Turn], interval: int, cpu_chunks: int) -> tuple[StandIn, KVOffloadSide]:
+    """``turns`` through the stand-in and kvoffload's connector sides, one request at a time."""
+    real = layout(PAGE)
+    config = build_offloading_config(
+        {
+            "cpu_bytes_to_use": cpu_chunks * real.groups[0].chunk_bytes(BLOCKS_PER_CHUNK),
+            "blocks_per_chunk": BLOCKS_PER_CHUNK,
+            "retention_interval": interval,
+            "eviction_policy": "lru",
+        },
+        real,
+    )
+    # Room for the longest request in every group; vLLM's own cache keeps nothing between them.
+    longest = max(len(t.prompt) + len(t.output) for t in turns)
+    gpu_blocks = len(real.groups) * (longest // TOKENS_PER_BLOCK + 2) + 1  # 0: the null block
+    kv = allocate_kv_caches(real, gpu_blocks)
+    side = KVOffloadSide(config, namespace_of("gemma-style", "bfloat16", real), kv)
+    # Decode steps end on chunk boundaries (see the module docstring): the same stores.
+    engine = StandIn(real, side, gpu_blocks=gpu_blocks, step_tokens=STEP_TOKENS,
+                     decode_tokens=SPAN, prefix_caching=False)  # fmt: skip
+    engine.run(((f"r{i}", t.prompt, t.output) for i, t in enumerate(turns)), in_flight=1)
+    return engine, side
 
-    interval: int
-    cpu_chunks: int
-    layout: KVLayout = field(default_factory=lambda: layout(PAGE))
 
-    def __post_init__(self) -> None:
-        slot = self.layout.groups[0].chunk_bytes(BLOCKS_PER_CHUNK)
-        self.config = build_offloading_config(
-            {
-                "cpu_bytes_to_use": self.cpu_chunks * slot,
-                "blocks_per_chunk": BLOCKS_PER_CHUNK,
-                "retention_interval": self.interval,
-                "eviction_policy": "lru",
-            },
-            self.layout,
-        )
-        namespace = namespace_of("gemma-style", "bfloat16", self.layout)
-        self.num_blocks = 40_000 // TOKENS_PER_BLOCK + 2
-        kv = allocate_kv_caches(self.layout, self.num_blocks)
-        self.worker = OffloadWorker(
-            OffloadEngine.from_config(self.config, kv, namespace), report_blocks=False
-        )
-        self.scheduler = OffloadScheduler(self.config, namespace)
-        self.next_id = 0
-
-    def _step(self) -> None:
-        orders = self.scheduler.take_orders()
-        self.worker.submit(orders, JobKind.LOAD)
-        self.worker.before_forward()
-        self.worker.submit(orders, JobKind.STORE)
-        assert self.worker.engine.wait(timeout=600)
-        polled = self.worker.poll()
-        assert not polled.failed_recving, polled
-        for report in self.worker.take_reports():
-            self.scheduler.on_report(report)
-
-    def _blocks(self, n_tokens: int) -> list[list[int]]:
-        # One request at a time: block ids 1.. are free again for each (0 is the null block).
-        n = -(-n_tokens // TOKENS_PER_BLOCK)
-        return [list(range(1, n + 1)) for _ in self.layout.groups]
-
-    def _free_outside_window(self, table: list[list[int]], computed: int) -> None:
-        """vLLM frees sliding-window blocks wholly before the window of the next token."""
-        before = max(0, computed - WINDOW + 1) // TOKENS_PER_BLOCK
-        for g, group in enumerate(self.layout.groups):
-            if group.sliding_window is not None:
-                table[g][:before] = [NULL_BLOCK] * before
-
-    def serve(self, turn: Turn) -> int:
-        """One request; returns the tokens kvoffload served."""
-        req_id = f"r{self.next_id}"
-        self.next_id += 1
-        prompt, tokens = turn.prompt, turn.prompt + turn.output
-        offered = self.scheduler.lookup(req_id, prompt, 0)
-        assert offered is not None  # one request at a time: no store is ever in flight
-        table = self._blocks(len(tokens))
-        self._free_outside_window(table, offered)
-        self.scheduler.plan_load(req_id, table, offered)
-        self._step()  # the load
-        computed, last = offered, len(tokens) - 1  # the last token generated is never computed
-        span = TOKENS_PER_BLOCK * BLOCKS_PER_CHUNK
-        while computed < last:
-            # The prefill in one step, then decode steps ending on chunk boundaries.
-            end = (
-                len(prompt) if computed < len(prompt) else min(last, (computed // span + 1) * span)
-            )
-            self._plan(req_id, tokens, table, computed=computed, end=end, prompt=len(prompt))
-            computed = end
-            self._free_outside_window(table, computed)
-        self.scheduler.request_finished(req_id)
-        return offered
-
-    def _plan(self, req_id: str, tokens: list[int], table: list[list[int]], *, computed: int,
-              end: int, prompt: int) -> None:  # fmt: skip
-        self.scheduler.plan_store(req_id, tokens, computed=computed, scheduled=end - computed,
-                                  block_ids=table, num_prompt_tokens=prompt)  # fmt: skip
-        self._step()
-
-    def servable(self, context: list[int]) -> int:
-        """The hit the next turn on ``context`` would get now (a side-effect-free lookup)."""
-        hit = self.scheduler.lookup("probe", [*context, 1], 0) or 0
-        self.scheduler.request_finished("probe")
-        return hit
-
-    def close(self) -> None:
-        self.worker.close()
+def servable(side: KVOffloadSide, context: list[int]) -> int:
+    """The hit the next turn on ``context`` would get now (a side-effect-free lookup)."""
+    hit = side.scheduler.lookup("probe", [*context, 1], 0) or 0
+    side.scheduler.request_finished("probe")
+    return hit
 
 
 def run(turns: list[Turn], interval: int, cpu_chunks: int) -> dict[str, Any]:
-    engine = Engine(interval, cpu_chunks)
     started = time.perf_counter()
-    prompt_tokens = hit_tokens = 0
-    last: dict[int, Turn] = {}
-    for turn in turns:
-        hit_tokens += engine.serve(turn)
-        prompt_tokens += len(turn.prompt)
-        last[turn.conversation] = turn
-    history = sum(engine.servable(t.prompt + t.output) for t in last.values())
-    figures = engine.scheduler.figures()
-    engine.close()
-    stored = figures["stored_chunks"]
+    engine, side = serve(turns, interval, cpu_chunks)
+    last = {turn.conversation: turn for turn in turns}
+    history = sum(servable(side, t.prompt + t.output) for t in last.values())
+    figures, stats = side.scheduler.figures(), engine.stats
+    side.close()
+    assert stats.requests == len(turns) and stats.failed_load_tokens == 0, stats
+    stored, dropped = figures["stored_chunks"], figures["dropped_chunks"]
     return {
         "retention_interval": interval,
         "requests": len(turns),
         "stored_mib_per_request": stored * REAL_CHUNK / len(turns) / (1 << 20),
-        "kept_mib_per_request": (stored - figures["dropped_chunks"])
-        * REAL_CHUNK
-        / len(turns)
-        / (1 << 20),
+        "kept_mib_per_request": (stored - dropped) * REAL_CHUNK / len(turns) / (1 << 20),
         "resident_gib": figures["index_ready"] * REAL_CHUNK / GIB,
         "history_tokens_per_gib": history / (cpu_chunks * REAL_CHUNK / GIB),
-        "hit_ratio": hit_tokens / prompt_tokens,
-        "dropped_chunks": figures["dropped_chunks"],
+        "hit_ratio": stats.external_tokens / stats.prompt_tokens,
+        "dropped_chunks": dropped,
         "evictions": figures["index_evictions"],
+        "steps": stats.steps,
         "seconds": time.perf_counter() - started,
     }
 

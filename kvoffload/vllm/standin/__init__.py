@@ -5,8 +5,10 @@ a GPU engine a GPU); this engine does, so the demo, ``kvoffload replay`` and
 the tests run the connector's real code wherever kvoffload installs. It keeps
 what a connector can observe of vLLM and nothing else:
 
-* **Requests** are token ids; a request finishes when its prompt is
-  computed (vLLM offloads prompt KV; the one sampled token is not stored).
+* **Requests** are token ids: a prompt, and the output it generates, decoded
+  after it (``decode_tokens`` a step; vLLM: one). It finishes when all but its
+  last token are computed (vLLM never computes the KV of the last token it
+  samples; a prompt alone is computed whole).
 * **The GPU prefix cache** (:class:`PrefixCache`): one pool of ``gpu_blocks``
   blocks for every group, per-group block tables, vLLM's null block where a
   group holds nothing (before a sliding window), hits only at multiples of
@@ -14,8 +16,9 @@ what a connector can observe of vLLM and nothing else:
   and a request's tail before its head. Which blocks a hit needs is the
   connector's own rule (:func:`kvoffload.vllm._hits.needed_tokens`), so a
   new group kind is served here as soon as the scheduler knows it.
+  ``prefix_caching=False`` turns it off (vLLM's ``enable_prefix_caching``).
 * **A step** is vLLM's ``schedule`` / ``execute_model`` / ``update_from_output``:
-  running requests continue their prefill within ``step_tokens``; waiting
+  running requests continue (prefill or decode) within ``step_tokens``; waiting
   ones get their local hit, then ``get_num_new_matched_tokens`` (``None``
   skips the request this step), block allocation, ``update_state_after_alloc``
   (a request with an external hit waits for its load); then

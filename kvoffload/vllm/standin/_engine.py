@@ -33,6 +33,13 @@ class StandIn:
 
     ``kv``: the engine's KV tensors as pages; with them every computed block
     gets its KV written and every loaded block is checked bit-exact.
+    ``decode_tokens``: a decode step runs to the next multiple of it (vLLM: 1,
+    one token a step). A coarser step plans the same stores when it divides
+    the connector's hit alignment: a chunk is stored in the step that
+    completes it whatever the step's length, every hit point is still a step
+    end, and window blocks are freed before the window of every later point
+    either way; it only saves steps. ``prefix_caching``: vLLM's
+    ``enable_prefix_caching``; without it no request reuses another's blocks.
     """
 
     def __init__(
@@ -44,6 +51,8 @@ class StandIn:
         step_tokens: int = 8192,
         max_running: int = 16,
         kv: KVPages | None = None,
+        decode_tokens: int = 1,
+        prefix_caching: bool = True,
     ) -> None:
         block = state_block_size(layout)
         if block is not None and step_tokens < block:
@@ -51,9 +60,12 @@ class StandIn:
                 f"step_tokens={step_tokens} is below the state groups' block of {block} tokens: "
                 "vLLM's align mode ends every prefill step on a block; give more step tokens"
             )
+        if decode_tokens < 1:
+            raise ConfigError(f"decode_tokens={decode_tokens}: a decode step computes 1 or more")
         self.layout, self.side, self.kv = layout, side, kv
-        self.cache = PrefixCache(layout, gpu_blocks)
+        self.cache = PrefixCache(layout, gpu_blocks, caching=prefix_caching)
         self.step_tokens, self.max_running = step_tokens, max_running
+        self.decode_tokens = decode_tokens
         self.waiting: list[SimRequest] = []
         self.running: list[SimRequest] = []
         self.stats = StandInStats()
@@ -63,9 +75,18 @@ class StandIn:
 
     # -- feeding requests -----------------------------------------------------------------
     def add(
-        self, req_id: str, tokens: Sequence[int], extras: KeyExtras | None = None
+        self,
+        req_id: str,
+        tokens: Sequence[int],
+        extras: KeyExtras | None = None,
+        *,
+        output: Sequence[int] = (),
     ) -> SimRequest:
-        """A new request; ``ConfigError`` if it could never fit in the GPU cache."""
+        """A new request of prompt ``tokens`` that generates ``output`` (decoded after the
+        prompt); ``ConfigError`` if it could never fit in the GPU cache."""
+        num_prompt = len(tokens)
+        if output:
+            tokens = [*tokens, *output]
         need = sum(-(-len(tokens) // tpb) for tpb in self.layout.tokens_per_block)
         if need >= self.cache.num_blocks:
             raise ConfigError(
@@ -75,7 +96,7 @@ class StandIn:
         hashes = self.block_hashes(tokens, extras)
         groups = len(self.layout.groups)
         req = SimRequest(req_id, tokens, hashes, [[] for _ in range(groups)], extras,
-                         told=[0] * groups)  # fmt: skip
+                         told=[0] * groups, num_prompt=num_prompt)  # fmt: skip
         self.side.add_request(req)
         self.waiting.append(req)
         return req
@@ -88,9 +109,12 @@ class StandIn:
         return prefix_keys_for_layout(tokens, tpb, _GPU_NAMESPACE, extras=extras)
 
     def run(
-        self, requests: Iterable[tuple[str, Sequence[int]]], in_flight: int = 4
+        self,
+        requests: Iterable[tuple[str, Sequence[int]] | tuple[str, Sequence[int], Sequence[int]]],
+        in_flight: int = 4,
     ) -> StandInStats:
-        """Serve ``requests`` in order, at most ``in_flight`` in the engine at once."""
+        """Serve ``requests`` (id, prompt, and the output it generates if any) in order, at
+        most ``in_flight`` in the engine at once."""
         start = time.perf_counter()
         source = iter(requests)
         more = True
@@ -99,7 +123,7 @@ class StandIn:
                 item = next(source, None)
                 more = item is not None
                 if item is not None:
-                    self.add(*item)
+                    self.add(item[0], item[1], output=item[2] if len(item) > 2 else ())
             if not (self.waiting or self.running):
                 break
             self.step()
@@ -126,7 +150,7 @@ class StandIn:
         result = self.side.run_worker(meta, lambda: self._forward(plan))
         for req, n in plan.scheduled:
             req.computed += n
-            if req.computed >= req.num_tokens:
+            if req.computed >= req.last:
                 self._finish(req)
         self.side.update_connector_output(result)
         self._received_loads(result)
@@ -172,7 +196,7 @@ class StandIn:
             if req.computed == 0 and not self._fits(req):
                 break
             if req.computed == 0:
-                local, hit = self.cache.longest_hit(req.hashes, req.num_tokens)
+                local, hit = self.cache.longest_hit(req.hashes, req.num_prompt)
                 offered = self.side.get_num_new_matched_tokens(req, local)
                 if offered is None:
                     self.stats.deferred_lookups += 1
@@ -204,9 +228,14 @@ class StandIn:
             budget -= n
 
     def _tokens(self, req: SimRequest, budget: int) -> int:
-        """Tokens of ``req`` this step computes, within ``budget`` (vLLM's align split)."""
-        stop = min(req.num_tokens, req.computed + budget)
-        return aligned_stop(self.layout, req.computed, stop, req.num_tokens) - req.computed
+        """Tokens of ``req`` this step computes, within ``budget``: its prefill in vLLM's align
+        split, then decode steps to the next multiple of ``decode_tokens``."""
+        done = req.computed
+        if done >= req.num_prompt:
+            step = self.decode_tokens
+            return min(req.last, (done // step + 1) * step, done + budget) - done
+        stop = min(req.num_prompt, done + budget)
+        return aligned_stop(self.layout, done, stop, req.num_prompt) - done
 
     def _fits(self, req: SimRequest) -> bool:
         """vLLM's admission reserve: a new request's whole prompt and what the admitted ones
@@ -229,7 +258,7 @@ class StandIn:
         req.status = Status.FINISHED
         self._finished.add(req.req_id)
         self.stats.requests += 1
-        self.stats.prompt_tokens += req.num_tokens
+        self.stats.prompt_tokens += req.num_prompt
 
     def _received_loads(self, result: WorkerResult) -> None:
         """Loads that finished this step; the request resumes when next scheduled."""

@@ -69,7 +69,7 @@ class KVOffloadSide:
 
     def get_num_new_matched_tokens(self, req: SimRequest, num_computed: int) -> int | None:
         with self.clock:
-            return self.scheduler.lookup(req.req_id, req.tokens, num_computed, req.extras)
+            return self.scheduler.lookup(req.req_id, req.prompt, num_computed, req.extras)
 
     def update_state_after_alloc(self, req: SimRequest, num_external: int) -> None:
         with self.clock:
@@ -77,7 +77,7 @@ class KVOffloadSide:
 
     def build_connector_meta(self, plan: StepPlan) -> object:
         scheduled = [
-            StepRequest(req.req_id, req.tokens, req.computed, n, req.blocks, req.num_tokens)
+            StepRequest(req.req_id, req.tokens, req.computed, n, req.blocks, req.num_prompt)
             for req, n in plan.scheduled
         ]
         with self.clock:

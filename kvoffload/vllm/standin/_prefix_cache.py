@@ -37,8 +37,10 @@ Table = list[list[int]]
 class PrefixCache:
     """vLLM's block pool and prefix cache over ``layout`` (see the module docstring)."""
 
-    def __init__(self, layout: KVLayout, num_blocks: int) -> None:
+    def __init__(self, layout: KVLayout, num_blocks: int, *, caching: bool = True) -> None:
         self.layout = layout
+        #: vLLM's ``enable_prefix_caching``: without it no block is cached, so nothing is hit.
+        self.caching = caching
         self.tokens_per_block = layout.tokens_per_block
         self.alignment = math.lcm(*self.tokens_per_block)
         self.num_blocks = num_blocks
@@ -127,6 +129,8 @@ class PrefixCache:
 
     def cache(self, table: Table, hashes: Sequence[Sequence[bytes]], num_tokens: int) -> None:
         """Cache the request's full blocks up to ``num_tokens`` (vLLM's ``cache_blocks``)."""
+        if not self.caching:
+            return
         for g, ids in enumerate(table):
             stop = min(num_tokens // self.tokens_per_block[g], len(ids), len(hashes[g]))
             for b in range(stop):

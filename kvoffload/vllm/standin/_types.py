@@ -46,10 +46,25 @@ class SimRequest:
     external: int = 0
     #: Per group, how many of ``blocks`` the connector has been told of (vLLM's new_block_ids).
     told: list[int] = field(default_factory=list)
+    #: Tokens of its prompt (0: all of ``tokens``); the rest is the output it generates.
+    num_prompt: int = 0
+
+    def __post_init__(self) -> None:
+        self.num_prompt = self.num_prompt or len(self.tokens)
 
     @property
     def num_tokens(self) -> int:
         return len(self.tokens)
+
+    @property
+    def prompt(self) -> Sequence[int]:
+        return self.tokens[: self.num_prompt]
+
+    @property
+    def last(self) -> int:
+        """Tokens computed when it finishes: vLLM never computes the last token it samples,
+        so a prompt alone (one token sampled, not kept) is computed whole."""
+        return max(self.num_prompt, self.num_tokens - 1)
 
 
 @dataclass(slots=True)
