@@ -23,9 +23,9 @@ forward pass): one request at a time, its prompt in chunked-prefill steps of
 8,192 tokens, then its output decoded; sliding-window blocks freed once they
 leave the window; vLLM's own prefix cache off (``enable_prefix_caching``
 false), so every hit comes from the CPU tier. Decode steps end on chunk
-boundaries rather than every token (``decode_tokens``): with no recurrent
-group the stores planned are the same, since a chunk is stored by the step
-that completes it and every hit point is a chunk boundary, so a step end.
+boundaries rather than every token (``decode_tokens`` 256, every group's
+chunk span): the stores planned are those of one-token steps, since a chunk
+ends only where a step ends and every hit point is a chunk boundary.
 
 The trace: ``--conversations`` conversations share a 2,048-token system
 prompt, each then reads its own document (16K tokens of context in all), and

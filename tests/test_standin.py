@@ -107,6 +107,8 @@ def make(
     cpu_chunks: int,
     gpu_blocks: int,
     step_tokens: int = 64,
+    decode_tokens: int = 1,
+    prefix_caching: bool = True,
     **extra: object,
 ) -> tuple[StandIn, KVOffloadSide]:
     slot = max(g.chunk_bytes(1) for g in layout.groups)
@@ -116,7 +118,8 @@ def make(
     kv = allocate_kv_caches(layout, gpu_blocks)
     side = KVOffloadSide(config, namespace_of("standin-test", "bfloat16", layout), kv)
     pages = KVPages(layout, kv)
-    engine = StandIn(layout, side, gpu_blocks=gpu_blocks, step_tokens=step_tokens, kv=pages)
+    engine = StandIn(layout, side, gpu_blocks=gpu_blocks, step_tokens=step_tokens, kv=pages,
+                     decode_tokens=decode_tokens, prefix_caching=prefix_caching)  # fmt: skip
     return engine, side
 
 
@@ -215,3 +218,78 @@ def test_a_recurrent_prompt_runs_in_aligned_steps_and_keeps_the_state_a_hit_need
 def test_the_stand_in_refuses_steps_shorter_than_a_state_block(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="step_tokens=4 is below"):
         make(QWEN, tmp_path, cpu_chunks=8, gpu_blocks=16, step_tokens=4)
+
+
+# -- requests that generate output ------------------------------------------------------------
+def test_output_is_decoded_a_token_a_step_and_the_next_turn_hits_at_its_end(
+    served: Callable[..., tuple[StandIn, KVOffloadSide]],
+) -> None:
+    """vLLM decodes after the prompt and never computes the last token it samples; with its
+    own prefix cache off, the next turn (prompt, output, new tokens) is served by kvoffload
+    from the output's end, bit-exact."""
+    engine, side = served(GEMMA, cpu_chunks=400, gpu_blocks=120, prefix_caching=False,
+                          retention_interval=0)  # fmt: skip
+    prompt, output = tokens(100, 50), tokens(61, 51)
+    req = engine.add("a", prompt, output=output)
+    ends = []
+    while req.computed < req.last:
+        engine.step()
+        ends.append(req.computed)
+    assert ends == [64, 100, *range(101, 161)]  # the prompt in 64-token steps, then a token each
+    assert req.last == 160 and engine.stats.prompt_tokens == 100
+    engine.step()
+    nxt = [*prompt, *output, *tokens(20, 52)]
+    stats = engine.run([("b", nxt)], in_flight=1)
+    assert stats.gpu_hit_tokens == 0  # no prefix caching: nothing reused on the GPU
+    assert stats.loaded_tokens == 160 and stats.mismatched_blocks == 0  # the output's end
+    assert stats.verified_blocks > 0 and side.scheduler.figures()["dropped_chunks"] > 0
+
+
+def test_decode_steps_free_window_blocks_as_vllm_does(
+    served: Callable[..., tuple[StandIn, KVOffloadSide]],
+) -> None:
+    """vLLM frees a sliding group's blocks once the window of the token it computes has left
+    them (window 24, 16-token blocks); full-attention blocks stay."""
+    engine, _ = served(GEMMA, cpu_chunks=400, gpu_blocks=120)
+    req = engine.add("a", tokens(40, 53), output=tokens(70, 54))
+    engine.step()  # the prompt
+    freed = 0
+    while req.computed < req.last - 1:
+        first = (req.computed - 23) // 16  # the window of token ``computed`` starts in it
+        engine.step()
+        for g in range(3):
+            assert req.blocks[g][:first] == [NULL_BLOCK] * first
+            assert NULL_BLOCK not in req.blocks[g][first:]
+        assert NULL_BLOCK not in req.blocks[3]
+        freed = first
+    assert freed == (108 - 23) // 16
+
+
+def test_coarse_decode_steps_store_what_one_token_steps_store(tmp_path: Path) -> None:
+    """``decode_tokens`` a divisor of every chunk span (4 and 16 tokens here): the same
+    chunks stored, dropped, evicted and loaded, under pressure, in fewer steps."""
+    kept, steps = [], []
+    for i, decode in enumerate((1, 4)):
+        engine, side = make(GEMMA, tmp_path / str(i), cpu_chunks=60, gpu_blocks=300,
+                            decode_tokens=decode, prefix_caching=False)  # fmt: skip
+        turns = [tokens(70, 60)]
+        for t in range(5):
+            turns.append([*turns[-1], *tokens(40 + 7 * t, 61 + t), *tokens(30, 70 + t)])
+        engine.run(
+            [(f"r{t}", ids[: len(ids) - 40 - 7 * t], ids[len(ids) - 40 - 7 * t :])
+             for t, ids in enumerate(turns)], in_flight=1)  # fmt: skip
+        figures = side.scheduler.figures()
+        index = side.scheduler.index
+        everything = prefix_keys_for_layout(turns[-1], [16, 16, 16, 4], side.scheduler.namespace)
+        kept.append(([index.ready_mask(keys) for keys in everything],
+                     figures["stored_chunks"], figures["dropped_chunks"],
+                     figures["index_evictions"], engine.stats.loaded_tokens))  # fmt: skip
+        steps.append(engine.stats.steps)
+        side.close()
+    assert kept[0] == kept[1] and kept[0][2] > 0 and kept[0][3] > 0
+    assert steps[1] < steps[0] / 2
+
+
+def test_the_stand_in_refuses_decode_steps_of_no_tokens(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="decode_tokens=0"):
+        make(GEMMA, tmp_path, cpu_chunks=8, gpu_blocks=16, decode_tokens=0)

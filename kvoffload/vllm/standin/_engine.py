@@ -35,10 +35,11 @@ class StandIn:
     gets its KV written and every loaded block is checked bit-exact.
     ``decode_tokens``: a decode step runs to the next multiple of it (vLLM: 1,
     one token a step). A coarser step plans the same stores when it divides
-    the connector's hit alignment: a chunk is stored in the step that
-    completes it whatever the step's length, every hit point is still a step
-    end, and window blocks are freed before the window of every later point
-    either way; it only saves steps. ``prefix_caching``: vLLM's
+    every group's chunk span (``tokens_per_block * blocks_per_chunk``): a
+    chunk end then falls only on a step's end, so each step stores what the
+    one-token step ending there would and those between store nothing; every
+    hit point (a multiple of the spans) is still a step end, where a state is
+    taken; it only saves steps. ``prefix_caching``: vLLM's
     ``enable_prefix_caching``; without it no request reuses another's blocks.
     """
 
