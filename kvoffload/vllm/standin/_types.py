@@ -58,7 +58,8 @@ class SimRequest:
 
     @property
     def prompt(self) -> Sequence[int]:
-        return self.tokens[: self.num_prompt]
+        tokens = self.tokens
+        return tokens if self.num_prompt == len(tokens) else tokens[: self.num_prompt]
 
     @property
     def last(self) -> int:
