@@ -57,7 +57,7 @@ BLOCKS_PER_CHUNK = 16
 WINDOW = 1024
 LAYERS_PER_GROUP = 10
 SLIDING_GROUPS = 5
-#: vLLM's default ``max_num_batched_tokens`` with chunked prefill.
+#: vLLM's default ``max_num_batched_tokens`` for ``vllm serve`` (chunked prefill).
 STEP_TOKENS = 8192
 SPAN = TOKENS_PER_BLOCK * BLOCKS_PER_CHUNK
 #: Real KV bytes of one 16-token block of one layer: 16 tokens x 16 KV heads x 128 x 2 x bf16.
@@ -164,7 +164,9 @@ def mooncake_trace(path: str, sessions: int, seed: int) -> list[Turn]:
     return [turn for _, turn in sorted(turns, key=lambda t: t[0])]
 
 
-def serve(turns: list[Turn], interval: int, cpu_chunks: int) -> tuple[StandIn, KVOffloadSide]:
+def serve(
+    turns: list[Turn], interval: int, cpu_chunks: int, step_tokens: int = STEP_TOKENS
+) -> tuple[StandIn, KVOffloadSide]:
     """``turns`` through the stand-in and kvoffload's connector sides, one request at a time."""
     real = layout(PAGE)
     config = build_offloading_config(
@@ -182,7 +184,7 @@ def serve(turns: list[Turn], interval: int, cpu_chunks: int) -> tuple[StandIn, K
     kv = allocate_kv_caches(real, gpu_blocks)
     side = KVOffloadSide(config, namespace_of("gemma-style", "bfloat16", real), kv)
     # Decode steps end on chunk boundaries (see the module docstring): the same stores.
-    engine = StandIn(real, side, gpu_blocks=gpu_blocks, step_tokens=STEP_TOKENS,
+    engine = StandIn(real, side, gpu_blocks=gpu_blocks, step_tokens=step_tokens,
                      decode_tokens=SPAN, prefix_caching=False)  # fmt: skip
     engine.run(((f"r{i}", t.prompt, t.output) for i, t in enumerate(turns)), in_flight=1)
     return engine, side
@@ -195,9 +197,9 @@ def servable(side: KVOffloadSide, context: list[int]) -> int:
     return hit
 
 
-def run(turns: list[Turn], interval: int, cpu_chunks: int) -> dict[str, Any]:
+def run(turns: list[Turn], interval: int, cpu_chunks: int, step_tokens: int) -> dict[str, Any]:
     started = time.perf_counter()
-    engine, side = serve(turns, interval, cpu_chunks)
+    engine, side = serve(turns, interval, cpu_chunks, step_tokens)
     last = {turn.conversation: turn for turn in turns}
     history = sum(servable(side, t.prompt + t.output) for t in last.values())
     figures, stats = side.scheduler.figures(), engine.stats
@@ -247,6 +249,9 @@ def main(argv: list[str]) -> int:
     )
     parser.add_argument("--cpu-gib", type=float, default=512.0, help="CPU tier, real bytes")
     parser.add_argument("--intervals", default="1,0,16384", help="retention_interval values")
+    parser.add_argument(
+        "--step-tokens", type=int, default=STEP_TOKENS, help="tokens a step computes at most"
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
@@ -255,7 +260,7 @@ def main(argv: list[str]) -> int:
     else:
         turns = mooncake_trace(args.trace, args.conversations, args.seed)
     cpu_chunks = int(args.cpu_gib * GIB // REAL_CHUNK)
-    rows = [run(turns, int(i), cpu_chunks) for i in args.intervals.split(",")]
+    rows = [run(turns, int(i), cpu_chunks, args.step_tokens) for i in args.intervals.split(",")]
     if args.json:
         print(json.dumps(rows, indent=2))
         return 0
