@@ -99,6 +99,17 @@ def test_hybrid_hits_need_every_full_block_and_only_the_window_of_sliding_groups
     assert cache.longest_hit(hashes(GEMMA, ids), 100)[0] == 96  # cached while in the queue
 
 
+def test_without_prefix_caching_nothing_is_cached_or_hit() -> None:
+    cache = PrefixCache(GEMMA, 64, caching=False)  # vLLM's enable_prefix_caching=False
+    ids = tokens(100, 5)
+    table: list[list[int]] = [[] for _ in GEMMA.groups]
+    assert cache.allocate(table, None, 0, 100)
+    cache.cache(table, hashes(GEMMA, ids), 100)
+    assert cache.longest_hit(hashes(GEMMA, ids), 100) == (0, [[], [], [], []])
+    cache.free(table)
+    assert cache.num_free == 63 and cache.evictions == 0
+
+
 # -- kvoffload's connector through the stand-in ------------------------------------------------
 def make(
     layout: KVLayout,

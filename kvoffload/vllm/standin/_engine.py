@@ -94,8 +94,10 @@ class StandIn:
                 f"request {req_id!r} ({len(tokens)} tokens) needs up to {need} blocks, more than "
                 f"a GPU cache of {self.cache.num_blocks} holds; give more GPU blocks"
             )
-        hashes = self.block_hashes(tokens, extras)
         groups = len(self.layout.groups)
+        # Only the GPU prefix cache and the KV pages read them: without both, none are made.
+        needed = self.cache.caching or self.kv is not None
+        hashes = self.block_hashes(tokens, extras) if needed else [[] for _ in range(groups)]
         req = SimRequest(req_id, tokens, hashes, [[] for _ in range(groups)], extras,
                          told=[0] * groups, num_prompt=num_prompt)  # fmt: skip
         self.side.add_request(req)

@@ -65,6 +65,8 @@ class PrefixCache:
         not need are :data:`NULL_BLOCK`.
         """
         align, tpb = self.alignment, self.tokens_per_block
+        if not self.caching:
+            return 0, [[] for _ in tpb]
         top = (num_tokens - 1) // align * align
         found = [
             [self._cached.get((g, h)) for h in hashes[g][: top // tpb[g]]] for g in range(len(tpb))
