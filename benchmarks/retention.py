@@ -182,7 +182,8 @@ def serve(
     longest = max(len(t.prompt) + len(t.output) for t in turns)
     gpu_blocks = len(real.groups) * (longest // TOKENS_PER_BLOCK + 2) + 1  # 0: the null block
     kv = allocate_kv_caches(real, gpu_blocks)
-    side = KVOffloadSide(config, namespace_of("gemma-style", "bfloat16", real), kv)
+    namespace = namespace_of("gemma-style", "bfloat16", real)
+    side = KVOffloadSide(config, namespace, kv, record_events=False)  # nobody reads them
     # Decode steps end on chunk boundaries (see the module docstring): the same stores.
     engine = StandIn(real, side, gpu_blocks=gpu_blocks, step_tokens=step_tokens,
                      decode_tokens=SPAN, prefix_caching=False)  # fmt: skip
