@@ -103,6 +103,12 @@ def test_gpu_check_dry_run_on_host_tensors(tmp_path: Path) -> None:
     done = run_gpu_check("--device", "cpu", "--chunk-mib", "0.25", "--total-mib", "2",
                          "--repeat", "1", "--json-out", str(out))  # fmt: skip
     assert done.returncode == 0, done.stderr
-    rows = json.loads(out.read_text(encoding="utf-8"))
-    assert [r["block_ids"] for r in rows] == ["consecutive", "shuffled"]
+    rows = json.loads(out.read_text(encoding="utf-8"))["rows"]
+    paths = ("staged", "direct", "engine")
+    assert [(r["layout"], r["block_ids"], r["path"]) for r in rows] == [
+        (layout, ids, path)
+        for layout in ("kv_first", "block_first")
+        for ids in ("consecutive", "shuffled")
+        for path in paths
+    ]
     assert all(r["bit_exact"] and r["d2h_gbps"] > 0 and r["ref_h2d_gbps"] > 0 for r in rows)

@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
 from kvoffload.cli import main
 from kvoffload.cli._demo_trace import generate_demo_trace
@@ -38,3 +39,26 @@ def test_demo_runs_verifies_and_reports_json(
 def test_bundled_trace_is_the_generator_output() -> None:
     lines = [json.loads(line) for line in BUNDLED.read_text().splitlines()]
     assert lines == generate_demo_trace()
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_demo_on_gpu_kv_matches_the_host_run(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """KV tensors on the GPU: the same hits and loads as on the host, every block bit-exact."""
+    reports = []
+    for device in ("cpu", "cuda"):
+        argv = ["demo", "--requests", "40", "--disk-path", str(tmp_path / device), "--json"]
+        assert main([*argv, "--no-progress", "--device", device]) == 0
+        reports.append(json.loads(capsys.readouterr().out))
+    host, gpu = reports
+    assert gpu["ok"] and gpu["device"] == "cuda" and gpu["verified_blocks"] > 0
+    for figure in ("gpu_hit_tokens", "loaded_tokens", "verified_blocks", "cpu_hit_chunks"):
+        assert gpu[figure] == host[figure], figure
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="CUDA present")
+def test_demo_on_a_missing_gpu_says_so(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["demo", "--device", "cuda", "--no-progress"]) == 2
+    assert "no CUDA device" in capsys.readouterr().err

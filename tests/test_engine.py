@@ -1,4 +1,8 @@
-"""The offload engine: async jobs, verified loads, reported failures, no races per chunk."""
+"""The offload engine: async jobs, verified loads, reported failures, no races per chunk.
+
+The engine's tests run on every transfer path (``tests/_paths.py``), CUDA
+tensors with pinned slabs included where a GPU is present.
+"""
 
 from __future__ import annotations
 
@@ -7,6 +11,7 @@ from collections.abc import Iterator
 
 import pytest
 import torch
+from _paths import PATHS, TransferPath
 
 from kvoffload import build_offloading_config
 from kvoffload.config.layout import CacheGroup, KVLayout
@@ -14,7 +19,7 @@ from kvoffload.engine import ChunkSpan, JobKind, JobResult, JobStatus, OffloadEn
 from kvoffload.errors import TransferError
 from kvoffload.messages import BlockSpan
 from kvoffload.tiers.cpu import CPUSlab
-from kvoffload.transfer import KVTransfer, allocate_kv_caches, fill_blocks
+from kvoffload.transfer import allocate_kv_caches, fill_blocks
 
 NUM_BLOCKS = 32
 BPC = 2
@@ -33,19 +38,30 @@ def as_bytes(t: torch.Tensor) -> torch.Tensor:
     return t.contiguous().view(torch.uint8)
 
 
+@pytest.fixture(params=PATHS)
+def path(request: pytest.FixtureRequest) -> TransferPath:
+    param: TransferPath = request.param
+    return param
+
+
 @pytest.fixture
-def kv() -> dict[str, torch.Tensor]:
-    caches = allocate_kv_caches(layout(), NUM_BLOCKS, torch.bfloat16)
+def kv(path: TransferPath) -> dict[str, torch.Tensor]:
+    caches = allocate_kv_caches(layout(), NUM_BLOCKS, torch.bfloat16, device=path.device)
     fill_blocks(caches, seed=11)
     return caches
 
 
+def slab(path: TransferPath, num_slots: int, slot_bytes: int) -> CPUSlab:
+    return CPUSlab(num_slots, slot_bytes, pin_memory=path.device == "cuda")
+
+
 @pytest.fixture
-def engine(kv: dict[str, torch.Tensor]) -> Iterator[OffloadEngine]:
+def engine(path: TransferPath, kv: dict[str, torch.Tensor]) -> Iterator[OffloadEngine]:
     lay = layout()
-    transfer = KVTransfer(lay, kv, BPC)
-    cpu = CPUSlab(16, max(g.chunk_bytes(BPC) for g in lay.groups), pin_memory=False)
-    eng = OffloadEngine.create(transfer, cpu)
+    transfer = path.transfer(lay, kv, BPC)
+    eng = OffloadEngine.create(
+        transfer, slab(path, 16, max(g.chunk_bytes(BPC) for g in lay.groups))
+    )
     yield eng
     eng.close()
 
@@ -145,13 +161,15 @@ def test_submit_checks_the_span_shape(engine: OffloadEngine) -> None:
     assert engine.wait(timeout=0) and engine.get_finished() == []  # nothing was submitted
 
 
-def test_concurrent_stores_and_loads_of_one_chunk_never_mix() -> None:
-    # Big pages over several layers, so an unserialised store and load would interleave.
+@pytest.mark.parametrize("path", PATHS)
+def test_concurrent_stores_and_loads_of_one_chunk_never_mix(path: TransferPath) -> None:
+    # Big pages over several layers, so an unserialised store and load would interleave;
+    # on CUDA each job thread copies on a stream of its own.
     lay = KVLayout((CacheGroup("full", 2, ("a", "b", "c", "d"), 2 * 2 * 4096 * 2),))
-    kv = allocate_kv_caches(lay, NUM_BLOCKS, torch.bfloat16)
+    kv = allocate_kv_caches(lay, NUM_BLOCKS, torch.bfloat16, device=path.device)
     fill_blocks(kv, seed=12)
-    cpu = CPUSlab(8, lay.groups[0].chunk_bytes(BPC), pin_memory=False)
-    engine = OffloadEngine.create(KVTransfer(lay, kv, BPC), cpu, max_workers=4)
+    cpu = slab(path, 8, lay.groups[0].chunk_bytes(BPC))
+    engine = OffloadEngine.create(path.transfer(lay, kv, BPC), cpu, max_workers=4)
 
     def state(blocks: list[int]) -> list[torch.Tensor]:
         return [as_bytes(kv[n][blocks]).clone() for n in "abcd"]
@@ -224,3 +242,28 @@ def test_from_config_builds_cpu_slab_of_the_configured_size(kv: dict[str, torch.
         assert result.status is JobStatus.SUCCESS
     finally:
         engine.close()
+
+
+@pytest.mark.parametrize("path", [p for p in PATHS if p.id.startswith("cuda")])
+def test_a_store_copies_the_kv_the_forward_pass_is_still_writing(path: TransferPath) -> None:
+    """The store waits on the engine's stream: it copies what the kernels queued before it wrote."""
+    lay = layout()
+    kv = allocate_kv_caches(lay, NUM_BLOCKS, torch.bfloat16, device=path.device)
+    eng = OffloadEngine.create(
+        path.transfer(lay, kv, BPC), slab(path, 4, lay.groups[1].chunk_bytes(BPC))
+    )
+    try:
+        torch.cuda._sleep(200_000_000)  # ~0.1 s of GPU time queued on the engine's stream
+        kv["f0"][[6, 7]] = 3.0  # the "forward pass": runs only after the sleep
+        eng.submit_store([ChunkSpan(1, (b"late",), (0,), BlockSpan((6, 7)))])
+        [stored] = finish(eng)
+        assert stored.status is JobStatus.SUCCESS
+        kv["f0"].zero_()
+        eng.submit_load([ChunkSpan(1, (b"late",), (0,), BlockSpan((1, 2)))])
+        [loaded] = finish(eng)
+        assert loaded.status is JobStatus.SUCCESS
+        assert bool((kv["f0"][[1, 2]] == 3.0).all()), (
+            "the store copied the KV before it was written"
+        )
+    finally:
+        eng.close()

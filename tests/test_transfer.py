@@ -1,9 +1,15 @@
-"""Gather/scatter round trips: every group, layout, dtype, offset and chunk size, bit-exact."""
+"""Gather/scatter round trips: every group, layout, dtype, offset and chunk size, bit-exact.
+
+The round trips run on every transfer path (``tests/_paths.py``): host tensors
+copied directly, host tensors through the CUDA path's staging code, and CUDA
+tensors where a GPU is present.
+"""
 
 from __future__ import annotations
 
 import pytest
 import torch
+from _paths import PATHS, TransferPath
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -37,20 +43,23 @@ def blocks_of(t: torch.Tensor, ids: list[int], layout: EngineLayout) -> torch.Te
 
 
 def round_trip(  # noqa: PLR0917 - test helper, called positionally
+    path: TransferPath,
     layout: KVLayout,
     engine_layout: EngineLayout,
     dtype: torch.dtype,
     bpc: int,
     group: int,
     span: BlockSpan,
+    **transfer_kwargs: int,
 ) -> None:
-    src = allocate_kv_caches(layout, NUM_BLOCKS, dtype, engine_layout)
+    src = allocate_kv_caches(layout, NUM_BLOCKS, dtype, engine_layout, device=path.device)
     fill_blocks(src, seed=group)
-    dst = allocate_kv_caches(layout, NUM_BLOCKS, dtype, engine_layout)
+    dst = allocate_kv_caches(layout, NUM_BLOCKS, dtype, engine_layout, device=path.device)
     before = {n: as_bytes(t).clone() for n, t in dst.items()}
-    out, back = KVTransfer(layout, src, bpc), KVTransfer(layout, dst, bpc)
+    out = path.transfer(layout, src, bpc, **transfer_kwargs)
+    back = path.transfer(layout, dst, bpc, **transfer_kwargs)
     size = out.chunk_bytes(group)
-    chunks = [torch.zeros(size + 7, dtype=torch.uint8) for _ in range(span.num_chunks(bpc))]
+    chunks = [path.host_buffer(size + 7) for _ in range(span.num_chunks(bpc))]
     out.gather(group, span, chunks)
     assert all(int(c[size:].count_nonzero()) == 0 for c in chunks), "wrote past the chunk"
     back.scatter(group, span, chunks)
@@ -67,22 +76,44 @@ def round_trip(  # noqa: PLR0917 - test helper, called positionally
     assert all(torch.equal(as_bytes(dst[n]), before[n]) for n in untouched)
 
 
+@pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("engine_layout", list(EngineLayout))
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("bpc", [1, 3])
-def test_round_trip_every_group(engine_layout: EngineLayout, dtype: torch.dtype, bpc: int) -> None:
+def test_round_trip_every_group(
+    path: TransferPath, engine_layout: EngineLayout, dtype: torch.dtype, bpc: int
+) -> None:
     layout = gemma_like()
     for group in range(len(layout.groups)):
         # Not consecutive, not sorted, and starting inside its first chunk.
         span = BlockSpan((5, 6, 7, 20, 2, 3, 11), first_offset=min(1, bpc - 1))
-        round_trip(layout, engine_layout, dtype, bpc, group, span)
+        round_trip(path, layout, engine_layout, dtype, bpc, group, span)
 
 
+@pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("engine_layout", list(EngineLayout))
-def test_consecutive_blocks_whole_chunks(engine_layout: EngineLayout) -> None:
-    round_trip(gemma_like(), engine_layout, torch.bfloat16, 4, 3, BlockSpan(tuple(range(8, 16))))
+def test_consecutive_blocks_whole_chunks(path: TransferPath, engine_layout: EngineLayout) -> None:
+    span = BlockSpan(tuple(range(8, 16)))
+    round_trip(path, gemma_like(), engine_layout, torch.bfloat16, 4, 3, span)
 
 
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("engine_layout", list(EngineLayout))
+def test_staging_in_batches_of_one_chunk(path: TransferPath, engine_layout: EngineLayout) -> None:
+    """A span longer than the staging bound goes in batches; partial chunks at both ends."""
+    span = BlockSpan((4, 5, 6, 7, 1, 0, 13, 12, 19, 18, 17), first_offset=2)
+    round_trip(path, gemma_like(), engine_layout, torch.float16, 4, 0, span, max_staging_bytes=1)
+
+
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("engine_layout", list(EngineLayout))
+def test_pages_that_are_not_whole_words(path: TransferPath, engine_layout: EngineLayout) -> None:
+    """12-byte pages (6-byte K and V halves): the staged path moves bytes, not 8-byte words."""
+    layout = KVLayout((CacheGroup("full", 2, ("a", "b"), 2 * 2 * 3),))
+    round_trip(path, layout, engine_layout, torch.uint8, 2, 0, BlockSpan((3, 9, 4, 5, 1)))
+
+
+@pytest.mark.parametrize("path", PATHS)
 @settings(max_examples=25, deadline=None)
 @given(
     data=st.data(),
@@ -91,13 +122,38 @@ def test_consecutive_blocks_whole_chunks(engine_layout: EngineLayout) -> None:
     engine_layout=st.sampled_from(list(EngineLayout)),
 )
 def test_round_trip_property(
-    data: st.DataObject, bpc: int, group: int, engine_layout: EngineLayout
+    path: TransferPath, data: st.DataObject, bpc: int, group: int, engine_layout: EngineLayout
 ) -> None:
     ids = data.draw(st.lists(st.integers(0, NUM_BLOCKS - 1), min_size=1, max_size=12, unique=True))
     offset = data.draw(st.integers(0, bpc - 1))
     round_trip(
-        gemma_like(), engine_layout, torch.float16, bpc, group, BlockSpan(tuple(ids), offset)
+        path, gemma_like(), engine_layout, torch.float16, bpc, group, BlockSpan(tuple(ids), offset)
     )
+
+
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("engine_layout", list(EngineLayout))
+def test_every_path_writes_the_same_chunk_bytes(
+    path: TransferPath, engine_layout: EngineLayout
+) -> None:
+    """A chunk stored from a GPU loads on a CPU host and back: the bytes never name the device."""
+    layout = gemma_like()
+    host = allocate_kv_caches(layout, NUM_BLOCKS, torch.bfloat16, engine_layout)
+    fill_blocks(host, seed=8)
+    reference = KVTransfer(layout, host, 3)
+    here = {n: t.to(path.device) for n, t in host.items()}
+    transfer = path.transfer(layout, here, 3)
+    span = BlockSpan((2, 3, 4, 17, 9, 8, 10, 11), first_offset=1)
+    for group in range(len(layout.groups)):
+        size = reference.chunk_bytes(group)
+        want = [torch.zeros(size, dtype=torch.uint8) for _ in range(span.num_chunks(3))]
+        reference.gather(group, span, want)
+        # Adjacent chunks of one buffer (the staged path's merged host copy), then apart.
+        flat = path.host_buffer(size * len(want))
+        for chunks in ([flat[i * size : (i + 1) * size] for i in range(len(want))],
+                       [path.host_buffer(size) for _ in want][::-1]):  # fmt: skip
+            transfer.gather(group, span, chunks)
+            assert all(torch.equal(c, w) for c, w in zip(chunks, want, strict=True)), group
 
 
 def test_chunk_byte_layout_is_layer_major_then_block_then_page() -> None:
@@ -204,26 +260,3 @@ def test_span_geometry() -> None:
     assert span.sub(1, 3, 3) == BlockSpan((11, 12, 13, 14), 0)
     assert not span.covers_whole_chunks(3)
     assert BlockSpan((1, 2, 3, 4)).covers_whole_chunks(2)
-
-
-@pytest.mark.cuda
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("engine_layout", list(EngineLayout))
-def test_cuda_round_trip_through_pinned_chunks(engine_layout: EngineLayout) -> None:
-    layout = gemma_like()
-    src = allocate_kv_caches(layout, NUM_BLOCKS, torch.bfloat16, engine_layout, device="cuda")
-    fill_blocks(src, seed=5)
-    dst = allocate_kv_caches(layout, NUM_BLOCKS, torch.bfloat16, engine_layout, device="cuda")
-    out, back = KVTransfer(layout, src, 2), KVTransfer(layout, dst, 2)
-    assert out.is_cuda
-    for group, span in [(0, BlockSpan((3, 4, 9, 1))), (3, BlockSpan((8, 2, 5), 1))]:
-        size = out.chunk_bytes(group)
-        chunks = [torch.zeros(size, dtype=torch.uint8).pin_memory() for _ in range(2)]
-        event = torch.cuda.Event()
-        event.record()
-        out.gather(group, span, chunks, after=event)
-        back.scatter(group, span, chunks)
-        ids = list(span.block_ids)
-        for name in layout.groups[group].layer_names:
-            assert torch.equal(blocks_of(dst[name], ids, engine_layout).cpu(),
-                               blocks_of(src[name], ids, engine_layout).cpu())  # fmt: skip

@@ -18,6 +18,7 @@ from typing import NamedTuple
 
 import pytest
 import torch
+from _paths import PATHS, TransferPath
 
 from kvoffload.config.layout import CacheGroup, KVLayout
 from kvoffload.messages import BlockSpan
@@ -117,7 +118,7 @@ def layout_of(groups: list[tuple[str, int, int, list[Tensor]]]) -> KVLayout:
 
 def page_bytes(view: torch.Tensor, block: int, page: int, block_stride: int) -> torch.Tensor:
     """The ``page`` bytes of ``block`` where ``view`` starts, padding included."""
-    flat = torch.empty(0, dtype=torch.uint8)
+    flat = torch.empty(0, dtype=torch.uint8, device=view.device)
     flat.set_(view.untyped_storage())
     start = view.storage_offset() * view.element_size() + block * block_stride
     return flat[start : start + page]
@@ -126,28 +127,33 @@ def page_bytes(view: torch.Tensor, block: int, page: int, block_stride: int) -> 
 GEOMETRIES = {"fp8_ds_mla": fp8_ds_mla, "bf16": bf16_flashinfer}
 
 
+@pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("geometry", list(GEOMETRIES))
 @pytest.mark.parametrize("bpc", [1, 2])
 def test_every_packed_group_round_trips_bit_exact_and_touches_nothing_else(
-    geometry: str, bpc: int
+    path: TransferPath, geometry: str, bpc: int
 ) -> None:
     block_stride, groups = GEOMETRIES[geometry]()
     layout = layout_of(groups)
     gen = torch.Generator().manual_seed(7)
     nbytes = NUM_BLOCKS * block_stride
-    src_buf = torch.randint(0, 256, (nbytes,), dtype=torch.uint8, generator=gen).view(torch.int8)
+
+    def buffer() -> torch.Tensor:
+        raw = torch.randint(0, 256, (nbytes,), dtype=torch.uint8, generator=gen)
+        return raw.view(torch.int8).to(path.device)
+
+    src_buf = buffer()
     src = vllm_views(block_stride, groups, src_buf)
-    out = KVTransfer(layout, src, bpc)
+    out = path.transfer(layout, src, bpc)
     ids = (9, 2, 5, 6) if bpc == 2 else (9, 2, 5)
     span = BlockSpan(ids, first_offset=1 if bpc == 2 else 0)
     for g, group in enumerate(layout.groups):
-        dst_buf = torch.randint(0, 256, (nbytes,), dtype=torch.uint8, generator=gen)
-        dst_buf = dst_buf.view(torch.int8)
+        dst_buf = buffer()
         before = dst_buf.clone()
-        back = KVTransfer(layout, vllm_views(block_stride, groups, dst_buf), bpc)
+        back = path.transfer(layout, vllm_views(block_stride, groups, dst_buf), bpc)
         size = out.chunk_bytes(g)
         assert size == group.block_bytes * bpc
-        chunks = [torch.zeros(size + 5, dtype=torch.uint8) for _ in range(span.num_chunks(bpc))]
+        chunks = [path.host_buffer(size + 5) for _ in range(span.num_chunks(bpc))]
         out.gather(g, span, chunks)
         back.scatter(g, span, chunks)
         expected = before.view(torch.uint8).clone()

@@ -218,9 +218,9 @@ def test_an_idle_step_waits_for_its_load_and_reports_it(
     transfer = r.worker.engine.transfer
     scatter = transfer.scatter
 
-    def slow_scatter(*args: Any) -> None:  # a slow copy: done long after poll() is called
+    def slow_scatter(*args: Any, **kwargs: Any) -> None:  # done long after poll() is called
         time.sleep(0.2)
-        scatter(*args)
+        scatter(*args, **kwargs)
 
     monkeypatch.setattr(transfer, "scatter", slow_scatter)
     r.worker.submit(r.scheduler.take_orders(), JobKind.LOAD)

@@ -21,6 +21,8 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from kvoffload.config import build_offloading_config
 from kvoffload.config.hf_layout import layout_from_hf_config
 from kvoffload.config.values import format_bytes
@@ -52,6 +54,7 @@ def register(subparsers: Any) -> None:
     parser.add_argument("--disk-bytes", default="1GiB", help="disk tier budget (default 1GiB)")
     parser.add_argument("--blocks-per-chunk", type=int, default=2, help="default 2")
     parser.add_argument("--gpu-blocks", type=int, default=320, help="GPU cache blocks (320)")
+    parser.add_argument("--device", default="cpu", help="the KV tensors' device: cpu or cuda")
     parser.add_argument("--json", action="store_true", help="print the report as JSON")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     parser.set_defaults(func=run)
@@ -68,10 +71,14 @@ def serve(args: argparse.Namespace, disk_path: str) -> dict[str, Any]:
         "disk_path": disk_path,
         "disk_bytes_to_use": args.disk_bytes,
     }
+    if args.device not in ("cpu", "cuda"):
+        raise ConfigError(f"--device must be cpu or cuda, got {args.device!r}")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("--device cuda: torch sees no CUDA device here; use --device cpu")
     config = build_offloading_config(extra, layout)
     trace = load_trace(args.trace or _bundled("demo_trace.jsonl"), limit=args.requests)
     namespace = namespace_of("kvoffload-demo", "bfloat16", layout)
-    kv = allocate_kv_caches(layout, args.gpu_blocks)
+    kv = allocate_kv_caches(layout, args.gpu_blocks, device=args.device)
     side = KVOffloadSide(config, namespace, kv, [DiskProbe(Path(disk_path), namespace)])
     engine = StandIn(layout, side, gpu_blocks=args.gpu_blocks, kv=KVPages(layout, kv))
     try:
@@ -84,7 +91,8 @@ def serve(args: argparse.Namespace, disk_path: str) -> dict[str, Any]:
     return {
         "ok": stats.mismatched_blocks == 0 and failed_stores == 0,
         "requests": stats.requests, "seconds": stats.seconds, "steps": stats.steps,
-        "gpu_blocks": args.gpu_blocks, "prompt_tokens": stats.prompt_tokens,
+        "gpu_blocks": args.gpu_blocks, "device": args.device,
+        "prompt_tokens": stats.prompt_tokens,
         "gpu_hit_tokens": stats.gpu_hit_tokens, "loaded_tokens": stats.loaded_tokens,
         "failed_load_tokens": stats.failed_load_tokens,
         **{name: figures[name] for name in ("cpu_hit_chunks", "lower_hit_chunks",
@@ -119,7 +127,8 @@ def render(report: dict[str, Any]) -> str:
     computed = prompt - report["gpu_hit_tokens"] - report["loaded_tokens"]
     lines = [
         f"kvoffload demo: {report['requests']} requests in {report['seconds']:.1f} s "
-        f"({report['steps']} engine steps, GPU prefix cache of {report['gpu_blocks']} blocks)",
+        f"({report['steps']} engine steps, GPU prefix cache of {report['gpu_blocks']} blocks, "
+        f"KV tensors on {report['device']})",
         "",
         f"prompt tokens         {report['prompt_tokens']:>8}",
         f"  GPU prefix cache    {_share(report['gpu_hit_tokens'], prompt)}",

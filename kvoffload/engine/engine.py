@@ -31,9 +31,11 @@ Guarantees:
   into CPU slots first, then writes lower tiers; :meth:`wait_for_sources`
   returns once every submitted store is past the copy, so a connector can let
   the engine reuse those blocks without waiting for disk or network.
-* **CUDA.** A store records an event on the submitting thread's current
-  stream; its copies wait on that event on the transfer's own stream, so no
-  stream is ever synchronised by the host except the transfer's own.
+* **CUDA.** A job records an event on the submitting thread's current
+  stream; its copies wait on that event on the job thread's own stream (a
+  store so that it copies the KV the forward pass wrote, a load so that it
+  never overwrites blocks a queued kernel still uses), and the host waits for
+  that stream only, never the engine's.
 """
 
 from __future__ import annotations
@@ -111,7 +113,8 @@ class OffloadEngine:
         ``remote_queue_bytes`` (see :mod:`kvoffload.tiers.cascade`).
         """
         transfer = KVTransfer(config.layout, kv_caches, config.blocks_per_chunk)
-        cpu = CPUSlab(config.num_cpu_chunks, config.max_chunk_bytes)
+        # Pinned only for GPU KV: pinning is what makes device copies asynchronous DMA.
+        cpu = CPUSlab(config.num_cpu_chunks, config.max_chunk_bytes, pin_memory=transfer.is_cuda)
         cascade = TierCascade(cpu, lower_tiers(config, namespace))
         return cls(transfer, cascade, max_workers=max_workers)
 
@@ -130,10 +133,15 @@ class OffloadEngine:
         return self._submit(JobKind.STORE, spans, self._engine_event())
 
     def submit_load(self, spans: Sequence[ChunkSpan]) -> int:
-        """Queue a load into the spans' engine blocks; returns its job id at once."""
+        """Queue a load into the spans' engine blocks; returns its job id at once.
+
+        On CUDA the load's copies also wait for what the engine queued before
+        it, so they never race a kernel still reading or writing the blocks
+        the load fills (a freed request's last forward pass, say).
+        """
         for span in spans:
             self._check_span(span)
-        return self._submit(JobKind.LOAD, spans, None)
+        return self._submit(JobKind.LOAD, spans, self._engine_event())
 
     def get_finished(self) -> list[JobResult]:
         """Jobs finished since the last call, each reported exactly once."""
@@ -229,7 +237,7 @@ class OffloadEngine:
                             self._commit_span(span, outcome)
                 else:
                     for span in spans:
-                        self._load_span(span, outcome)
+                        self._load_span(span, after, outcome)
         except Exception as exc:  # a bug must still report the job, never hang the engine
             self._crashed(kind, spans, outcome, exc)
         if reading:
@@ -304,7 +312,7 @@ class OffloadEngine:
             outcome.errors.extend(self.cascade.write_through(key, slot, nbytes))
             outcome.done.append(key)
 
-    def _load_span(self, span: ChunkSpan, outcome: Outcome) -> None:
+    def _load_span(self, span: ChunkSpan, after: torch.cuda.Event | None, outcome: Outcome) -> None:
         nbytes = self.transfer.chunk_bytes(span.group)
         ranges = span.blocks.chunk_ranges(self.transfer.chunk_blocks(span.group))
         ok = []
@@ -323,7 +331,7 @@ class OffloadEngine:
             while stop < len(ok) and ok[stop] == ok[start]:
                 stop += 1
             keys = span.keys[start:stop]
-            if ok[start] and self._scatter(span, start, stop, nbytes, outcome):
+            if ok[start] and self._scatter(span, start, stop, after, outcome):
                 outcome.done.extend(keys)
             else:
                 outcome.failed.extend(keys)
@@ -332,14 +340,20 @@ class OffloadEngine:
             start = stop
 
     def _scatter(
-        self, span: ChunkSpan, start: int, stop: int, nbytes: int, outcome: Outcome
+        self,
+        span: ChunkSpan,
+        start: int,
+        stop: int,
+        after: torch.cuda.Event | None,
+        outcome: Outcome,
     ) -> bool:
         cpu, bpc = self.cascade.cpu, self.transfer.chunk_blocks(span.group)
+        nbytes = self.transfer.chunk_bytes(span.group)
         sub = span.blocks.sub(start, stop, bpc)
         begin = time.perf_counter()
         try:
             buffers = [cpu.slot(slot, nbytes) for slot in span.slots[start:stop]]
-            self.transfer.scatter(span.group, sub, buffers)
+            self.transfer.scatter(span.group, sub, buffers, after=after)
         except Exception as exc:  # the engine recomputes these blocks
             cpu.counters.add(load_failures=stop - start)
             outcome.errors.append(f"transfer: group {span.group}: {exc}")

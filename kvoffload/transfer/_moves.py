@@ -40,19 +40,17 @@ def move_run(
     index: npt.NDArray[np.int64] | None,
     *,
     to_chunks: bool,
-    keep: list[torch.Tensor],
 ) -> None:
     """Copy one layer's blocks between the engine and ``dst`` (``[m, k, page]`` chunk bytes).
 
     ``index`` (``[m, k]``) names the engine blocks, or is ``None`` when they
-    are consecutive from ``first_block``. ``keep`` collects CUDA temporaries
-    that must outlive the stream's work.
+    are consecutive from ``first_block``.
     """
     m, k, _ = dst.shape
     part, dim = _engine_side(pages, dst)
     engine = pages.pages
     if engine.device.type == "cuda":
-        _move_cuda(engine, dim, part, first_block, index, to_chunks=to_chunks, keep=keep)
+        _move_cuda(engine, dim, part, first_block, index, to_chunks=to_chunks)
     elif index is None:
         shape = (2, m, k, -1) if dim else (m, k, -1)
         blocks = engine.narrow(dim, first_block, m * k).view(shape).numpy()
@@ -84,9 +82,13 @@ def _move_cuda(
     index: npt.NDArray[np.int64] | None,
     *,
     to_chunks: bool,
-    keep: list[torch.Tensor],
 ) -> None:
-    """The same on the transfer's CUDA stream; ``part`` is pinned host memory."""
+    """The same straight between a CUDA tensor and host memory (``KVTransfer(staged=False)``).
+
+    Strided host copies go through torch's pageable temporaries, so this is
+    kept as the reference the staged path (:mod:`._staged`) is measured against.
+    Temporaries are allocated on the caller's stream, which it synchronises.
+    """
     shape = part.shape
     if index is None:
         blocks = engine.narrow(dim, first_block, shape[dim] * shape[dim + 1]).view(shape)
@@ -96,12 +98,9 @@ def _move_cuda(
             blocks.copy_(part, non_blocking=True)
         return
     flat = torch.from_numpy(index.reshape(-1)).to(engine.device, non_blocking=True)
-    keep.append(flat)
     if to_chunks:
-        staged = engine.index_select(dim, flat).view(shape)
-        keep.append(staged)
-        part.copy_(staged, non_blocking=True)
+        part.copy_(engine.index_select(dim, flat).view(shape), non_blocking=True)
     else:
-        staged = part.to(engine.device, non_blocking=True).flatten(dim, dim + 1)
-        keep.append(staged)
-        engine.index_copy_(dim, flat, staged)
+        engine.index_copy_(
+            dim, flat, part.to(engine.device, non_blocking=True).flatten(dim, dim + 1)
+        )

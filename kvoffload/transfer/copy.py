@@ -21,15 +21,19 @@ of them sits inside its chunk (``first_offset``), so a load may begin inside a
 chunk; positions ``first_offset + i`` map block ``i`` to chunk
 ``pos // bpc``, slot ``pos % bpc``.
 
-CUDA engine tensors copy to and from (pinned) host chunk buffers on the
-transfer's own stream; completion is an event the calling worker thread
-waits on, so the default stream is never synchronised. A store passes the
-event recorded on the engine's stream when it was submitted (``after``), so
-the copy starts only once the forward pass has written the KV.
+CUDA engine tensors move through a staging buffer in device memory that
+holds the chunks in their byte order (:mod:`._staged`): one kernel per layer
+and one dense DMA per chunk, whatever the backend's tensor layout. Each
+calling thread issues its copies on a stream of its own (so a store and a
+load overlap on the GPU's copy engines) and waits for that stream alone: the
+engine's streams are never synchronised. A store passes the event recorded on
+the engine's stream when it was submitted (``after``), so the copy starts
+only once the forward pass has written the KV.
 """
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Mapping, Sequence
 
 import numpy as np
@@ -41,6 +45,7 @@ from kvoffload.config.layout import KVLayout
 from kvoffload.errors import TransferError
 from kvoffload.messages import BlockSpan
 from kvoffload.transfer._moves import move_run
+from kvoffload.transfer._staged import DEFAULT_MAX_STAGING_BYTES, staged_copy
 from kvoffload.transfer.views import KVSplit, LayerPages, register_layers
 
 __all__ = ["KVTransfer"]
@@ -55,6 +60,12 @@ class KVTransfer:
     ``chunk_bytes(group)`` bytes (a CPU tier slot, a staging buffer); only the
     first ``chunk_bytes(group)`` are used. Methods are thread-safe for
     disjoint chunk buffers and block ids: they only read shared state.
+
+    ``staged`` picks the copy path: ``None`` (the default) stages through
+    device memory on CUDA and copies directly on host tensors, where that is
+    fastest; ``True`` runs the staged path on host tensors too, which is how
+    the tests check the CUDA path's bookkeeping on machines without a GPU.
+    ``max_staging_bytes`` bounds the device memory one call stages at a time.
     """
 
     def __init__(
@@ -63,6 +74,9 @@ class KVTransfer:
         kv_caches: Mapping[str, torch.Tensor],
         blocks_per_chunk: int,
         split: KVSplit | None = None,
+        *,
+        staged: bool | None = None,
+        max_staging_bytes: int = DEFAULT_MAX_STAGING_BYTES,
     ) -> None:
         self.layout = layout
         self.blocks_per_chunk = checked_int(
@@ -74,7 +88,11 @@ class KVTransfer:
             raise TransferError(f"KV caches span several devices {sorted(devices)}; use one")
         self.device = self.groups[0][0].device
         self._cuda = self.device.type == "cuda"
-        self._stream = torch.cuda.Stream(self.device) if self._cuda else None  # type: ignore[no-untyped-call]
+        self.staged = self._cuda if staged is None else staged
+        self.max_staging_bytes = checked_int(
+            "max_staging_bytes", max_staging_bytes, error=TransferError
+        )
+        self._streams = threading.local()  # one CUDA stream per calling thread
 
     @property
     def is_cuda(self) -> bool:
@@ -100,9 +118,15 @@ class KVTransfer:
         """Copy the span's engine blocks into ``chunks`` (one buffer per chunk touched)."""
         self._run(group, span, chunks, to_chunks=True, after=after)
 
-    def scatter(self, group: int, span: BlockSpan, chunks: Sequence[torch.Tensor]) -> None:
-        """Copy ``chunks`` back into the span's engine blocks."""
-        self._run(group, span, chunks, to_chunks=False, after=None)
+    def scatter(
+        self,
+        group: int,
+        span: BlockSpan,
+        chunks: Sequence[torch.Tensor],
+        after: torch.cuda.Event | None = None,
+    ) -> None:
+        """Copy ``chunks`` back into the span's engine blocks (after ``after``, on CUDA)."""
+        self._run(group, span, chunks, to_chunks=False, after=after)
 
     # -- implementation ----------------------------------------------------------
     def _check(
@@ -145,17 +169,44 @@ class KVTransfer:
         after: torch.cuda.Event | None,
     ) -> None:
         ids = self._check(group, span, chunks)
-        if self._stream is None:
-            self._copy_chunks(group, span, ids, chunks, to_chunks=to_chunks, keep=[])
+        if not self._cuda:
+            if self.staged:
+                self._copy_staged(group, span, ids, chunks, to_chunks=to_chunks, after=None)
+            else:
+                self._copy_chunks(group, span, ids, chunks, to_chunks=to_chunks)
             return
-        keep: list[torch.Tensor] = []  # device temporaries alive until the event fires
-        with torch.cuda.stream(self._stream):
-            if after is not None:
-                self._stream.wait_event(after)
-            self._copy_chunks(group, span, ids, chunks, to_chunks=to_chunks, keep=keep)
-            done = torch.cuda.Event()  # type: ignore[no-untyped-call]
-            done.record(self._stream)
-        done.synchronize()  # waits for this stream only, never the default stream
+        stream = self._stream()
+        with torch.cuda.stream(stream):
+            if self.staged:
+                self._copy_staged(group, span, ids, chunks, to_chunks=to_chunks, after=after)
+            else:
+                if after is not None:
+                    stream.wait_event(after)
+                self._copy_chunks(group, span, ids, chunks, to_chunks=to_chunks)
+        # This thread's stream only: never the engine's. Device temporaries (staging,
+        # indices) were allocated on this stream, so their memory is reused only after it.
+        stream.synchronize()
+
+    def _stream(self) -> torch.cuda.Stream:
+        stream: torch.cuda.Stream | None = getattr(self._streams, "stream", None)
+        if stream is None:
+            stream = torch.cuda.Stream(self.device)  # type: ignore[no-untyped-call]
+            self._streams.stream = stream
+        return stream
+
+    def _copy_staged(
+        self,
+        group: int,
+        span: BlockSpan,
+        ids: npt.NDArray[np.int64],
+        chunks: Sequence[torch.Tensor],
+        *,
+        to_chunks: bool,
+        after: torch.cuda.Event | None,
+    ) -> None:
+        staged_copy(self.groups[group], span, ids, chunks, self.chunk_blocks(group),
+                    self.chunk_bytes(group), to_chunks=to_chunks,
+                    max_staging_bytes=self.max_staging_bytes, after=after)  # fmt: skip
 
     def _copy_chunks(
         self,
@@ -165,7 +216,6 @@ class KVTransfer:
         chunks: Sequence[torch.Tensor],
         *,
         to_chunks: bool,
-        keep: list[torch.Tensor],
     ) -> None:
         """Split the span into runs (see :mod:`._moves`); one copy per layer per run."""
         layers = self.groups[group]
@@ -188,7 +238,7 @@ class KVTransfer:
                     (m, k, pages.page_bytes), (step, pages.page_bytes, 1),
                     base.storage_offset() + offset,
                 )  # fmt: skip
-                move_run(pages, dst, int(run[0]), index, to_chunks=to_chunks, keep=keep)
+                move_run(pages, dst, int(run[0]), index, to_chunks=to_chunks)
             c += m
 
 

@@ -97,10 +97,16 @@ def allocate_kv_caches(
 
 
 def fill_blocks(kv_caches: dict[str, torch.Tensor], seed: int = 0) -> None:
-    """Fill every tensor with reproducible random bytes (NaN patterns included)."""
-    generator = torch.Generator().manual_seed(seed)
+    """Fill every tensor with reproducible random bytes (NaN patterns included).
+
+    The bytes are drawn on each tensor's own device (gigabytes of CUDA KV in
+    milliseconds), so they repeat for one seed and device, not across devices.
+    """
+    generators: dict[torch.device, torch.Generator] = {}
     for tensor in kv_caches.values():
-        raw = torch.randint(0, 256, (tensor.numel() * tensor.element_size(),),
-                            dtype=torch.uint8, generator=generator)  # fmt: skip
+        if tensor.device not in generators:
+            generators[tensor.device] = torch.Generator(tensor.device).manual_seed(seed)
+        raw = torch.randint(0, 256, (tensor.numel() * tensor.element_size(),), dtype=torch.uint8,
+                            generator=generators[tensor.device], device=tensor.device)  # fmt: skip
         flat = raw.view(tensor.dtype).view(tensor.shape) if tensor.dim() else raw
         tensor.copy_(flat)

@@ -63,6 +63,8 @@ class KVPages:
     def holds(self, group: int, block: int, block_hash: bytes) -> bool:
         """Whether ``block`` holds exactly the KV of ``block_hash`` in every layer of ``group``."""
         return all(
-            torch.equal(pages[block], expected_page(block_hash, layer, pages.shape[1]))
+            torch.equal(
+                pages[block], expected_page(block_hash, layer, pages.shape[1]).to(pages.device)
+            )
             for layer, pages in enumerate(self.pages[group])
         )
