@@ -26,7 +26,9 @@ Prints a table and writes the results as JSON; exits 1 if a check failed.
 Without CUDA, or with a vLLM older than 0.33, it refuses at once with a
 one-line reason (exit 2).
 
-It has not run on a GPU yet: the machines it was written on have none. Its
+It has not run on a GPU yet: the machines it was written on have none, and
+the one GPU machine lent so far (an H200) had no vLLM and could not install
+one (no package registry; ``benchmarks/gpu_run.sh`` skips it there). Its
 engine process (``child``) and checks did run on vLLM 0.32's CPU build with
 the Gemma-4 model (``"engine": {"block_size": 32}`` in the spec): the
 connector's tokens were the oracle's, 1024/1024/512 tokens cached, and the

@@ -1,13 +1,14 @@
 """Real Redis servers on loopback for the remote-tier tests, started and stopped by fixtures.
 
 Each server gets a free port and a directory of its own, persistence off.
-Without ``redis-server`` the tests are skipped on a developer's machine with
-the command that installs it, and fail under CI (``CI`` set), which must
-have it (``.ci/run`` installs it).
+Without ``redis-server`` (or the ``redis`` client package, a dev extra) the
+tests are skipped on a developer's machine with the command that installs it,
+and fail under CI (``CI`` set), which must have both (``.ci/run`` installs them).
 """
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import random
 import shutil
@@ -23,13 +24,24 @@ import pytest
 INSTALL = "apt-get update && apt-get install -y redis-server"
 
 
+def _missing(message: str) -> None:
+    if os.environ.get("CI"):
+        pytest.fail(message)
+    pytest.skip(message)
+
+
+def need_redis_py() -> None:
+    """Skip (fail under CI) without redis-py, which the remote tier talks through."""
+    if importlib.util.find_spec("redis") is None:
+        _missing("the redis package is not installed; install it with: pip install 'redis>=5'")
+
+
 def need_redis_server() -> str:
+    need_redis_py()
     path = shutil.which("redis-server")
     if path is None:
-        message = f"redis-server is not installed; install it with: {INSTALL}"
-        if os.environ.get("CI"):
-            pytest.fail(message)
-        pytest.skip(message)
+        _missing(f"redis-server is not installed; install it with: {INSTALL}")
+    assert path is not None  # _missing raised
     return path
 
 

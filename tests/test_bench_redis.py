@@ -7,7 +7,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from _redis_servers import RedisServer, free_port
+from _redis_servers import RedisServer, free_port, need_redis_py
 
 from kvoffload.cli import main
 from kvoffload.errors import CorruptChunkError
@@ -82,6 +82,7 @@ def test_bad_remote_flags_are_one_line_errors(
 
 
 def test_an_unreachable_server_is_a_clear_error(capsys: pytest.CaptureFixture[str]) -> None:
+    need_redis_py()
     url = f"redis://127.0.0.1:{free_port()}/0"  # nothing listens there
     code, _, err = bench(capsys, "--tier", "redis", "--remote-url", url, *TINY)
     assert code == 2 and "cannot reach the server" in err and url in err

@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from _redis_servers import RedisServer, free_port
+from _redis_servers import RedisServer, free_port, need_redis_py
 
 from kvoffload import build_offloading_config
 from kvoffload.config.layout import CacheGroup, KVLayout
@@ -213,6 +213,7 @@ def test_a_server_killed_mid_run_degrades_to_local_tiers_and_resumes(
 def test_a_server_down_at_start_is_reported_once_and_the_tier_comes_up_later(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
+    need_redis_py()
     server = RedisServer(tmp_path / "late")
     with caplog.at_level(logging.WARNING, logger="kvoffload"):
         tier = RedisTier(server.url, NAMESPACE, timeout_ms=200, retry_ms=200)
@@ -238,6 +239,7 @@ def test_a_server_down_at_start_is_reported_once_and_the_tier_comes_up_later(
 
 
 def test_a_cluster_down_at_start_is_an_outage_not_a_crash(caplog: pytest.LogCaptureFixture) -> None:
+    need_redis_py()
     url = f"redis+cluster://127.0.0.1:{free_port()}"  # nothing listens there
     with caplog.at_level(logging.WARNING, logger="kvoffload"):
         tier = RedisTier(url, NAMESPACE, timeout_ms=200)  # redis-py raises RedisClusterException
