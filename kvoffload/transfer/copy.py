@@ -170,19 +170,11 @@ class KVTransfer:
     ) -> None:
         ids = self._check(group, span, chunks)
         if not self._cuda:
-            if self.staged:
-                self._copy_staged(group, span, ids, chunks, to_chunks=to_chunks, after=None)
-            else:
-                self._copy_chunks(group, span, ids, chunks, to_chunks=to_chunks)
+            self._copy(group, span, ids, chunks, to_chunks=to_chunks, after=None)
             return
         stream = self._stream()
         with torch.cuda.stream(stream):
-            if self.staged:
-                self._copy_staged(group, span, ids, chunks, to_chunks=to_chunks, after=after)
-            else:
-                if after is not None:
-                    stream.wait_event(after)
-                self._copy_chunks(group, span, ids, chunks, to_chunks=to_chunks)
+            self._copy(group, span, ids, chunks, to_chunks=to_chunks, after=after)
         # This thread's stream only: never the engine's. Device temporaries (staging,
         # indices) were allocated on this stream, so their memory is reused only after it.
         stream.synchronize()
@@ -194,7 +186,7 @@ class KVTransfer:
             self._streams.stream = stream
         return stream
 
-    def _copy_staged(
+    def _copy(
         self,
         group: int,
         span: BlockSpan,
@@ -204,9 +196,15 @@ class KVTransfer:
         to_chunks: bool,
         after: torch.cuda.Event | None,
     ) -> None:
-        staged_copy(self.groups[group], span, ids, chunks, self.chunk_blocks(group),
-                    self.chunk_bytes(group), to_chunks=to_chunks,
-                    max_staging_bytes=self.max_staging_bytes, after=after)  # fmt: skip
+        """The staged or the direct path, on the current stream (waiting for ``after``)."""
+        if self.staged:
+            staged_copy(self.groups[group], span, ids, chunks, self.chunk_blocks(group),
+                        self.chunk_bytes(group), to_chunks=to_chunks,
+                        max_staging_bytes=self.max_staging_bytes, after=after)  # fmt: skip
+            return
+        if after is not None:
+            torch.cuda.current_stream(self.device).wait_event(after)
+        self._copy_chunks(group, span, ids, chunks, to_chunks=to_chunks)
 
     def _copy_chunks(
         self,
