@@ -62,3 +62,20 @@ def test_demo_on_gpu_kv_matches_the_host_run(
 def test_demo_on_a_missing_gpu_says_so(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["demo", "--device", "cuda", "--no-progress"]) == 2
     assert "no CUDA device" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--gpu-blocks", "0"], "--gpu-blocks must be positive, got 0"),
+        (["--requests", "-2"], "--requests must be positive, got -2"),
+        (["--device", "tpu"], "--device must be cpu or cuda, got 'tpu'"),
+        (["--blocks-per-chunk", "0"], "'blocks_per_chunk' must be greater than 0"),
+    ],
+)
+def test_bad_demo_flags_are_one_line_errors(
+    argv: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["demo", "--no-progress", *argv]) == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err and err.count("\n") == 1

@@ -26,7 +26,7 @@ from kvoffload import build_offloading_config
 from kvoffload.config.layout import CacheGroup, KVLayout
 from kvoffload.engine import JobKind
 from kvoffload.keys import KeyExtras, namespace_of
-from kvoffload.messages import JobReport
+from kvoffload.messages import JobReport, TransferOrder
 from kvoffload.tiers.from_config import lower_probes
 from kvoffload.transfer import allocate_kv_caches
 from kvoffload.vllm import worker as worker_module
@@ -439,6 +439,40 @@ def test_an_order_completes_when_every_rank_reported_it() -> None:
     assert figures["failed_store_chunks"] == 1  # failed on one rank: failed
     assert figures["stored_chunks"] == len(order.keys) - 1
     assert sched.lookup("q", ids, 0) == 0  # the chain starts with the failed chunk
+
+
+def test_chunks_a_finished_request_never_found_room_for_are_counted() -> None:
+    """Stores in flight hold every CPU slot: the rest wait a step, and are counted if they never
+    get one (the request finished first); once reports free the slots they are stored."""
+    layout = llama_like()
+    chunk = layout.groups[0].chunk_bytes(2)
+    config = build_offloading_config({"blocks_per_chunk": 2, "cpu_bytes_to_use": 2 * chunk},
+                                     layout)  # fmt: skip
+    namespace = namespace_of("stand-in", "bfloat16", layout)
+    ids = tokens(40)  # 5 chunks of 8 tokens, 2 slots
+
+    def first_step(sched: OffloadScheduler, req: str) -> tuple[list[list[int]], TransferOrder]:
+        table: list[list[int]] = [[]]
+        assert PrefixCache(layout, NUM_BLOCKS).allocate(table, None, 0, 40)
+        sched.plan_store(req, ids, computed=0, scheduled=40, block_ids=table,
+                         num_prompt_tokens=40)  # fmt: skip
+        [order] = sched.take_orders()
+        assert len(order.keys) == 2  # the rest wait for room
+        return table, order
+
+    busy = OffloadScheduler(config, namespace)
+    first_step(busy, "r")
+    busy.request_finished("r")  # its two stores are still in flight: 3 chunks never stored
+    assert busy.figures()["no_room_chunks"] == 3
+
+    settled = OffloadScheduler(config, namespace)
+    table, order = first_step(settled, "r")
+    settled.on_report(JobReport(order.job_id, 1, frozenset(), {}, {}))  # the slots are free
+    settled.plan_store("r", ids, computed=40, scheduled=1, block_ids=table, num_prompt_tokens=40)
+    [retried] = settled.take_orders()
+    assert len(retried.keys) == 2  # the next two, evicting the first (all ready now)
+    settled.request_finished("r")
+    assert settled.figures()["no_room_chunks"] == 1
 
 
 def test_reset_drops_cpu_chunks_and_preemption_forgets_validity(rigs: list[Rig]) -> None:

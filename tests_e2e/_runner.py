@@ -39,6 +39,8 @@ The result::
       "error": null | "traceback text of an exception raised at engine start",
       "start_seconds": 3.2,
       "kv_cache_groups": [2048, ...],   # vLLM's tokens per block, per KV cache group
+      "kv_cache_state_bytes": [0, ...], # per group, the bytes of one recurrent state
+                                        #   (a MambaSpec's content; 0 for attention)
       "torch_threads": 2, "cpu_affinity": [0, 1],  # what the engine computes with
       "passes": [{"tokens": [[...], ...], "cached": [288, ...], "finish": ["length", ...],
                   "seconds": 0.4, "prompt_seconds": [...], "ttft": [...] | null,
@@ -134,14 +136,24 @@ def _figures() -> dict[str, Any]:
     return out
 
 
-def _kv_cache_groups(llm: Any) -> list[int] | None:
-    """vLLM's tokens per block of each KV cache group (in-process engine only)."""
+def _kv_cache_facts(llm: Any) -> dict[str, list[int] | None]:
+    """Per KV cache group, vLLM's tokens per block and state bytes (in-process engine only)."""
     try:
         scheduler = llm.llm_engine.engine_core.engine_core.scheduler
-        groups = scheduler.kv_cache_config.kv_cache_groups
-        return [int(g.kv_cache_spec.block_size) for g in groups]
+        specs = [g.kv_cache_spec for g in scheduler.kv_cache_config.kv_cache_groups]
     except AttributeError:
-        return None
+        return {"kv_cache_groups": None, "kv_cache_state_bytes": None}
+    return {
+        "kv_cache_groups": [int(spec.block_size) for spec in specs],
+        "kv_cache_state_bytes": [_state_bytes(spec) for spec in specs],
+    }
+
+
+def _state_bytes(spec: Any) -> int:
+    """One recurrent state's bytes as vLLM keeps it (its dtypes differ between CPUs), or 0."""
+    from vllm.v1.kv_cache_interface import MambaSpec
+
+    return int(spec.state_content_size_bytes) if isinstance(spec, MambaSpec) else 0
 
 
 def _metrics(llm: Any) -> dict[str, float]:
@@ -314,7 +326,7 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
     result: dict[str, Any] = {
         "error": None,
         "start_seconds": time.perf_counter() - started,
-        "kv_cache_groups": _kv_cache_groups(llm),
+        **_kv_cache_facts(llm),
         # What the engine (in this process) computes with: its torch threads, its cores.
         "torch_threads": torch.get_num_threads(),
         "cpu_affinity": sorted(os.sched_getaffinity(0)),

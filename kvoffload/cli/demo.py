@@ -64,6 +64,8 @@ def serve(args: argparse.Namespace, disk_path: str) -> dict[str, Any]:
     """Serve the trace; return the report (see :func:`render`)."""
     if args.requests is not None and args.requests <= 0:
         raise ConfigError(f"--requests must be positive, got {args.requests}")
+    if args.gpu_blocks <= 0:
+        raise ConfigError(f"--gpu-blocks must be positive, got {args.gpu_blocks}")
     layout = layout_from_hf_config(_bundled("tiny_gemma4.json"), "bfloat16", 16)
     extra = {
         "cpu_bytes_to_use": args.cpu_bytes,

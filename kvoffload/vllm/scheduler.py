@@ -81,7 +81,8 @@ class OffloadScheduler:
             ("lookups", "deferred_lookups", "hit_requests", "hit_tokens", "loaded_tokens",
              "failed_load_tokens", "loads", "failed_loads", "unloadable_chunks", "stores",
              "stored_chunks", "failed_store_chunks", "skipped_store_chunks", "cpu_hit_chunks",
-             "lower_hit_chunks", "unretained_chunks", "dropped_chunks", "resets"),
+             "lower_hit_chunks", "unretained_chunks", "dropped_chunks", "no_room_chunks",
+             "resets"),
             0)  # fmt: skip
         #: hit_tokens / loaded_tokens -> tier -> tokens (see ``tier_shares``).
         self._by_tier: dict[str, dict[str, int]] = {"hit_tokens": {}, "loaded_tokens": {}}
@@ -333,6 +334,9 @@ class OffloadScheduler:
         req = self._requests.get(req_id)
         if req is not None:
             req.finished = True
+            # Chunks still waiting for a CPU slot (stores in flight held them all) are never
+            # stored now: vLLM frees the blocks. Counted, so an undersized tier shows.
+            self._figures["no_room_chunks"] += sum(len(chunks) for chunks in req.retry)
             self.trails.finish(req, req_id)  # its trailing point is its output's end
             self._release(req_id, None)
 
