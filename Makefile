@@ -80,7 +80,8 @@ bench-vllm: vllm-setup
 	$(VLLM_PY) benchmarks/vllm_ttft.py
 
 # Multi-turn chat over `vllm serve`, kvoffload against vLLM alone with the same small engine
-# cache and the same cores, and a float32 exactness check (49 min on 2 busy shared cores).
+# cache and the same cores, and a float32 exactness check (3 min on 2 cores with AMX, 49 on
+# 2 busy AVX2 ones).
 bench-serve: vllm-setup
 	$(VLLM_PY) benchmarks/serve_chat.py
 
