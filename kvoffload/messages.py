@@ -78,6 +78,12 @@ class BlockSpan:
             start, position = stop, 0
         return ranges
 
+    @staticmethod
+    def is_whole(chunk_range: tuple[int, int, int], blocks_per_chunk: int) -> bool:
+        """Whether one of :meth:`chunk_ranges`' entries fills its chunk from position 0."""
+        start, stop, position = chunk_range
+        return position == 0 and stop - start == blocks_per_chunk
+
     def covers_whole_chunks(self, blocks_per_chunk: int) -> bool:
         """Whether the span starts and ends on chunk boundaries (required to store)."""
         return self.first_offset == 0 and len(self.block_ids) % blocks_per_chunk == 0

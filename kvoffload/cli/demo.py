@@ -66,6 +66,10 @@ def serve(args: argparse.Namespace, disk_path: str) -> dict[str, Any]:
         raise ConfigError(f"--requests must be positive, got {args.requests}")
     if args.gpu_blocks <= 0:
         raise ConfigError(f"--gpu-blocks must be positive, got {args.gpu_blocks}")
+    if args.device not in ("cpu", "cuda"):
+        raise ConfigError(f"--device must be cpu or cuda, got {args.device!r}")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("--device cuda: torch sees no CUDA device here; use --device cpu")
     layout = layout_from_hf_config(_bundled("tiny_gemma4.json"), "bfloat16", 16)
     extra = {
         "cpu_bytes_to_use": args.cpu_bytes,
@@ -73,10 +77,6 @@ def serve(args: argparse.Namespace, disk_path: str) -> dict[str, Any]:
         "disk_path": disk_path,
         "disk_bytes_to_use": args.disk_bytes,
     }
-    if args.device not in ("cpu", "cuda"):
-        raise ConfigError(f"--device must be cpu or cuda, got {args.device!r}")
-    if args.device == "cuda" and not torch.cuda.is_available():
-        raise ConfigError("--device cuda: torch sees no CUDA device here; use --device cpu")
     config = build_offloading_config(extra, layout)
     trace = load_trace(args.trace or _bundled("demo_trace.jsonl"), limit=args.requests)
     namespace = namespace_of("kvoffload-demo", "bfloat16", layout)

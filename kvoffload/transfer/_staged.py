@@ -73,7 +73,7 @@ def staged_copy(  # noqa: PLR0917 - private helper, called positionally by KVTra
     for first in range(0, len(ranges), per_batch):
         stop = min(len(ranges), first + per_batch)
         staging = torch.empty((stop - first, size), dtype=torch.uint8, device=device)
-        partial = not all(_whole(r, bpc) for r in ranges[first:stop])
+        partial = not all(BlockSpan.is_whole(r, bpc) for r in ranges[first:stop])
         if not to_chunks or partial:
             # A gather into part of a chunk keeps the rest of its bytes (stores never do
             # that: they cover whole chunks), so those chunks are read in first.
@@ -104,17 +104,12 @@ def _runs(
     c = first
     while c < stop:
         end = c + 1
-        if _whole(ranges[c], bpc):
-            while end < stop and _whole(ranges[end], bpc):
+        if BlockSpan.is_whole(ranges[c], bpc):
+            while end < stop and BlockSpan.is_whole(ranges[end], bpc):
                 end += 1
         runs.append((c, end))
         c = end
     return runs
-
-
-def _whole(chunk_range: tuple[int, int, int], bpc: int) -> bool:
-    start, stop, pos = chunk_range
-    return pos == 0 and stop - start == bpc
 
 
 def _device_index(run: npt.NDArray[np.int64], device: torch.device) -> torch.Tensor | None:

@@ -255,8 +255,7 @@ def _mergeable(
     """
 
     def whole(i: int) -> bool:
-        start, stop, pos = ranges[i]
-        return pos == 0 and stop - start == bpc
+        return BlockSpan.is_whole(ranges[i], bpc)
 
     single = (1, size)
     if c + 1 >= len(ranges) or not whole(c):
