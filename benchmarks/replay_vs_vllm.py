@@ -26,6 +26,7 @@ indexes alone instead (kvoffload's ``OffloadManager`` against vLLM's
 from __future__ import annotations
 
 import argparse
+import functools
 import gc
 import json
 import sys
@@ -52,9 +53,11 @@ DEFAULT_TRACE = "/work/shared/traces/mooncake_conversation_trace.jsonl"
 DEFAULT_PAIRS = "adaptive:lru,lru:lru"
 
 
-def kvoffload_row(trace: Trace, capacity: int, policy: str, settings: EngineSettings) -> EngineRow:
-    """One replay through kvoffload's connector."""
-    return replay_engine(trace, capacity, policy, settings=settings)
+def kvoffload_row(
+    trace: Trace, capacity: int, policy: str, settings: EngineSettings, key_source: str = "auto"
+) -> EngineRow:
+    """One replay through kvoffload's connector (``key_source``: the connector's key)."""
+    return replay_engine(trace, capacity, policy, settings=settings, key_source=key_source)
 
 
 def vllm_row(trace: Trace, capacity: int, policy: str, settings: EngineSettings) -> EngineRow:
@@ -93,14 +96,17 @@ def compare(
     pairs: Sequence[tuple[str, str]],
     settings: EngineSettings,
     repeat: int,
+    *,
+    key_source: str = "auto",
 ) -> list[dict[str, Any]]:
     """Rows of ``pairs`` per capacity; each distinct run is made ``repeat`` times, alternating."""
+    ours_row = functools.partial(kvoffload_row, key_source=key_source)
     rows = []
     for capacity in capacities:
         runs: dict[tuple[str, str], list[EngineRow]] = {}
         for attempt in range(repeat):
             for ours, theirs in pairs:
-                for key, run in (("kvoffload", ours), kvoffload_row), (("vllm", theirs), vllm_row):
+                for key, run in (("kvoffload", ours), ours_row), (("vllm", theirs), vllm_row):
                     if len(runs.setdefault(key, [])) <= attempt:
                         runs[key].append(timed(run, trace, capacity, key[1], settings))
                         print(f"done: {key[0]} {key[1]} at {capacity}", file=sys.stderr, flush=True)
@@ -154,6 +160,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--pairs", default=DEFAULT_PAIRS, help="kvoffload:vllm policy pairs")
     parser.add_argument("--limit", type=int, help="replay only the first N requests")
     parser.add_argument("--repeat", type=int, default=1, help="runs per figure, best kept")
+    parser.add_argument("--key-source", default="auto", choices=("auto", "tokens", "engine"),
+                        help="kvoffload's key_source (auto: the engine's block hashes, as "
+                             "with vLLM's default hash)")  # fmt: skip
     parser.add_argument("--json", action="store_true", help="print rows as JSON")
     parser.add_argument("--index-only", action="store_true", help="compare the indexes only")
     args = parser.parse_args(argv)
@@ -166,14 +175,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     settings = EngineSettings(gpu_blocks=args.gpu_blocks, step_tokens=args.step_tokens)
     pairs = [tuple(p.split(":", 1)) for p in args.pairs.split(",")]
     start = time.perf_counter()
-    rows = compare(trace, capacities, pairs, settings, repeat)  # type: ignore[arg-type]
+    rows = compare(trace, capacities, pairs, settings, repeat, key_source=args.key_source)  # type: ignore[arg-type]
     if args.json:
         print(json.dumps(rows, indent=1))
         return 0
     print(
         f"{trace.name}: {len(trace.requests):,} requests, GPU cache {settings.gpu_blocks} blocks "
         f"of {trace_layout().groups[0].tokens_per_block} tokens, {settings.step_tokens} tokens "
-        f"per step, best of {repeat}, {time.perf_counter() - start:.0f} s"
+        f"per step, best of {repeat}, key_source={args.key_source}, "
+        f"{time.perf_counter() - start:.0f} s"
     )
     print(markdown(rows))
     return 0

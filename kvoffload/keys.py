@@ -27,6 +27,17 @@ as vLLM's block hashes do. A request without extras hashes exactly as
 before, so chunks stored by earlier versions stay valid. Everything mixed in
 is content, never a per-process id, so keys stay equal across processes and
 machines: the disk and remote tiers are shared by restarts and by engines.
+
+**From the engine's block hashes** (:func:`extend_engine_keys`). vLLM hashes
+every request's tokens itself, for its prefix cache, before a connector sees
+the request. Hashing them again here was half of the connector's scheduler
+time, so a chunk's key can instead be chained over the engine's hash at the
+chunk's end (which names every token up to there), with the same seed and
+extras as above plus the engine's hash algorithm. Such keys are exactly as
+stable as the engine's hashes: equal across processes and machines that run
+the same vLLM with a reproducible hash (its default, sha256, is), different
+(never wrong) across vLLM versions that hash differently. Token keys and
+engine keys never coincide, so a tier holding both only misses.
 """
 
 from __future__ import annotations
@@ -35,6 +46,7 @@ import functools
 import hashlib
 import struct
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Protocol
 
 import numpy as np
@@ -46,9 +58,11 @@ from kvoffload.errors import ConfigError
 
 __all__ = [
     "KEY_BYTES",
+    "EngineHashes",
     "KeyExtras",
     "MMItem",
     "PromptEmbeds",
+    "extend_engine_keys",
     "extend_prefix_keys",
     "namespace_of",
     "prefix_keys",
@@ -58,6 +72,7 @@ __all__ = [
 
 _SEED_TAG = b"kvoffload/prefix-key/v1\x00"
 _NAMESPACE_TAG = b"kvoffload/namespace/v1\x00"
+_ENGINE_TAG = b"kvoffload/engine-keys/v1\x00"
 _INT64 = np.dtype("<i8")
 
 
@@ -186,6 +201,85 @@ def _chain(
         first = (first_chunk + i) * tokens_per_chunk
         hasher.update(tag(first, first + tokens_per_chunk))
         previous = hasher.digest()
+        keys.append(previous)
+    return keys
+
+
+@dataclass(frozen=True, slots=True)
+class EngineHashes:
+    """How the engine names prefixes: one hash per ``block_size`` tokens, by ``algorithm``.
+
+    vLLM's ``request.block_hashes``: hash ``i`` names tokens
+    ``[0, (i + 1) * block_size)`` and what they depend on (salt, adapter name,
+    multimodal items, embeddings). ``algorithm`` (vLLM's
+    ``prefix_caching_hash_algo``) goes into every key's seed, so hashes of two
+    algorithms never meet.
+    """
+
+    block_size: int
+    algorithm: str
+
+    def __post_init__(self) -> None:
+        checked_int("EngineHashes.block_size", self.block_size)
+        if not isinstance(self.algorithm, str) or not self.algorithm:
+            raise ConfigError(f"EngineHashes.algorithm must be a non-empty str: {self.algorithm!r}")
+
+    def check_span(self, tokens_per_chunk: int) -> None:
+        """Refuse a chunk span that does not end on the engine's hashes."""
+        if tokens_per_chunk % self.block_size:
+            raise ConfigError(
+                f"a chunk of {tokens_per_chunk} tokens does not end on the engine's block "
+                f"hashes (one per {self.block_size} tokens); use key_source='tokens'"
+            )
+
+
+@functools.lru_cache(maxsize=256)
+def _engine_seed(seed: bytes, algorithm: str) -> bytes:
+    return hashlib.blake2b(_ENGINE_TAG + seed + algorithm.encode(), digest_size=KEY_BYTES).digest()
+
+
+def extend_engine_keys(
+    keys: Sequence[bytes],
+    block_hashes: Sequence[bytes],
+    tokens_per_chunk: int,
+    group_idx: int = 0,
+    namespace: bytes = b"",
+    *,
+    engine: EngineHashes,
+    extras: KeyExtras | None = None,
+    stop: int,
+) -> list[bytes]:
+    """Keys of the full chunks in tokens ``[len(keys) * tokens_per_chunk, stop)``, from hashes.
+
+    The counterpart of :func:`extend_prefix_keys` for a request the engine
+    has hashed: chunk ``c``'s key is chained over ``block_hashes`` at its end
+    (the module docstring says when to use which). Chunks past the hashes
+    given get no key yet.
+    """
+    tokens_per_chunk = checked_int("tokens_per_chunk", tokens_per_chunk)
+    engine.check_span(tokens_per_chunk)
+    per_chunk = tokens_per_chunk // engine.block_size
+    done = len(keys)
+    count = min(stop // tokens_per_chunk, len(block_hashes) // per_chunk)
+    if done >= count:
+        return []
+    previous = (
+        keys[-1]
+        if done
+        else _engine_seed(
+            _chain_seed(group_idx, tokens_per_chunk, namespace, extras), engine.algorithm
+        )
+    )
+    ends = block_hashes[per_chunk * (done + 1) - 1 : per_chunk * count : per_chunk]
+    odd = next((h for h in ends if type(h) is not bytes), None)
+    if odd is not None:
+        raise ConfigError(f"block hashes must be bytes, got {type(odd).__name__}")
+    if extras is not None and extras.per_chunk:
+        return _chain(previous, ends, tokens_per_chunk, done, extras)
+    # The plain chain, written out: this loop is most of what a lookup costs.
+    blake2b, keys = hashlib.blake2b, []
+    for end in ends:
+        previous = blake2b(previous + end, digest_size=KEY_BYTES).digest()
         keys.append(previous)
     return keys
 

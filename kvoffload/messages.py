@@ -52,9 +52,10 @@ class BlockSpan:
     first_offset: int = 0
 
     def __post_init__(self) -> None:
-        ids = tuple(
-            checked_int("block id", b, minimum=0, error=TransferError) for b in self.block_ids
-        )
+        ids = self.block_ids
+        # Every order carries one per block: check plain ints at once, the rest one by one.
+        if type(ids) is not tuple or not all(type(b) is int and b >= 0 for b in ids):
+            ids = tuple(checked_int("block id", b, minimum=0, error=TransferError) for b in ids)
         if not ids:
             raise TransferError("a BlockSpan needs at least one block id")
         object.__setattr__(self, "block_ids", ids)

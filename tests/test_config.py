@@ -282,6 +282,7 @@ def test_a_key_left_out_takes_the_default_the_key_table_shows(hetero_layout: KVL
         "eviction_policy": DEFAULT_POLICY,
         "store_threshold": 1,
         "offload_prompt_only": False,
+        "key_source": "auto",
         "retention_interval": 16384,
         "remote_timeout_ms": 100,
         "remote_retry_ms": 10000,

@@ -182,7 +182,7 @@ def test_a_prompt_vllms_own_cache_serves_counts_as_a_use(
         requests += [(f"u{i}", tokens(9, 30 + i)), (f"s{i}", [*system, 7])]
     stats = engine.run(requests, in_flight=1)
     assert stats.gpu_hit_tokens == 3 * 8 and stats.loaded_tokens == 0
-    keys = set(prefix_keys_for_layout(system, [4], side.scheduler.namespace)[0])
+    keys = set(side.scheduler.keys_for(system, block_hashes=engine.request_hashes(system))[0])
     events = side.scheduler.take_events()
     # 3 + 3 * 2 chunks went into 6 slots: 3 were evicted. Had the GPU's hits not been
     # uses, the prompt (stored first, never loaded) would have been the oldest.
@@ -197,7 +197,7 @@ def test_a_request_is_evicted_tail_first(
     a, b = tokens(13, 40), tokens(5, 41)
     engine.run([("a", a), ("b", b)], in_flight=1)  # a stores 3 chunks, b one more...
     engine.run([("c", tokens(5, 42))], in_flight=1)  # ...and c's chunk evicts the oldest
-    keys = prefix_keys_for_layout(a, [4], side.scheduler.namespace)[0]
+    keys = side.scheduler.keys_for(a, block_hashes=engine.request_hashes(a))[0]
     assert side.scheduler.index.ready_mask(keys) == [True, True, False]
 
 

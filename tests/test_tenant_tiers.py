@@ -49,7 +49,7 @@ def test_a_salted_chunk_is_a_hit_for_its_own_salt_only(
         reader = Rig(llama_like(), disk, probes=True, **settings)
     sched = reader.scheduler
     for name, extras in OTHERS.items():
-        assert sched.lookup(f"other-{name}", ids, 0, extras) == 0, name
+        assert reader.lookup(f"other-{name}", ids, 0, extras) == 0, name
         sched.request_finished(f"other-{name}")
     served = reader.serve("alice-2", ids, extras=ALICE)
     assert served.offered == served.loaded == reader.top_hit(70) > 0

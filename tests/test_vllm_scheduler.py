@@ -116,6 +116,19 @@ class Rig:
                  s.verified_blocks, s.mismatched_blocks)  # fmt: skip
         return Served(*(a - b for a, b in zip(after, before, strict=True)))
 
+    def hashes(self, ids: list[int], extras: KeyExtras | None = None) -> list[bytes]:
+        """The stand-in engine's block hashes of ``ids`` (vLLM's ``request.block_hashes``)."""
+        return self.engine.request_hashes(ids, extras)
+
+    def lookup(
+        self, req_id: str, ids: list[int], local: int = 0, extras: KeyExtras | None = None
+    ) -> int | None:
+        """The scheduler's lookup, called as the connector calls it (block hashes included)."""
+        return self.scheduler.lookup(req_id, ids, local, extras, self.hashes(ids, extras))
+
+    def plan_store(self, req_id: str, ids: list[int], **step: Any) -> TransferOrder | None:
+        return self.scheduler.plan_store(req_id, ids, block_hashes=self.hashes(ids), **step)
+
     def table(self, n_tokens: int, computed: int) -> list[list[int]]:
         """Blocks for a request of ``n_tokens`` from the stand-in's allocator (nulls included)."""
         table: list[list[int]] = [[] for _ in self.layout.groups]
@@ -212,7 +225,7 @@ def test_an_idle_step_waits_for_its_load_and_reports_it(
     r = rig(rigs, layout)
     ids = tokens(70)
     r.serve("r1", ids)
-    offered = r.scheduler.lookup("r2", ids, 0)
+    offered = r.lookup("r2", ids, 0)
     assert offered
     r.scheduler.plan_load("r2", r.table(len(ids), offered), offered)
     transfer = r.worker.engine.transfer
@@ -244,15 +257,15 @@ def test_an_idle_step_waits_for_a_store_in_flight(
 
     monkeypatch.setattr(disk, "put", slow_put)
     ids = tokens(70)
-    r.scheduler.lookup("r1", ids, 0)
-    r.scheduler.plan_store("r1", ids, computed=0, scheduled=len(ids), block_ids=r.table(70, 0),
+    r.lookup("r1", ids, 0)
+    r.plan_store("r1", ids, computed=0, scheduled=len(ids), block_ids=r.table(70, 0),
                            num_prompt_tokens=len(ids))  # fmt: skip
     r.worker.submit(r.scheduler.take_orders(), JobKind.STORE)
-    assert r.scheduler.lookup("r2", ids, 0) is None  # its chunks are being stored
+    assert r.lookup("r2", ids, 0) is None  # its chunks are being stored
     r.worker.poll(idle=True)
     for report in r.worker.take_reports():
         r.scheduler.on_report(report)
-    assert r.scheduler.lookup("r2", ids, 0) == r.top_hit(70)
+    assert r.lookup("r2", ids, 0) == r.top_hit(70)
 
 
 def test_lookup_has_no_side_effects(layout: KVLayout, rigs: list[Rig]) -> None:
@@ -260,7 +273,7 @@ def test_lookup_has_no_side_effects(layout: KVLayout, rigs: list[Rig]) -> None:
     ids = tokens(70)
     r.serve("r1", ids)
     before = r.scheduler.index.stats()
-    answers = {r.scheduler.lookup("r2", ids, 0) for _ in range(3)}
+    answers = {r.lookup("r2", ids, 0) for _ in range(3)}
     assert answers == {r.top_hit(70)}
     assert r.scheduler.index.stats() == before
 
@@ -342,14 +355,14 @@ def test_a_lookup_waits_for_a_promotion_in_flight(rigs: list[Rig], tmp_path: Pat
     rig(rigs, llama_like(), tmp_path).serve("r1", ids)
     reader = rig(rigs, llama_like(), tmp_path, probes=True)
     sched = reader.scheduler
-    offered = sched.lookup("a", ids, 0)
+    offered = reader.lookup("a", ids)
     assert offered
     sched.plan_load("a", reader.table(70, offered), offered)  # promotions reserved, not reported
-    assert sched.lookup("b", ids, 0) is None  # ask again later: the chunks are on their way
+    assert reader.lookup("b", ids) is None  # ask again later: the chunks are on their way
     assert sched.figures()["deferred_lookups"] == 1
     reader.worker.submit(sched.take_orders(), JobKind.LOAD)
     reader.drain()
-    assert sched.lookup("b", ids, 0) == offered  # now CPU hits
+    assert reader.lookup("b", ids) == offered  # now CPU hits
 
 
 # -- lower tiers, restarts, failures ---------------------------------------------------------
@@ -405,7 +418,7 @@ def test_chunks_that_lost_their_slot_are_failed_at_once(rigs: list[Rig], tmp_pat
     rig(rigs, llama_like(), tmp_path).serve("r1", ids)
     reader = rig(rigs, llama_like(), tmp_path, probes=True)
     sched = reader.scheduler
-    offered_a, offered_b = sched.lookup("a", ids, 0), sched.lookup("b", ids, 0)
+    offered_a, offered_b = reader.lookup("a", ids), reader.lookup("b", ids)
     assert offered_a and offered_a == offered_b  # asked before either was planned
     assert offered_a is not None and offered_b is not None
     table_a, table_b = reader.table(70, offered_a), reader.table(70, offered_b)
@@ -480,17 +493,17 @@ def test_reset_drops_cpu_chunks_and_preemption_forgets_validity(rigs: list[Rig])
     sched = r.scheduler
     ids = tokens(40)
     r.serve("r1", ids)
-    assert sched.lookup("r2", ids, 0)
-    assert sched.reset() and sched.lookup("r2", ids, 0) == 0
+    assert r.lookup("r2", ids)
+    assert sched.reset() and r.lookup("r2", ids) == 0
     events = sched.take_events()
     assert {e.kind.value for e in events} == {"stored", "removed"}
     # A preempted request's blocks hold nothing known: nothing below is stored again
     # until it is recomputed.
     table = r.table(40, 0)
-    sched.plan_store("p", ids, computed=0, scheduled=16, block_ids=table, num_prompt_tokens=40)
+    r.plan_store("p", ids, computed=0, scheduled=16, block_ids=table, num_prompt_tokens=40)
     stored = len(sched.take_orders())
     sched.preempted("p")
-    sched.plan_store("p", ids, computed=16, scheduled=24, block_ids=table, num_prompt_tokens=40)
+    r.plan_store("p", ids, computed=16, scheduled=24, block_ids=table, num_prompt_tokens=40)
     [order] = sched.take_orders()
     assert stored == 1
     blocks = [b for span in order.spans for b in span.blocks.block_ids]

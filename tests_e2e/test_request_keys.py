@@ -18,7 +18,7 @@ import torch
 from _harness import needs_connector
 from _models import build_lora_adapter
 
-from kvoffload.keys import prefix_keys
+from kvoffload.keys import EngineHashes, extend_engine_keys, prefix_keys
 
 pytestmark = needs_connector
 
@@ -53,14 +53,28 @@ def image(identifier: str, offset: int, length: int) -> Any:
     )  # fmt: skip
 
 
-def changed(request: Any, plain: Any) -> tuple[list[bool], list[bool]]:
+@pytest.fixture(params=["tokens", "engine"])
+def source(request: pytest.FixtureRequest) -> str:
+    """The connector's ``key_source``: keys hashed from token ids, or chained over vLLM's hashes."""
+    return str(request.param)
+
+
+def keys_of(request: Any, extras: Any, source: str) -> list[bytes]:
+    if source == "tokens":
+        return prefix_keys(request.all_token_ids, BLOCK, extras=extras)
+    engine = EngineHashes(BLOCK, "sha256")
+    return extend_engine_keys([], request.block_hashes, BLOCK, engine=engine, extras=extras,
+                              stop=len(request.all_token_ids))  # fmt: skip
+
+
+def changed(request: Any, plain: Any, source: str) -> tuple[list[bool], list[bool]]:
     """Per block: whether vLLM's hash differs from the plain request's, and whether our key does."""
     from kvoffload.vllm._extras import ExtrasReader
 
     reader = ExtrasReader()
-    ours = prefix_keys(request.all_token_ids, BLOCK, extras=reader.read(request))
+    ours = keys_of(request, reader.read(request), source)
     theirs = request.block_hashes
-    plain_ours = prefix_keys(plain.all_token_ids, BLOCK, extras=reader.read(plain))
+    plain_ours = keys_of(plain, reader.read(plain), source)
     assert len(ours) == len(theirs) == len(plain.block_hashes) == 6
     return (
         [a != b for a, b in zip(theirs, plain.block_hashes, strict=True)],
@@ -82,28 +96,32 @@ CASES = {
 
 
 @pytest.mark.parametrize("case", list(CASES))
-def test_keys_change_where_vllms_block_hashes_change(case: str, tmp_path: Path) -> None:
+def test_keys_change_where_vllms_block_hashes_change(
+    case: str, source: str, tmp_path: Path
+) -> None:
     plain = vllm_request()
-    theirs, ours = changed(vllm_request(**CASES[case](tmp_path)), plain)
+    theirs, ours = changed(vllm_request(**CASES[case](tmp_path)), plain, source)
     assert any(theirs)
     assert ours == theirs
 
 
-def test_a_lora_adapter_changes_every_chunk_as_in_vllm(llama: str, models: Path) -> None:
+def test_a_lora_adapter_changes_every_chunk_as_in_vllm(
+    llama: str, models: Path, source: str
+) -> None:
     from vllm.lora.request import LoRARequest
 
     path = build_lora_adapter(Path(llama), models / "lora_a", seed=1)
     lora = vllm_request(lora_request=LoRARequest("a", 1, str(path)))
-    theirs, ours = changed(lora, vllm_request())
+    theirs, ours = changed(lora, vllm_request(), source)
     assert ours == theirs == [True] * 6
 
 
-def test_embedded_rows_key_their_chunks_only_from_the_first_changed_row() -> None:
+def test_embedded_rows_key_their_chunks_only_from_the_first_changed_row(source: str) -> None:
     """vLLM hashes each block's embeddings; a changed row changes its block and later ones."""
     rows = embeds(100)
     other = rows.clone()
     other[70] += 1  # block 4 ([64, 80))
     a = vllm_request(prompt_token_ids=None, prompt_embeds=rows)
-    theirs, ours = changed(vllm_request(prompt_token_ids=None, prompt_embeds=other), a)
+    theirs, ours = changed(vllm_request(prompt_token_ids=None, prompt_embeds=other), a, source)
     assert theirs == [False, False, False, False, True, True]
     assert ours == theirs

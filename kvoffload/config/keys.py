@@ -39,6 +39,7 @@ class KeyType(Enum):
     SIZE = ("bytes", values.to_size)
     BOOL = ("bool", values.to_bool)
     POLICY = ("policy name", values.to_str)
+    KEY_SOURCE = ("auto, tokens or engine", values.to_key_source)
     PATH = ("path", values.to_path)
     URL = ("URL", values.to_remote_url)
     ENV = ("variable name", values.to_env_name)
@@ -158,6 +159,15 @@ KEYS: tuple[Key, ...] = (
         "2 and more filter out one-off prefixes).", bounds=_SIGHTINGS),
     Key("offload_prompt_only", KeyType.BOOL,
         "Offload only chunks that lie wholly inside the prompt, not generated tokens."),
+    Key("key_source", KeyType.KEY_SOURCE,
+        "What chunk keys are hashed from. `tokens`: the token ids (with salt, adapter and "
+        "multimodal inputs), the same in every process and every vLLM version. `engine`: "
+        "vLLM's own block hashes of the request, which it computes anyway, so the connector "
+        "hashes almost nothing; the same in every process only where vLLM's are (its "
+        "`prefix_caching_hash_algo` sha256 or sha256_cbor, or `PYTHONHASHSEED` set), and a "
+        "vLLM version that hashes differently misses what another stored. `auto`: `engine` "
+        "where vLLM's hashes are the same in every process or no disk or remote tier "
+        "outlives the process, `tokens` otherwise."),
     Key("tenant_cpu_share", KeyType.FRACTION,
         "Most of the CPU tier one tenant (one `cache_salt`; requests without one are a "
         "tenant too) may hold, as a fraction of its chunks: a tenant at its share evicts "

@@ -51,6 +51,8 @@ class OffloadConfig:
     store_threshold: int = 1
     #: Offload only chunks wholly inside the prompt.
     offload_prompt_only: bool = False
+    #: What chunk keys are hashed from: "auto", "tokens" or "engine" (vLLM's block hashes).
+    key_source: str = "auto"
     #: Most of the CPU tier's chunks one tenant (cache salt) may hold; None: no limit.
     tenant_cpu_share: float | None = None
     #: Tokens between the hit points kept besides each request's ends (0: none; 1: all).
@@ -147,6 +149,7 @@ class OffloadConfig:
             ("eviction_policy", self.eviction_policy),
             ("store_threshold", str(self.store_threshold)),
             ("offload_prompt_only", str(self.offload_prompt_only).lower()),
+            ("key_source", self.key_source),
             ("tenant_cpu_share", "off" if self.tenant_cpu_share is None
              else f"{self.tenant_cpu_share:g} of the CPU tier per tenant"),
             ("retention_interval", self._retention_text()),

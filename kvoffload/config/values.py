@@ -175,6 +175,17 @@ def to_str(key: str, value: object) -> str:
     raise _reject(key, value, "a non-empty string")
 
 
+#: Where chunk keys come from (see ``kvoffload.keys``): the connector's ``key_source``.
+KEY_SOURCES = ("auto", "tokens", "engine")
+
+
+def to_key_source(key: str, value: object) -> str:
+    """One of :data:`KEY_SOURCES`, in any case."""
+    if isinstance(value, str) and value.strip().lower() in KEY_SOURCES:
+        return value.strip().lower()
+    raise _reject(key, value, " or ".join(repr(name) for name in KEY_SOURCES))
+
+
 def to_path(key: str, value: object) -> str:
     if isinstance(value, os.PathLike):
         value = os.fspath(value)

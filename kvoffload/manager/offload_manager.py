@@ -137,6 +137,22 @@ class OffloadManager:
         ready = self._ready
         return [key in ready for key in keys]
 
+    def available_run(self, keys: Iterable[bytes]) -> tuple[int, bool]:
+        """How many leading ``keys`` are ready or being stored, and whether one is being stored.
+
+        A pure query like ``ready_mask``, which stops at the first key that is
+        neither: a planner of chains needs no more.
+        """
+        ready, storing = self._ready, self._storing
+        n, pending = 0, False
+        for key in keys:
+            if key not in ready:
+                if key not in storing:
+                    break
+                pending = True
+            n += 1
+        return n, pending
+
     def storing_mask(self, keys: Iterable[bytes]) -> list[bool]:
         """Whether each key's store or promotion is in flight; a pure query like ``ready_mask``."""
         storing = self._storing
@@ -232,11 +248,7 @@ class OffloadManager:
         ready, storing = self._ready, self._storing
         missing: list[bytes] = []
         found: set[bytes] = set()
-        seen: set[bytes] = set()
-        for key in keys:
-            if key in seen:
-                continue
-            seen.add(key)
+        for key in dict.fromkeys(keys):  # each key once, in order
             if key in ready:
                 found.add(key)
             elif key not in storing:
@@ -247,8 +259,7 @@ class OffloadManager:
         if tenants is not None and not tenants.fits(tenant, len(missing), found, self._pins):
             return None
         if self._filters_admission and not admit_all:
-            admit = self.policy.admit
-            admitted = [key for key in missing if admit(key)]
+            admitted = self.policy.admit_many(missing)
             self._counters["rejected"] += len(missing) - len(admitted)
         else:
             admitted = missing

@@ -36,7 +36,7 @@ A policy never raises on a key it does not know in ``touch``/``on_miss``;
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Sequence
 
 from kvoffload.errors import IntegrityError
 
@@ -81,6 +81,16 @@ class EvictionPolicy(ABC):
     def admit(self, key: bytes) -> bool:
         """Whether a missing ``key`` should be stored now. Default: always."""
         return True
+
+    def admit_many(self, keys: Sequence[bytes]) -> list[bytes]:
+        """The missing ``keys`` that ``admit`` lets in, asked in order.
+
+        One call per store: a policy whose admission is on the hot path
+        overrides it with a loop of its own (it must answer as ``admit``
+        asked key by key would).
+        """
+        admit = self.admit
+        return [key for key in keys if admit(key)]
 
     def refresh(self, key: bytes) -> None:
         """Rank a resident ``key`` as recent without counting a hit. Default: ``touch``."""

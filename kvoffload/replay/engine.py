@@ -143,14 +143,18 @@ def replay_engine(
     layout: KVLayout | None = None,
     settings: EngineSettings = EngineSettings(),
     progress: bool = False,
+    key_source: str = "auto",
 ) -> EngineRow:
-    """Replay ``trace`` through kvoffload's connector with ``capacity`` CPU chunks."""
+    """Replay ``trace`` through kvoffload's connector with ``capacity`` CPU chunks.
+
+    ``key_source`` is the connector's key of that name: by default, as in vLLM
+    with its default hash, keys come from the engine's block hashes.
+    """
     layout = trace_layout() if layout is None else layout
     slot = max(g.chunk_bytes(1) for g in layout.groups)
-    config = build_offloading_config(
-        {"cpu_bytes_to_use": capacity * slot, "blocks_per_chunk": 1, "eviction_policy": policy},
-        layout,
-    )
+    keys = {"cpu_bytes_to_use": capacity * slot, "blocks_per_chunk": 1,
+            "eviction_policy": policy, "key_source": key_source}  # fmt: skip
+    config = build_offloading_config(keys, layout)
     kv = allocate_kv_caches(layout, settings.gpu_blocks, torch.uint8)
     # No KV events, as vLLM runs by default (its own connector then keeps none either).
     namespace = namespace_of("kvoffload-replay", "uint8", layout)

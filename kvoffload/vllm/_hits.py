@@ -198,6 +198,8 @@ class HitFinder:
         first chunk missing in a full-prefix group bounds the search from above.
         """
         self.found_in = {}
+        if not self._sparse and not self.probes:
+            return self._find_prefix(keys, local_hit, top, step)
         search = _Search(self, keys, local_hit, top)
         spans = self.tokens_per_chunk
         if self.probes:
@@ -213,6 +215,28 @@ class HitFinder:
         if best <= local_hit:
             return Hit(local_hit, False, cap)
         return Hit(best, self._pending(search, best), cap)
+
+    def _find_prefix(
+        self, keys: Sequence[Sequence[bytes]], local_hit: int, top: int, step: int
+    ) -> Hit:
+        """:meth:`find` for full-attention groups over the CPU tier alone (a plain transformer,
+        no disk or remote tier): each group's run of available chunks from the engine's hit
+        on is the whole answer, so no chunk past the first missing one is looked at."""
+        spans, room = self.tokens_per_chunk, self.index.room()
+        cap, runs = top, []
+        for g in self._prefix:
+            first = local_hit // spans[g]
+            run, _ = self.index.available_run(keys[g][first : top // spans[g]])
+            runs.append((g, first))
+            cap = min(cap, (first + run) * spans[g] // step * step)
+        for hit in range(cap, local_hit, -step):
+            needs = [(g, first, -(-hit // spans[g])) for g, first in runs]
+            if sum(stop - first for _, first, stop in needs) <= room:
+                pending = any(
+                    self.index.available_run(keys[g][first:stop])[1] for g, first, stop in needs
+                )
+                return Hit(hit, pending, cap)
+        return Hit(local_hit, False, cap)
 
     def _needs(self, local: int, hit: int) -> list[range]:
         return [

@@ -7,7 +7,7 @@ from collections.abc import Collection, Container, Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
-from kvoffload.keys import KeyExtras, extend_prefix_keys
+from kvoffload.keys import EngineHashes, KeyExtras, extend_engine_keys, extend_prefix_keys
 from kvoffload.messages import JobReport, TransferOrder
 
 __all__ = ["JobState", "RequestState", "StepRequest", "add_range", "covered", "tier_shares"]
@@ -128,14 +128,24 @@ class RequestState:
         tokens: int,
         tokens_per_chunk: Sequence[int],
         namespace: bytes,
+        *,
+        engine: EngineHashes | None = None,
+        block_hashes: Sequence[bytes] = (),
     ) -> None:
-        """Make ``keys[g]`` name every full chunk of group ``g`` in the first ``tokens`` tokens."""
+        """Make ``keys[g]`` name every full chunk of group ``g`` in the first ``tokens`` tokens:
+        from ``token_ids``, or with ``engine`` from the engine's ``block_hashes`` (as far as
+        they go)."""
         for g, span in enumerate(tokens_per_chunk):
             keys, want = self.keys[g], tokens // span
-            if len(keys) < want:
+            if len(keys) >= want:
+                continue
+            if engine is None:
                 keys += extend_prefix_keys(
                     keys, token_ids, span, g, namespace, extras=self.extras, stop=want * span
                 )
+            else:
+                keys += extend_engine_keys(keys, block_hashes, span, g, namespace, engine=engine,
+                                           extras=self.extras, stop=want * span)  # fmt: skip
 
 
 class StepRequest(NamedTuple):
@@ -152,6 +162,9 @@ class StepRequest(NamedTuple):
     #: ``(group, block id, tokens)`` of recurrent states vLLM says the step writes besides
     #: the one at its end (see :meth:`~kvoffload.vllm.scheduler.OffloadScheduler.plan_store`).
     states: Collection[tuple[int, int, int]] = ()
+    #: The engine's block hashes of the request (vLLM's ``request.block_hashes``), if keys
+    #: are made from them.
+    block_hashes: Sequence[bytes] | None = None
 
 
 @dataclass(slots=True)

@@ -43,7 +43,7 @@ from kvoffload.vllm._hits import needed_chunks
 from kvoffload.vllm._request import RequestState, covered
 from kvoffload.vllm._spans import NULL_BLOCK
 
-__all__ = ["Choice", "Chosen", "Retention", "Selection", "Trails"]
+__all__ = ["Choice", "ChunkRun", "Chosen", "Retention", "Selection", "Trails"]
 
 
 class Choice(Enum):
@@ -68,14 +68,41 @@ class Chosen(NamedTuple):
     choice: Choice
 
 
+class ChunkRun(NamedTuple):
+    """Chunks ``[first, stop)`` of full-attention group ``group``, all kept, all valid.
+
+    The common step of a one-group layout (a plain transformer): its chunks
+    are not made one :class:`Chosen` each, since most never get a slot (the
+    admission filter turns them away); :meth:`at` makes the few that do.
+    """
+
+    group: int
+    first: int
+    stop: int
+    #: The group's engine block ids, and engine blocks per chunk.
+    blocks: Sequence[int]
+    blocks_per_chunk: int
+
+    def at(self, i: int) -> Chosen:
+        c, bpc = self.first + i, self.blocks_per_chunk
+        return Chosen(self.group, c, tuple(self.blocks[c * bpc : (c + 1) * bpc]), Choice.KEEP)
+
+
 class Selection(NamedTuple):
-    """What one step of one request may store, and how many chunks it passed over."""
+    """What one step of one request may store, and how many chunks it passed over.
+
+    Either ``chosen`` or, for a one-group layout's plain step, ``run``.
+    """
 
     chosen: list[Chosen]
     #: Chunks whose KV is not there (a null block, blocks no one wrote).
     invalid: int
     #: Window chunks and states no hit point of the request wants.
     unretained: int
+    run: ChunkRun | None = None
+
+    def __bool__(self) -> bool:
+        return bool(self.chosen) or (self.run is not None and self.run.stop > self.run.first)
 
 
 class Retention:
@@ -106,16 +133,34 @@ class Retention:
         """
         chosen: list[Chosen] = []
         invalid = unretained = 0
-        end = bounds[1]
+        end, bpc = bounds[1], self.bpc
         for g, (group, span) in enumerate(zip(self.layout.groups, self.spans, strict=True)):
             if group.reuse is Reuse.STATE:
                 continue
-            blocks, stop = block_ids[g], end // span
-            retry, req.retry[g] = sorted(req.retry[g]), set()
-            for c in [*retry, *range(req.next_chunk[g], stop)]:
-                ids = tuple(blocks[c * self.bpc : (c + 1) * self.bpc])
-                if (len(ids) < self.bpc or NULL_BLOCK in ids
-                        or not covered(req.valid[g], c * span, (c + 1) * span)):  # fmt: skip
+            blocks, stop, valid = block_ids[g], end // span, req.valid[g]
+            new = range(req.next_chunk[g], stop)
+            if (
+                group.reuse is Reuse.PREFIX
+                and not req.retry[g]
+                and self._all_valid(blocks, valid, new, span)
+            ):  # the common case, checked at once: every new chunk is stored
+                req.next_chunk[g] = max(req.next_chunk[g], stop)
+                if len(self.spans) == 1:
+                    return Selection([], 0, 0, ChunkRun(g, new.start, new.stop, blocks, bpc))
+                chosen += [
+                    Chosen(g, c, tuple(blocks[c * bpc : (c + 1) * bpc]), Choice.KEEP) for c in new
+                ]
+                continue
+            todo: Iterable[int] = new
+            if req.retry[g]:
+                todo, req.retry[g] = [*sorted(req.retry[g]), *todo], set()
+            inside = (0, 0)  # the valid range the last chunk lay in: most chunks share one
+            for c in todo:
+                ids = tuple(blocks[c * bpc : (c + 1) * bpc])
+                lo, hi = c * span, (c + 1) * span
+                if not (inside[0] <= lo and hi <= inside[1]):
+                    inside = next((r for r in valid if r[0] <= lo and hi <= r[1]), (0, 0))
+                if len(ids) < bpc or NULL_BLOCK in ids or inside == (0, 0):
                     invalid += 1
                     continue
                 choice = (
@@ -138,6 +183,19 @@ class Retention:
             else:
                 chosen.append(state)
         return Selection(chosen, invalid, unretained)
+
+    def _all_valid(
+        self, blocks: Sequence[int], valid: list[tuple[int, int]], chunks: range, span: int
+    ) -> bool:
+        """Whether every chunk in ``chunks`` has all its blocks and valid KV."""
+        if not chunks:
+            return True
+        run = blocks[chunks.start * self.bpc : chunks.stop * self.bpc]
+        return (
+            len(run) == len(chunks) * self.bpc
+            and NULL_BLOCK not in run
+            and covered(valid, chunks.start * span, chunks.stop * span)
+        )
 
     def _states(
         self,
@@ -233,6 +291,9 @@ class Retention:
         served to, or at its prompt's end, needs. Window chunks and states kept
         for other hit points were not used: they age and go first.
         """
+        if len(req.keys) == 1 and self.layout.groups[0].reuse is Reuse.PREFIX:
+            keys = req.keys[0]  # one full-attention group: its chain is its keys
+            return list(keys), min(len(keys), req.local_hit // self.spans[0])
         top = min(len(keys) * span for keys, span in zip(req.keys, self.spans, strict=True))
         points = {max(req.offered, req.local_hit), top}
         wanted = [
@@ -252,6 +313,8 @@ class Retention:
         ranking the chain ahead of them recent must not refresh what the
         request keeps for its other hit points.
         """
+        if len(req.keys) == 1 and self.layout.groups[0].reuse is Reuse.PREFIX:
+            return list(req.keys[0])
         mine = set(keys)
         wanted = [
             None
@@ -277,6 +340,8 @@ class Trails:
 
     def keep(self, keys: Iterable[bytes]) -> None:
         """``keys`` are wanted for good."""
+        if not self._holders and not self._doomed:
+            return  # nothing trailed (a layout of full-attention groups only never trails)
         for key in keys:
             self._holders.pop(key, None)
             self._doomed.discard(key)

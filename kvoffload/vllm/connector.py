@@ -43,11 +43,12 @@ from kvoffload.config import OffloadConfig, build_offloading_config
 from kvoffload.config.layout import KVLayout
 from kvoffload.engine import JobKind, OffloadEngine
 from kvoffload.errors import ConfigError, ProtocolError
-from kvoffload.keys import namespace_of
+from kvoffload.keys import EngineHashes, namespace_of
 from kvoffload.messages import JobReport, TransferOrder, merge_reports
 from kvoffload.tiers.from_config import rank_probes
 from kvoffload.vllm._events import ChunkEvents
 from kvoffload.vllm._extras import ExtrasReader, Unkeyable, refuse_draft_kv
+from kvoffload.vllm._key_source import choose_engine_hashes, vllm_hashes_reproducible
 from kvoffload.vllm._layout import GroupMap, boundary_states, group_map
 from kvoffload.vllm._metrics import Deltas, scheduler_figures, worker_payload
 from kvoffload.vllm._prom import KVOffloadPromMetrics, KVOffloadStats
@@ -152,11 +153,18 @@ class KVOffloadConnector(KVConnectorBase_V1, SupportsHMA):
         self._events: ChunkEvents | None = None
         if role is KVConnectorRole.SCHEDULER:
             namespaces = [self.namespace(rank) for rank in range(self.world_size)]
+            algorithm = str(vllm_config.cache_config.prefix_caching_hash_algo)
+            hashed_every = int(kv_cache_config.hash_block_size or self.layout.tokens_per_block[0])
             self._scheduler = OffloadScheduler(
                 self.config,
                 namespaces[0],
                 rank_probes(self.config, namespaces),
                 world_size=self.world_size,
+                engine_hashes=choose_engine_hashes(
+                    self.config,
+                    EngineHashes(hashed_every, algorithm),
+                    reproducible=vllm_hashes_reproducible(algorithm),
+                ),
             )
             events = vllm_config.kv_events_config
             if events is not None and events.enable_kv_cache_events:
@@ -196,7 +204,8 @@ class KVOffloadConnector(KVConnectorBase_V1, SupportsHMA):
                 self._extras.refuse(str(exc))
                 return 0, False
             self._requests[req_id] = request
-        hit = scheduler.lookup(req_id, request.all_token_ids, num_computed_tokens, extras)
+        hit = scheduler.lookup(req_id, request.all_token_ids, num_computed_tokens, extras,
+                               request.block_hashes)  # fmt: skip
         return hit, bool(hit)
 
     def update_state_after_alloc(
@@ -227,6 +236,7 @@ class KVOffloadConnector(KVConnectorBase_V1, SupportsHMA):
                 self.groups.served_block_ids(manager.get_block_ids(req_id)),
                 request.num_prompt_tokens,
                 self.groups.served_states(handed.get(req_id, ())),
+                request.block_hashes,
             )
             for req_id, computed in steps
             if (request := self._requests.get(req_id)) is not None and manager is not None

@@ -10,6 +10,11 @@ chunks inside the window before it, a recurrent group only the state taken
 at it. **Stores** keep every full-attention chunk, and window chunks and
 states only for the request's hit points (:mod:`kvoffload.vllm._retention`).
 
+**Keys.** Each request's chunk keys are made once, as its tokens become
+known: from its token ids, or, given the engine's ``engine_hashes``, from
+vLLM's own block hashes of the request (:func:`~kvoffload.keys.extend_engine_keys`;
+the connector chooses by the ``key_source`` key).
+
 **What may be stored.** A chunk whose tokens are computed and whose blocks
 all hold real KV (computed, served by vLLM's prefix cache, or loaded by us).
 A sliding-window load skips blocks and vLLM nulls (block id 0) those it
@@ -27,11 +32,12 @@ completed here whenever their reports arrive.
 
 from __future__ import annotations
 
-from collections.abc import Collection, Iterable, Sequence
+from collections.abc import Callable, Collection, Iterable, Sequence
 
 from kvoffload.config import OffloadConfig
 from kvoffload.config.layout import Reuse
-from kvoffload.keys import KeyExtras
+from kvoffload.errors import ProtocolError
+from kvoffload.keys import EngineHashes, KeyExtras
 from kvoffload.manager.offload_manager import OffloadManager
 from kvoffload.manager.results import IndexEvent
 from kvoffload.manager.usage import record_stores, record_use
@@ -39,7 +45,7 @@ from kvoffload.messages import JobKind, JobReport, TransferOrder, merge_reports
 from kvoffload.tiers.base import TierProbe
 from kvoffload.vllm._hits import HitFinder
 from kvoffload.vllm._request import JobState, RequestState, StepRequest, tier_shares
-from kvoffload.vllm._retention import Choice, Chosen, Retention, Trails
+from kvoffload.vllm._retention import Choice, Chosen, Retention, Selection, Trails
 from kvoffload.vllm._spans import StorePiece, load_pieces, load_spans, stateless, store_spans
 
 __all__ = ["OffloadScheduler", "StepRequest", "TierProbe"]
@@ -49,7 +55,9 @@ class OffloadScheduler:
     """Plans loads and stores of one engine's requests over the offload index.
 
     ``probes`` are the lower tiers as the scheduler side sees them (see
-    :class:`TierProbe`); ``world_size`` ranks report every order.
+    :class:`TierProbe`); ``world_size`` ranks report every order. With
+    ``engine_hashes``, keys are made from the block hashes every lookup and
+    step hands in; without, from the token ids.
     """
 
     def __init__(
@@ -59,7 +67,12 @@ class OffloadScheduler:
         probes: Sequence[TierProbe] = (),
         *,
         world_size: int = 1,
+        engine_hashes: EngineHashes | None = None,
     ) -> None:
+        if engine_hashes is not None:
+            for span in config.tokens_per_chunk:
+                engine_hashes.check_span(span)
+        self.engine_hashes = engine_hashes
         self.config = config
         self.namespace = namespace
         self.index = OffloadManager.from_config(config)
@@ -72,6 +85,8 @@ class OffloadScheduler:
         self.alignment = config.hit_alignment
         self.hits = HitFinder(self.layout, self.tokens_per_chunk, self.index, self.probes)
         self.retention = Retention(config)
+        #: Whether some group keeps only some chunks (windows, states): those may trail.
+        self._windowed = any(g.reuse is not Reuse.PREFIX for g in self.layout.groups)
         self.trails = Trails(self.index)
         self._requests: dict[str, RequestState] = {}
         self._jobs: dict[int, JobState] = {}
@@ -94,12 +109,15 @@ class OffloadScheduler:
         token_ids: Sequence[int],
         local_hit: int,
         extras: KeyExtras | None = None,
+        block_hashes: Sequence[bytes] | None = None,
     ) -> int | None:
         """Tokens beyond ``local_hit`` the tiers can serve: 0, ``H - local_hit``, or ``None``.
 
         ``extras`` is what the request's KV depends on besides ``token_ids``
         (salt, LoRA adapter, multimodal inputs, embeddings): it goes into
         every key of the request, here and when its chunks are stored.
+        ``block_hashes``: the engine's hashes of the request's blocks (vLLM's
+        ``request.block_hashes``), needed with ``engine_hashes``.
 
         ``None`` (vLLM: ask again at a later step) when the best hit needs a
         chunk another job is storing or promoting right now: waiting a step
@@ -109,10 +127,11 @@ class OffloadScheduler:
         """
         self._figures["lookups"] += 1
         req = self._request(req_id, extras)
-        top = (len(token_ids) - 1) // self.alignment * self.alignment  # one token is computed
+        top = self._keyable(len(token_ids) - 1, block_hashes)  # one token is computed
+        top = top // self.alignment * self.alignment
         req.local_hit, req.offered, req.use_recorded = local_hit, 0, False
         # Keys even when vLLM's own cache serves everything: plan_load records their use.
-        req.extend_keys(token_ids, top, self.tokens_per_chunk, self.namespace)
+        self._extend_keys(req, token_ids, block_hashes, top)
         if top <= local_hit:
             return 0
         hit = self.hits.find(req.keys, local_hit, top, self.alignment)
@@ -208,7 +227,7 @@ class OffloadScheduler:
         for s in scheduled:
             self.plan_store(s.req_id, s.token_ids, computed=s.computed, scheduled=s.scheduled,
                             block_ids=s.block_ids, num_prompt_tokens=s.num_prompt_tokens,
-                            states=s.states)  # fmt: skip
+                            states=s.states, block_hashes=s.block_hashes)  # fmt: skip
         return self.take_orders()
 
     def plan_store(
@@ -221,6 +240,7 @@ class OffloadScheduler:
         block_ids: Sequence[Sequence[int]],
         num_prompt_tokens: int,
         states: Collection[tuple[int, int, int]] = (),
+        block_hashes: Sequence[bytes] | None = None,
     ) -> TransferOrder | None:
         """Queue a store of the chunks this step completes (tokens ``computed + scheduled``).
 
@@ -230,21 +250,25 @@ class OffloadScheduler:
         reports its forward pass writes besides the one at the step's end
         (vLLM's ``boundary_state_offloads``); the states after ``computed``
         and after ``computed + scheduled`` tokens are found without it.
+        ``block_hashes`` as in :meth:`lookup`.
         """
         req = self._request(req_id)
         end = min(computed + scheduled, len(token_ids))
         req.mark_valid(computed, end)
         if self.config.offload_prompt_only:
             end = min(end, num_prompt_tokens)
+        end = self._keyable(end, block_hashes)
         req.prompt_tokens = num_prompt_tokens
-        req.extend_keys(token_ids, end, self.tokens_per_chunk, self.namespace)
+        self._extend_keys(req, token_ids, block_hashes, end)
         moved = self.retention.advance(req, end)
         selection = self.retention.select(req, block_ids, (computed, end), states)
         self._figures["skipped_store_chunks"] += selection.invalid + selection.unretained
         self._figures["unretained_chunks"] += selection.unretained
-        chosen = selection.chosen
-        self.trails.keep(req.keys[c.group][c.chunk] for c in chosen if c.choice is Choice.KEEP)
-        order = self._store(req, req_id, chosen) if chosen else None
+        if self._windowed:  # only window chunks and states are ever trailed
+            self.trails.keep(
+                req.keys[c.group][c.chunk] for c in selection.chosen if c.choice is Choice.KEEP
+            )
+        order = self._store(req, req_id, selection) if selection else None
         if moved:
             still = self.retention.point_chunks(req, req.trail)
             self._figures["dropped_chunks"] += self.trails.release(req, req_id, still)
@@ -252,28 +276,27 @@ class OffloadScheduler:
                 self.trails.finish(req, req_id)  # the trailing point is a lasting one
         return order
 
-    def _store(self, req: RequestState, req_id: str, chosen: list[Chosen]) -> TransferOrder | None:
-        """Reserve CPU slots for ``chosen`` (as many as fit) and queue their store order."""
-        # Chunk ends in token order: if the CPU tier has room for only some of them,
-        # the ones kept form a prefix in every group, which is what later hits need.
-        spans = self.tokens_per_chunk
-        chosen.sort(key=lambda c: ((c.chunk + 1) * spans[c.group], c.group))
-        keys = [req.keys[c.group][c.chunk] for c in chosen]
+    def _store(self, req: RequestState, req_id: str, selection: Selection) -> TransferOrder | None:
+        """Reserve CPU slots for the selected chunks (as many as fit) and queue their store."""
+        keys, chosen = self._candidates(req, selection)
         reserved, n = None, min(len(keys), self.index.room())
         while n > 0 and (reserved := self.index.prepare_store(keys[:n], tenant=req.tenant)) is None:
             n //= 2
-        for c in chosen[n if reserved is not None else 0 :]:
+        for i in range(n if reserved is not None else 0, len(keys)):
+            c = chosen(i)
             if self.layout.groups[c.group].reuse is not Reuse.STATE:
                 req.retry[c.group].add(c.chunk)  # no room now (stores in flight): next step
-        new = set(reserved.keys) if reserved is not None else set()
-        trailing = [k for k, c in zip(keys, chosen, strict=True) if c.choice is Choice.TRAIL]
-        self.trails.hold(req, req_id, trailing, new)
+        if self._windowed:
+            new = set(reserved.keys) if reserved is not None else set()
+            trailing = [k for i, k in enumerate(keys) if chosen(i).choice is Choice.TRAIL]
+            self.trails.hold(req, req_id, trailing, new)
         if reserved is None or not reserved.keys:
             return None
-        where = dict(zip(keys, chosen, strict=True))
+        position = {key: i for i, key in enumerate(keys)}
         pieces = [
-            StorePiece(where[key].group, where[key].chunk, key, slot, where[key].blocks)
+            StorePiece(c.group, c.chunk, key, slot, c.blocks)
             for key, slot in zip(reserved.keys, reserved.slots, strict=True)
+            for c in (chosen(position[key]),)
         ]
         order = TransferOrder(self._new_job_id(), req_id, JobKind.STORE, store_spans(pieces))
         self._queue(req, JobState(order))
@@ -354,6 +377,18 @@ class OffloadScheduler:
         self._figures["resets"] += 1
         return True
 
+    def keys_for(
+        self,
+        token_ids: Sequence[int],
+        extras: KeyExtras | None = None,
+        block_hashes: Sequence[bytes] | None = None,
+    ) -> list[list[bytes]]:
+        """Per group, the keys this scheduler gives the full chunks of a request (as
+        :meth:`lookup` and :meth:`plan_step` make them), without tracking it."""
+        req = RequestState.empty(len(self.tokens_per_chunk), extras)
+        self._extend_keys(req, token_ids, block_hashes, self._keyable(len(token_ids), block_hashes))
+        return req.keys
+
     def take_events(self) -> list[IndexEvent]:
         return self.index.take_events()
 
@@ -378,6 +413,47 @@ class OffloadScheduler:
             req = RequestState.empty(len(self.tokens_per_chunk), extras)
             self._requests[req_id] = req
         return req
+
+    def _candidates(
+        self, req: RequestState, selection: Selection
+    ) -> tuple[list[bytes], Callable[[int], Chosen]]:
+        """The selected chunks' keys in chain order, and the chunk behind each key's index.
+
+        Chain order is by chunk end in tokens: if the CPU tier has room for
+        only some of them, the ones kept form a prefix in every group, which
+        is what later hits need.
+        """
+        run = selection.run
+        if run is not None:
+            return req.keys[run.group][run.first : run.stop], run.at
+        chosen, spans = selection.chosen, self.tokens_per_chunk
+        if len(spans) > 1:  # one group's chunks come in order
+            chosen.sort(key=lambda c: ((c.chunk + 1) * spans[c.group], c.group))
+        return [req.keys[c.group][c.chunk] for c in chosen], chosen.__getitem__
+
+    def _keyable(self, tokens: int, block_hashes: Sequence[bytes] | None) -> int:
+        """How many of the first ``tokens`` tokens can be keyed: with engine keys, those the
+        engine has hashed."""
+        engine = self.engine_hashes
+        if engine is None or block_hashes is None:
+            return tokens
+        return min(tokens, len(block_hashes) * engine.block_size)
+
+    def _extend_keys(
+        self,
+        req: RequestState,
+        token_ids: Sequence[int],
+        block_hashes: Sequence[bytes] | None,
+        tokens: int,
+    ) -> None:
+        engine = self.engine_hashes
+        if engine is not None and block_hashes is None:
+            raise ProtocolError(
+                "this scheduler makes keys from the engine's block hashes: pass each "
+                "request's block_hashes to lookup and plan_step"
+            )
+        req.extend_keys(token_ids, tokens, self.tokens_per_chunk, self.namespace,
+                        engine=engine, block_hashes=block_hashes or ())  # fmt: skip
 
     def _count_tiers(self, name: str, tokens: dict[str, int]) -> None:
         counts = self._by_tier[name]

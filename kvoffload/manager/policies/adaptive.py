@@ -28,7 +28,7 @@ shadows hold at most ``6 * capacity / 8`` keys and the sighting ghost
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Collection
+from collections.abc import Collection, Sequence
 from zlib import crc32
 
 from kvoffload.errors import IntegrityError
@@ -108,9 +108,11 @@ class AdaptivePolicy(LRUPolicy):
 
     # -- the shadows -----------------------------------------------------------
     def _observe(self, key: bytes) -> None:
-        """Feed a sampled request of ``key`` to both shadows and re-decide the mode."""
-        if crc32(key) % SAMPLE:
-            return
+        """Feed a request of ``key``, if sampled, to both shadows and re-decide the mode."""
+        if not crc32(key) % SAMPLE:
+            self._observe_sampled(key)
+
+    def _observe_sampled(self, key: bytes) -> None:
         admit_all, filtered = self._admit_all, self._filtered
         admit_all.request(key)
         filtered.request(key)
@@ -123,15 +125,24 @@ class AdaptivePolicy(LRUPolicy):
 
     # -- EvictionPolicy ------------------------------------------------------------
     def admit(self, key: bytes) -> bool:
-        self._observe(key)
-        seen = self._seen
-        if key in seen:
-            del seen[key]
-            return True
-        if not self.filtering or len(self._order) < self.capacity:
-            return True
-        _remember(seen, key, GHOST * self.capacity)
-        return False
+        return bool(self.admit_many((key,)))
+
+    def admit_many(self, keys: Sequence[bytes]) -> list[bytes]:
+        seen, limit, admitted = self._seen, GHOST * self.capacity, []
+        has_room = len(self._order) < self.capacity  # admission adds no resident
+        for key in keys:
+            if not crc32(key) % SAMPLE:
+                self._observe_sampled(key)  # may switch the filter, for the next key too
+            if key in seen:
+                del seen[key]
+                admitted.append(key)
+            elif has_room or not self.filtering:
+                admitted.append(key)
+            else:  # remembered, as _remember does (inline: this loop sees every new chunk)
+                seen[key] = None
+                if len(seen) > limit:
+                    seen.popitem(last=False)
+        return admitted
 
     def touch(self, key: bytes) -> None:
         try:

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Iterable, Sequence
 
 from kvoffload.config.layout import KVLayout, Reuse
 from kvoffload.errors import ConfigError
-from kvoffload.keys import KeyExtras, prefix_keys_for_layout
+from kvoffload.keys import KeyExtras, prefix_keys, prefix_keys_for_layout
 from kvoffload.vllm._hits import needed_tokens
 from kvoffload.vllm.standin._kv import KVPages
 from kvoffload.vllm.standin._prefix_cache import NULL_BLOCK, PrefixCache
@@ -65,6 +66,8 @@ class StandIn:
             raise ConfigError(f"decode_tokens={decode_tokens}: a decode step computes 1 or more")
         self.layout, self.side, self.kv = layout, side, kv
         self.cache = PrefixCache(layout, gpu_blocks, caching=prefix_caching)
+        #: Tokens per ``SimRequest.block_hashes`` entry (vLLM's ``hash_block_size``).
+        self.hash_block_size = math.gcd(*layout.tokens_per_block)
         self.step_tokens, self.max_running = step_tokens, max_running
         self.decode_tokens = decode_tokens
         self.waiting: list[SimRequest] = []
@@ -98,8 +101,9 @@ class StandIn:
         # Only the GPU prefix cache and the KV pages read them: without both, none are made.
         needed = self.cache.caching or self.kv is not None
         hashes = self.block_hashes(tokens, extras) if needed else [[] for _ in range(groups)]
+        flat = self.request_hashes(tokens, extras, known=hashes)
         req = SimRequest(req_id, tokens, hashes, [[] for _ in range(groups)], extras,
-                         told=[0] * groups, num_prompt=num_prompt)  # fmt: skip
+                         told=[0] * groups, num_prompt=num_prompt, block_hashes=flat)  # fmt: skip
         self.side.add_request(req)
         self.waiting.append(req)
         return req
@@ -110,6 +114,22 @@ class StandIn:
         """Per group, the GPU prefix cache's hash of each full block (vLLM's, salts included)."""
         tpb = self.layout.tokens_per_block
         return prefix_keys_for_layout(tokens, tpb, _GPU_NAMESPACE, extras=extras)
+
+    def request_hashes(
+        self,
+        tokens: Sequence[int],
+        extras: KeyExtras | None = None,
+        *,
+        known: Sequence[Sequence[bytes]] = (),
+    ) -> list[bytes]:
+        """vLLM's ``request.block_hashes``: one per :attr:`hash_block_size` tokens, as a
+        connector reads them. They are the :meth:`block_hashes` of the first group of that
+        block size, if any (taken from ``known`` when given there)."""
+        size, sizes = self.hash_block_size, self.layout.tokens_per_block
+        g = sizes.index(size) if size in sizes else 0
+        if g < len(known) and sizes[g] == size and len(known[g]) == len(tokens) // size:
+            return list(known[g])
+        return prefix_keys(tokens, size, g, _GPU_NAMESPACE, extras=extras)
 
     def run(
         self,

@@ -9,6 +9,7 @@ calls around the forward pass on the worker side, over a real
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping, Sequence
 from typing import NamedTuple
 
@@ -16,14 +17,18 @@ import torch
 
 from kvoffload.config import OffloadConfig
 from kvoffload.engine import JobKind, OffloadEngine
+from kvoffload.keys import EngineHashes
 from kvoffload.messages import JobReport, TransferOrder
 from kvoffload.tiers.base import TierProbe
+from kvoffload.vllm._key_source import choose_engine_hashes
 from kvoffload.vllm.scheduler import OffloadScheduler, StepRequest
 from kvoffload.vllm.standin._types import SimRequest, StepPlan, Stopwatch, WorkerResult
 from kvoffload.vllm.worker import OffloadWorker
 
 __all__ = ["KVOffloadSide"]
 
+#: The "algorithm" of the stand-in's block hashes, as vLLM's ``prefix_caching_hash_algo``.
+STANDIN_HASHES = "kvoffload-standin-blake2b"
 #: Longest wait for the engine's jobs at the end of a settled step, in seconds.
 SETTLE_TIMEOUT_S = 60.0
 
@@ -41,7 +46,10 @@ class KVOffloadSide:
     ``settle``: every step waits for its jobs, so each one reports in the step
     that ran it and a run is repeatable (the replay and the tests); without
     it, jobs report whenever they finish, as in a live engine. ``record_events``:
-    whether the index keeps its events for ``scheduler.take_events``.
+    whether the index keeps its events for ``scheduler.take_events``. Keys
+    come from the stand-in's block hashes or the token ids as
+    ``config.key_source`` says, as in the connector (the stand-in's hashes
+    are the same in every process).
     """
 
     def __init__(
@@ -54,7 +62,13 @@ class KVOffloadSide:
         settle: bool = True,
         record_events: bool = True,
     ) -> None:
-        self.scheduler = OffloadScheduler(config, namespace, probes)
+        hashes = EngineHashes(math.gcd(*config.layout.tokens_per_block), STANDIN_HASHES)
+        self.scheduler = OffloadScheduler(
+            config,
+            namespace,
+            probes,
+            engine_hashes=choose_engine_hashes(config, hashes, reproducible=True),
+        )
         # Without them the index keeps no events, as the connector's when vLLM
         # publishes none (its default); nobody drains them here.
         self.scheduler.index.record_events = record_events
@@ -69,7 +83,9 @@ class KVOffloadSide:
 
     def get_num_new_matched_tokens(self, req: SimRequest, num_computed: int) -> int | None:
         with self.clock:
-            return self.scheduler.lookup(req.req_id, req.prompt, num_computed, req.extras)
+            return self.scheduler.lookup(
+                req.req_id, req.prompt, num_computed, req.extras, req.block_hashes
+            )
 
     def update_state_after_alloc(self, req: SimRequest, num_external: int) -> None:
         with self.clock:
@@ -77,7 +93,15 @@ class KVOffloadSide:
 
     def build_connector_meta(self, plan: StepPlan) -> object:
         scheduled = [
-            StepRequest(req.req_id, req.tokens, req.computed, n, req.blocks, req.num_prompt)
+            StepRequest(
+                req.req_id,
+                req.tokens,
+                req.computed,
+                n,
+                req.blocks,
+                req.num_prompt,
+                block_hashes=req.block_hashes,
+            )
             for req, n in plan.scheduled
         ]
         with self.clock:

@@ -48,6 +48,8 @@ class SimRequest:
     told: list[int] = field(default_factory=list)
     #: Tokens of its prompt (0: all of ``tokens``); the rest is the output it generates.
     num_prompt: int = 0
+    #: vLLM's ``request.block_hashes``: one per ``StandIn.hash_block_size`` tokens.
+    block_hashes: list[bytes] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.num_prompt = self.num_prompt or len(self.tokens)
