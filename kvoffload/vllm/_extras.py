@@ -9,7 +9,8 @@
   ``lora_int_id``: a counter per process (``vllm serve`` numbers adapters as
   they are loaded), so the same id names different adapters in two engines
   that share a remote tier. The weights themselves are what the KV depends
-  on, so two names for one adapter share chunks and nothing else does. The
+  on, so two names for one adapter share chunks (with token keys; vLLM's block
+  hashes hold the name) and nothing else does. The
   digest is taken once per adapter id and path in this process, at the
   adapter's first request, which is when vLLM's worker loads it too.
 * **Multimodal items**: each ``mm_feature``'s ``identifier`` (vLLM's hash of
