@@ -321,6 +321,14 @@ def test_the_engine_replay_is_repeatable_and_bounded() -> None:
     assert a.prompt_tokens == sum(trace.lengths)
     # What neither cache served was computed: never more hits than prompt tokens.
     assert a.gpu_hit_tokens + a.loaded_tokens < a.prompt_tokens
+    # Orders completed at once (no bytes moved, as vLLM's connector runs in the comparison
+    # with it) find the same hits as the settled run that moved them.
+    quick = replay_engine(trace, 5000, "adaptive", settings=settings, transfers=False)
+    assert (quick.loaded_tokens, quick.gpu_hit_tokens, quick.steps) == (
+        a.loaded_tokens,
+        a.gpu_hit_tokens,
+        a.steps,
+    )
 
 
 @pytest.mark.usefixtures("replay_cli")

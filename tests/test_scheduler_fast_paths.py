@@ -1,9 +1,10 @@
 """The scheduler side's fast paths answer exactly as the general code they stand in for.
 
-Three shortcuts keep the connector's per-step cost low on the common case: a
+Four shortcuts keep the connector's per-step cost low on the common case: a
 hit search for full-attention groups over the CPU tier alone (no lower tier
-to ask), an admission asked once per store instead of once per chunk, and a
-one-group step whose chunks are not made one by one. Each is checked here
+to ask), an admission asked once per store instead of once per chunk, a
+request's chunks ranked by the policy in one call, and a one-group step whose
+chunks are not made, stored and completed one by one. Each is checked here
 against the general path on the same, real, index state.
 """
 
@@ -15,12 +16,18 @@ from collections.abc import Sequence
 
 import pytest
 
+from kvoffload import build_offloading_config
 from kvoffload.config.layout import CacheGroup, KVLayout
+from kvoffload.keys import namespace_of
 from kvoffload.manager import OffloadManager
 from kvoffload.manager.policies.adaptive import GHOST, AdaptivePolicy
 from kvoffload.manager.policies.admission import AdmissionFilter
 from kvoffload.manager.policies.lru import LRUPolicy
+from kvoffload.manager.policy import EvictionPolicy
+from kvoffload.messages import JobReport, TransferOrder
 from kvoffload.vllm._hits import HitFinder
+from kvoffload.vllm._request import add_range
+from kvoffload.vllm.scheduler import OffloadScheduler, StepRequest
 
 
 class NoLowerTier:
@@ -75,7 +82,10 @@ def test_available_run_stops_at_the_first_missing_key() -> None:
 
 
 class KeyByKey(AdaptivePolicy):
-    """The adaptive policy's admission rule as it reads, asked one key at a time."""
+    """The adaptive policy's admission rule as it reads, asked (and ranked) one key at a time."""
+
+    touch_many = EvictionPolicy.touch_many
+    refresh_many = EvictionPolicy.refresh_many
 
     def admit_many(self, keys: Sequence[bytes]) -> list[bytes]:
         return [key for key in keys if self._admit_one(key)]
@@ -93,6 +103,13 @@ class KeyByKey(AdaptivePolicy):
         return False
 
 
+class KeyByKeyLRU(LRUPolicy):
+    """LRU ranking one key at a time."""
+
+    touch_many = EvictionPolicy.touch_many
+    refresh_many = EvictionPolicy.refresh_many
+
+
 @pytest.mark.parametrize("name", ["adaptive", "admission"])
 def test_admitting_a_store_at_once_answers_as_key_by_key(name: str) -> None:
     # Two indexes take the same stores, one asking admission per store, one per key;
@@ -105,7 +122,7 @@ def test_admitting_a_store_at_once_answers_as_key_by_key(name: str) -> None:
         keyed = OffloadManager(capacity, KeyByKey(capacity))
     else:  # the default admit_many, over the filter's own admit
         batched = OffloadManager(capacity, AdmissionFilter(LRUPolicy(capacity), sightings=2))
-        keyed = OffloadManager(capacity, AdmissionFilter(LRUPolicy(capacity), sightings=2))
+        keyed = OffloadManager(capacity, AdmissionFilter(KeyByKeyLRU(capacity), sightings=2))
     for _ in range(400):
         store = rng.sample(pool, rng.randint(1, 12))
         results = [index.prepare_store(store) for index in (batched, keyed)]
@@ -113,12 +130,108 @@ def test_admitting_a_store_at_once_answers_as_key_by_key(name: str) -> None:
         if results[0] is not None:
             for index in (batched, keyed):
                 index.complete_store(list(results[0].keys))
-        touched = rng.sample(pool, 5)
+        touched, refreshed = rng.sample(pool, 5), rng.sample(pool, 5)
         for index in (batched, keyed):
             index.touch(touched)
+            index.refresh(refreshed)
     assert batched.stats() == keyed.stats() and batched.stats()["rejected"] > 0
     assert list(batched._ready) == list(keyed._ready)
+    assert list(batched.policy.evict(capacity, lambda k: False)) == list(
+        keyed.policy.evict(capacity, lambda k: False)
+    )  # the same order, oldest first
     if name == "adaptive":
         a, b = batched.policy, keyed.policy
         assert isinstance(a, AdaptivePolicy) and isinstance(b, AdaptivePolicy)
         assert (list(a._seen), a.filtering) == (list(b._seen), b.filtering)
+
+
+def general_scheduler(sched: OffloadScheduler) -> OffloadScheduler:
+    """``sched`` with its one-group shortcuts off: chunks chosen, stored, completed one by one,
+    as a layout of several groups has them."""
+    sched.retention.plain = False
+    return sched
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_a_one_group_step_stores_and_completes_as_the_general_path(seed: int) -> None:
+    # Two schedulers serve the same requests (shared prefixes, a tier too small for them,
+    # stores reported late or failing in part); every order and the index's final state,
+    # its policy's order and admission ghosts included, must be the same.
+    rng = random.Random(seed)
+    layout = KVLayout((CacheGroup("full", 4, ("a0",), 64),))
+    chunk = layout.groups[0].chunk_bytes(2)
+    config = build_offloading_config(
+        {"blocks_per_chunk": 2, "cpu_bytes_to_use": 24 * chunk, "eviction_policy": "adaptive"},
+        layout,
+    )
+    namespace = namespace_of("fast-paths", "bfloat16", layout)
+    fast, general = (
+        OffloadScheduler(config, namespace),
+        general_scheduler(OffloadScheduler(config, namespace)),
+    )
+    prefixes = [[rng.randrange(1, 500) for _ in range(rng.choice((16, 40)))] for _ in range(4)]
+    late: list[tuple[TransferOrder, frozenset[bytes]]] = []
+
+    def both(call: str, *args: object, **kwargs: object) -> object:
+        answers = [getattr(s, call)(*args, **kwargs) for s in (fast, general)]
+        assert answers[0] == answers[1], call
+        return answers[0]
+
+    def report(orders: list[TransferOrder]) -> None:
+        for order in orders:  # some fail in part, some report a step late
+            failed = frozenset(k for k in order.keys if rng.random() < 0.1)
+            late.append((order, failed))
+        rng.shuffle(late)
+        for order, failed in [late.pop() for _ in range(rng.randint(0, len(late)))]:
+            both("on_report", JobReport(order.job_id, 1, failed, {}, {}))
+
+    for i in range(120):
+        req = f"r{i}"
+        ids = rng.choice(prefixes) + [rng.randrange(1, 500) for _ in range(rng.randint(0, 40))]
+        table = [list(range(1 + i * 50, 1 + i * 50 + -(-len(ids) // 4)))]
+        offered = both("lookup", req, ids, 0)
+        external = offered or 0
+        both("plan_load", req, table, external)
+        report(both("take_orders"))  # type: ignore[arg-type]
+        done = external
+        while done < len(ids):
+            n = min(len(ids) - done, rng.choice((4, 8, 13, 40)))
+            step = StepRequest(req, ids, done, n, table, len(ids))
+            report(both("plan_step", [step]))  # type: ignore[arg-type]
+            done += n
+        both("request_finished", req)
+    report([])
+    for order, failed in late:
+        both("on_report", JobReport(order.job_id, 1, failed, {}, {}))
+    assert fast.figures() == general.figures()
+    assert fast.figures()["stored_chunks"] > 24 and fast.figures()["loads"] > 0
+    a, b = fast.index, general.index
+    assert list(a._ready) == list(b._ready) and list(a._storing) == list(b._storing)
+    assert isinstance(a.policy, AdaptivePolicy) and isinstance(b.policy, AdaptivePolicy)
+    assert list(a.policy._order) == list(b.policy._order)
+    assert list(a.policy._seen) == list(b.policy._seen)
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_valid_ranges_merge_as_sets_of_tokens_would(seed: int) -> None:
+    # add_range extends the last range at once (a step after the previous one); any other
+    # range is merged in full. Either way the ranges are the runs of the tokens added.
+    rng = random.Random(seed)
+    ranges: list[tuple[int, int]] = []
+    tokens: set[int] = set()
+    end = 0
+    for _ in range(60):
+        # Mostly the next step (sometimes after a gap, sometimes overlapping), or anywhere.
+        start = max(0, end + rng.randint(-3, 2)) if rng.random() < 0.7 else rng.randrange(200)
+        stop = start + rng.randint(0, 12)
+        add_range(ranges, start, stop)
+        tokens.update(range(start, stop))
+        end = max(end, stop)
+        runs = [(t, t + 1) for t in sorted(tokens)]
+        merged: list[tuple[int, int]] = []
+        for lo, hi in runs:
+            if merged and merged[-1][1] >= lo:
+                merged[-1] = (merged[-1][0], hi)
+            else:
+                merged.append((lo, hi))
+        assert ranges == merged

@@ -7,6 +7,8 @@ the policies that count hits.
 
 from __future__ import annotations
 
+import pytest
+
 from kvoffload.manager import ARCPolicy, OffloadManager
 from kvoffload.manager.policies.adaptive import AdaptivePolicy
 from kvoffload.manager.usage import record_stores, record_use
@@ -41,6 +43,26 @@ def test_a_request_ends_head_newest_however_many_steps_its_stores_took() -> None
         assert reserved is not None
         record_stores(m, chain, list(reserved.keys))
     assert eviction_order(m) == [key(100), key(101), *chain[::-1]]
+
+
+def test_a_store_that_knows_its_place_in_the_chain_ranks_alike() -> None:
+    # The connector passes where the first stored chunk stands instead of searching the
+    # chain for it; the order must be the same, and a wrong place is refused, not used.
+    orders = []
+    for known in (False, True):
+        m = OffloadManager(8, "lru", record_events=False)
+        chain = [key(i) for i in range(6)]
+        stored(m, [key(100), *chain[:2]])
+        reserved = m.prepare_store(chain[2:5])
+        assert reserved is not None
+        record_stores(m, chain, list(reserved.keys), first=2 if known else None)
+        orders.append(eviction_order(m))
+    assert orders[0] == orders[1] == [key(100), *chain[4::-1]]
+    reserved = m.prepare_store(chain[5:])
+    assert reserved is not None
+    with pytest.raises(ValueError, match="not chunk 4 of the chain"):
+        record_stores(m, chain, list(reserved.keys), first=4)
+    assert m.stats()["storing"] == 1  # nothing completed
 
 
 def test_failed_stores_free_their_slots_and_change_no_order() -> None:

@@ -56,6 +56,10 @@ def _make_policy(policy: str | EvictionPolicy | None, capacity: int) -> Eviction
     return built
 
 
+#: What a store all of whose keys were turned away (or are there already) reserves.
+_NOTHING_STORED = StoreResult((), (), ())
+
+
 class OffloadManager:
     """Index of offloaded chunks with pins, all-or-nothing stores and events.
 
@@ -174,17 +178,11 @@ class OffloadManager:
         :mod:`kvoffload.manager.usage` gives; +6.7 points of LRU hit ratio on
         the Claude Code trace at 8,000 chunks).
         """
-        self._rank(keys, self.policy.touch)
+        self.policy.touch_many(keys)  # it tracks the ready keys, and ignores the others
 
     def refresh(self, keys: Iterable[bytes]) -> None:
         """Rank ``keys`` recent like ``touch``, but as no hit of this tier (see ``usage``)."""
-        self._rank(keys, self.policy.refresh)
-
-    def _rank(self, keys: Iterable[bytes], rank: Callable[[bytes], None]) -> None:
-        ready = self._ready
-        for key in keys:
-            if key in ready:
-                rank(key)
+        self.policy.refresh_many(keys)
 
     # -- loads ---------------------------------------------------------------
     def prepare_load(self, keys: Sequence[bytes]) -> LoadResult:
@@ -246,13 +244,9 @@ class OffloadManager:
         and admission state included.
         """
         ready, storing = self._ready, self._storing
-        missing: list[bytes] = []
-        found: set[bytes] = set()
-        for key in dict.fromkeys(keys):  # each key once, in order
-            if key in ready:
-                found.add(key)
-            elif key not in storing:
-                missing.append(key)
+        unique = dict.fromkeys(keys)  # each key once, in order
+        missing = [key for key in unique if key not in ready and key not in storing]
+        found = {key for key in unique if key in ready} if len(missing) < len(unique) else set()
         if len(missing) > len(self._free) + self._evictable(found):
             return None
         tenants = self.tenants
@@ -263,6 +257,8 @@ class OffloadManager:
             self._counters["rejected"] += len(missing) - len(admitted)
         else:
             admitted = missing
+        if not admitted and tenants is None:
+            return _NOTHING_STORED  # every key turned away (the common store at a full tier)
         evicted: list[bytes] = []
         if tenants is not None:
             own = tenants.over_cap(tenant, len(admitted))
@@ -368,6 +364,8 @@ class OffloadManager:
     def _evictable(self, found: set[bytes]) -> int:
         """Ready chunks an eviction may take: neither pinned nor found by this call."""
         pins = self._pins
+        if not found:
+            return len(self._ready) - len(pins)
         return len(self._ready) - len(pins) - sum(1 for key in found if key not in pins)
 
     def _evict(

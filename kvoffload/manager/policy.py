@@ -13,6 +13,9 @@ Protocol, as the index drives it:
   without counting as a hit of this tier: a chunk the engine's own prefix
   cache served, or the head of a request whose tail was just stored (see
   :mod:`kvoffload.manager.usage`). Default: ``touch``.
+* ``touch_many(keys)`` / ``refresh_many(keys)`` (optional hooks): the same
+  for ``keys`` in order, one call per request; keys that are not resident
+  are ignored, as by ``touch``. Default: one ``touch`` / ``refresh`` per key.
 * ``remove(key)`` when a resident key leaves for a reason other than
   eviction (reset of one key, a tier dropping a corrupt chunk).
 * ``evict(n, protected)`` chooses up to ``n`` resident victims for which
@@ -36,7 +39,7 @@ A policy never raises on a key it does not know in ``touch``/``on_miss``;
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable, Collection, Iterable, Sequence
 
 from kvoffload.errors import IntegrityError
 
@@ -95,6 +98,22 @@ class EvictionPolicy(ABC):
     def refresh(self, key: bytes) -> None:
         """Rank a resident ``key`` as recent without counting a hit. Default: ``touch``."""
         self.touch(key)
+
+    def touch_many(self, keys: Iterable[bytes]) -> None:
+        """``touch`` each of ``keys`` in order (those not resident are ignored).
+
+        The index ranks a whole request at a time (:mod:`kvoffload.manager.usage`):
+        a policy on the hot path overrides it with a loop of its own.
+        """
+        touch = self.touch
+        for key in keys:
+            touch(key)
+
+    def refresh_many(self, keys: Iterable[bytes]) -> None:
+        """``refresh`` each of ``keys`` in order (see :meth:`touch_many`)."""
+        refresh = self.refresh
+        for key in keys:
+            refresh(key)
 
     def on_miss(self, key: bytes) -> None:
         """A lookup missed ``key``. Default: nothing."""

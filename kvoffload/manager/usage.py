@@ -54,19 +54,27 @@ def record_stores(
     request_keys: Sequence[bytes],
     done: Sequence[bytes],
     failed: Collection[bytes] = (),
+    *,
+    first: int | None = None,
 ) -> None:
     """Complete a request's stores: ``done`` succeeded, ``failed`` did not.
 
     ``request_keys`` are the request's chunks in chain order, head first;
     ``done`` is a subsequence of them, in the same order. ``failed`` slots
-    are freed. Raises ``ValueError`` if ``done[0]`` is not in
+    are freed. ``first``: where ``done[0]`` stands in ``request_keys``, if
+    the caller knows (searching a long chain for it costs a memory access
+    per chunk ahead of it). Raises ``ValueError`` if ``done[0]`` is not in
     ``request_keys`` (a caller bug: the order could not be kept).
     """
+    if done:  # checked before anything changes
+        if first is None:
+            first = request_keys.index(done[0])
+        elif not (0 <= first < len(request_keys) and request_keys[first] == done[0]):
+            raise ValueError(f"record_stores: done[0] is not chunk {first} of the chain")
     if failed:
         index.complete_store(list(failed), success=False)
     if not done:
         return
     index.complete_store(done[::-1], success=True)
-    first = request_keys.index(done[0])
     if first:
         index.refresh(request_keys[first - 1 :: -1])  # an order, not another use

@@ -144,11 +144,14 @@ def replay_engine(
     settings: EngineSettings = EngineSettings(),
     progress: bool = False,
     key_source: str = "auto",
+    transfers: bool = True,
 ) -> EngineRow:
     """Replay ``trace`` through kvoffload's connector with ``capacity`` CPU chunks.
 
     ``key_source`` is the connector's key of that name: by default, as in vLLM
     with its default hash, keys come from the engine's block hashes.
+    ``transfers=False``: orders complete at once and no bytes move (see
+    :class:`~kvoffload.vllm.standin.KVOffloadSide`); the hits are the same.
     """
     layout = trace_layout() if layout is None else layout
     slot = max(g.chunk_bytes(1) for g in layout.groups)
@@ -158,7 +161,7 @@ def replay_engine(
     kv = allocate_kv_caches(layout, settings.gpu_blocks, torch.uint8)
     # No KV events, as vLLM runs by default (its own connector then keeps none either).
     namespace = namespace_of("kvoffload-replay", "uint8", layout)
-    side = KVOffloadSide(config, namespace, kv, record_events=False)
+    side = KVOffloadSide(config, namespace, kv, record_events=False, transfers=transfers)
     stats = run_side(trace, side, layout, settings, progress=progress, desc=f"{policy}@{capacity}")
     return EngineRow.of(trace, "kvoffload", policy, (capacity, settings.gpu_blocks), stats)
 

@@ -17,6 +17,10 @@ def add_range(ranges: list[tuple[int, int]], start: int, stop: int) -> None:
     """Merge ``[start, stop)`` into a sorted list of disjoint ranges."""
     if start >= stop:
         return
+    if ranges and ranges[-1][0] <= start <= ranges[-1][1]:  # a step extending the last range
+        lo, hi = ranges[-1]
+        ranges[-1] = (lo, max(hi, stop))
+        return
     merged: list[tuple[int, int]] = []
     for lo, hi in ranges:
         if hi < start or lo > stop:
@@ -180,6 +184,8 @@ class JobState:
     ranges: tuple[tuple[int, int, int], ...] = ()
     #: Load: its tokens by the tier their chunks come from (see :func:`tier_shares`).
     tiers: dict[str, int] = field(default_factory=dict)
+    #: Store of a one-group layout: the chunk index of each of the order's keys, in order.
+    chunks: Sequence[int] = ()
     report: JobReport | None = None
 
 

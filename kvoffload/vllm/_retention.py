@@ -115,6 +115,8 @@ class Retention:
         self.align = config.hit_alignment
         self.step = config.retention_step
         self.trailing = not config.offload_prompt_only
+        #: One full-attention group (a plain transformer): a request's keys are its chain.
+        self.plain = len(self.layout.groups) == 1 and self.layout.groups[0].reuse is Reuse.PREFIX
 
     def select(
         self,
@@ -131,9 +133,15 @@ class Retention:
         a later hit point may want (``retry``). ``states`` as in
         :meth:`~kvoffload.vllm.scheduler.OffloadScheduler.plan_store`.
         """
+        end, bpc = bounds[1], self.bpc
+        if self.plain:  # one full-attention group, its step valid and nothing to retry
+            stop, first = end // self.spans[0], req.next_chunk[0]
+            if not req.retry[0] and self._all_valid(block_ids[0], req.valid[0],
+                                                    range(first, stop), self.spans[0]):  # fmt: skip
+                req.next_chunk[0] = max(first, stop)
+                return Selection([], 0, 0, ChunkRun(0, first, stop, block_ids[0], bpc))
         chosen: list[Chosen] = []
         invalid = unretained = 0
-        end, bpc = bounds[1], self.bpc
         for g, (group, span) in enumerate(zip(self.layout.groups, self.spans, strict=True)):
             if group.reuse is Reuse.STATE:
                 continue
@@ -145,8 +153,6 @@ class Retention:
                 and self._all_valid(blocks, valid, new, span)
             ):  # the common case, checked at once: every new chunk is stored
                 req.next_chunk[g] = max(req.next_chunk[g], stop)
-                if len(self.spans) == 1:
-                    return Selection([], 0, 0, ChunkRun(g, new.start, new.stop, blocks, bpc))
                 chosen += [
                     Chosen(g, c, tuple(blocks[c * bpc : (c + 1) * bpc]), Choice.KEEP) for c in new
                 ]
@@ -291,9 +297,9 @@ class Retention:
         served to, or at its prompt's end, needs. Window chunks and states kept
         for other hit points were not used: they age and go first.
         """
-        if len(req.keys) == 1 and self.layout.groups[0].reuse is Reuse.PREFIX:
-            keys = req.keys[0]  # one full-attention group: its chain is its keys
-            return list(keys), min(len(keys), req.local_hit // self.spans[0])
+        if self.plain:  # its chain is its keys (the request's own list, to read only)
+            keys = req.keys[0]
+            return keys, min(len(keys), req.local_hit // self.spans[0])
         top = min(len(keys) * span for keys, span in zip(req.keys, self.spans, strict=True))
         points = {max(req.offered, req.local_hit), top}
         wanted = [
@@ -313,8 +319,8 @@ class Retention:
         ranking the chain ahead of them recent must not refresh what the
         request keeps for its other hit points.
         """
-        if len(req.keys) == 1 and self.layout.groups[0].reuse is Reuse.PREFIX:
-            return list(req.keys[0])
+        if self.plain:  # its chain is its keys (the request's own list, to read only)
+            return req.keys[0]
         mine = set(keys)
         wanted = [
             None
@@ -383,6 +389,8 @@ class Trails:
 
     def stored(self, keys: Sequence[bytes]) -> int:
         """Stores of ``keys`` completed: drop those released meanwhile; returns how many."""
+        if not self._doomed:
+            return 0
         doomed = [key for key in keys if key in self._doomed]
         if not doomed:
             return 0

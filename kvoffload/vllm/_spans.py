@@ -19,6 +19,7 @@ __all__ = [
     "StorePiece",
     "load_pieces",
     "load_spans",
+    "run_spans",
     "stateless",
     "store_spans",
 ]
@@ -136,4 +137,32 @@ def store_spans(chunks: Sequence[StorePiece]) -> tuple[ChunkSpan, ...]:
         slots = tuple(p.slot for p in run)
         blocks = tuple(b for p in run for b in p.blocks)
         spans.append(ChunkSpan(run[0].group, keys, slots, BlockSpan(blocks)))
+    return tuple(spans)
+
+
+def run_spans(
+    group: int,
+    chunks: Sequence[int],
+    keys: Sequence[bytes],
+    slots: Sequence[int],
+    blocks: Sequence[int],
+    *,
+    blocks_per_chunk: int,
+) -> tuple[ChunkSpan, ...]:
+    """:func:`store_spans` for chunks of one group given in ascending order.
+
+    ``chunks[i]`` (with ``keys[i]``, ``slots[i]``) has engine blocks
+    ``blocks[chunks[i] * blocks_per_chunk :]``: a plain step's store, whose
+    pieces need not be made one by one.
+    """
+    spans, start, n = [], 0, len(chunks)
+    for i in range(1, n + 1):
+        if i == n or chunks[i] != chunks[i - 1] + 1:
+            ids = tuple(
+                blocks[chunks[start] * blocks_per_chunk : (chunks[i - 1] + 1) * blocks_per_chunk]
+            )
+            spans.append(
+                ChunkSpan(group, tuple(keys[start:i]), tuple(slots[start:i]), BlockSpan(ids))
+            )
+            start = i
     return tuple(spans)

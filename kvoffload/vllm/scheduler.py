@@ -46,7 +46,14 @@ from kvoffload.tiers.base import TierProbe
 from kvoffload.vllm._hits import HitFinder
 from kvoffload.vllm._request import JobState, RequestState, StepRequest, tier_shares
 from kvoffload.vllm._retention import Choice, Chosen, Retention, Selection, Trails
-from kvoffload.vllm._spans import StorePiece, load_pieces, load_spans, stateless, store_spans
+from kvoffload.vllm._spans import (
+    StorePiece,
+    load_pieces,
+    load_spans,
+    run_spans,
+    stateless,
+    store_spans,
+)
 
 __all__ = ["OffloadScheduler", "StepRequest", "TierProbe"]
 
@@ -87,6 +94,7 @@ class OffloadScheduler:
         self.retention = Retention(config)
         #: Whether some group keeps only some chunks (windows, states): those may trail.
         self._windowed = any(g.reuse is not Reuse.PREFIX for g in self.layout.groups)
+        self._prompt_only = config.offload_prompt_only
         self.trails = Trails(self.index)
         self._requests: dict[str, RequestState] = {}
         self._jobs: dict[int, JobState] = {}
@@ -224,10 +232,8 @@ class OffloadScheduler:
         """
         for req_id in preempted:
             self.preempted(req_id)
-        for s in scheduled:
-            self.plan_store(s.req_id, s.token_ids, computed=s.computed, scheduled=s.scheduled,
-                            block_ids=s.block_ids, num_prompt_tokens=s.num_prompt_tokens,
-                            states=s.states, block_hashes=s.block_hashes)  # fmt: skip
+        for step in scheduled:
+            self._plan_store(step)
         return self.take_orders()
 
     def plan_store(
@@ -252,24 +258,30 @@ class OffloadScheduler:
         and after ``computed + scheduled`` tokens are found without it.
         ``block_hashes`` as in :meth:`lookup`.
         """
+        return self._plan_store(StepRequest(req_id, token_ids, computed, scheduled, block_ids,
+                                            num_prompt_tokens, states, block_hashes))  # fmt: skip
+
+    def _plan_store(self, step: StepRequest) -> TransferOrder | None:
+        req_id, computed, block_hashes = step.req_id, step.computed, step.block_hashes
         req = self._request(req_id)
-        end = min(computed + scheduled, len(token_ids))
+        end = min(computed + step.scheduled, len(step.token_ids))
         req.mark_valid(computed, end)
-        if self.config.offload_prompt_only:
-            end = min(end, num_prompt_tokens)
+        if self._prompt_only:
+            end = min(end, step.num_prompt_tokens)
         end = self._keyable(end, block_hashes)
-        req.prompt_tokens = num_prompt_tokens
-        self._extend_keys(req, token_ids, block_hashes, end)
+        req.prompt_tokens = step.num_prompt_tokens
+        self._extend_keys(req, step.token_ids, block_hashes, end)
         moved = self.retention.advance(req, end)
-        selection = self.retention.select(req, block_ids, (computed, end), states)
-        self._figures["skipped_store_chunks"] += selection.invalid + selection.unretained
-        self._figures["unretained_chunks"] += selection.unretained
+        selection = self.retention.select(req, step.block_ids, (computed, end), step.states)
+        if selection.invalid or selection.unretained:
+            self._figures["skipped_store_chunks"] += selection.invalid + selection.unretained
+            self._figures["unretained_chunks"] += selection.unretained
         if self._windowed:  # only window chunks and states are ever trailed
             self.trails.keep(
                 req.keys[c.group][c.chunk] for c in selection.chosen if c.choice is Choice.KEEP
             )
         order = self._store(req, req_id, selection) if selection else None
-        if moved:
+        if moved and self._windowed:  # only window chunks and states trail a point
             still = self.retention.point_chunks(req, req.trail)
             self._figures["dropped_chunks"] += self.trails.release(req, req_id, still)
             if self.retention.is_point(req, req.trail):
@@ -280,7 +292,11 @@ class OffloadScheduler:
         """Reserve CPU slots for the selected chunks (as many as fit) and queue their store."""
         keys, chosen = self._candidates(req, selection)
         reserved, n = None, min(len(keys), self.index.room())
-        while n > 0 and (reserved := self.index.prepare_store(keys[:n], tenant=req.tenant)) is None:
+        tenant = req.tenant
+        while n > 0:
+            reserved = self.index.prepare_store(keys if n == len(keys) else keys[:n], tenant=tenant)
+            if reserved is not None:
+                break
             n //= 2
         for i in range(n if reserved is not None else 0, len(keys)):
             c = chosen(i)
@@ -293,13 +309,19 @@ class OffloadScheduler:
         if reserved is None or not reserved.keys:
             return None
         position = {key: i for i, key in enumerate(keys)}
-        pieces = [
-            StorePiece(c.group, c.chunk, key, slot, c.blocks)
-            for key, slot in zip(reserved.keys, reserved.slots, strict=True)
-            for c in (chosen(position[key]),)
-        ]
-        order = TransferOrder(self._new_job_id(), req_id, JobKind.STORE, store_spans(pieces))
-        self._queue(req, JobState(order))
+        run, chunks = selection.run, []
+        if run is not None:  # admitted keys keep their order: runs of the group's chunks
+            chunks = [run.first + position[key] for key in reserved.keys]
+            spans = run_spans(run.group, chunks, reserved.keys, reserved.slots, run.blocks,
+                              blocks_per_chunk=self.bpc)  # fmt: skip
+        else:
+            spans = store_spans([
+                StorePiece(c.group, c.chunk, key, slot, c.blocks)
+                for key, slot in zip(reserved.keys, reserved.slots, strict=True)
+                for c in (chosen(position[key]),)
+            ])  # fmt: skip
+        order = TransferOrder(self._new_job_id(), req_id, JobKind.STORE, spans)
+        self._queue(req, JobState(order, chunks=chunks))
         self._figures["stores"] += 1
         return order
 
@@ -326,8 +348,8 @@ class OffloadScheduler:
         if order.kind is JobKind.LOAD:
             index.complete_load(job.pinned)
             everywhere = {k for k, ranks in report.promoted.items() if ranks >= self.world_size}
-            good = {k for k in job.promoted if k not in failed and k in everywhere}
-            self._stored(req, job.promoted, good)
+            unpromoted = {k for k in job.promoted if k in failed or k not in everywhere}
+            self._stored(req, job, job.promoted, unpromoted)
             figures["loads"] += 1
             if report.ok:
                 figures["loaded_tokens"] += job.tokens
@@ -340,17 +362,38 @@ class OffloadScheduler:
                 figures["failed_load_tokens"] += job.tokens
         else:
             keys = order.keys
-            self._stored(req, keys, set(keys) - failed)
+            lost = failed.intersection(keys) if failed else frozenset()
+            self._stored(req, job, keys, lost)
             figures["dropped_chunks"] += self.trails.stored(keys)
-            figures["stored_chunks"] += len(keys) - len(failed & set(keys))
-            figures["failed_store_chunks"] += len(failed & set(keys))
+            figures["stored_chunks"] += len(keys) - len(lost)
+            figures["failed_store_chunks"] += len(lost)
         self._release(order.req_id, order.job_id)
 
-    def _stored(self, req: RequestState | None, keys: Sequence[bytes], good: set[bytes]) -> None:
-        """Complete stores (or promotions) of ``keys``: ``good`` ones succeeded, in chain order."""
-        chain = list(keys) if req is None else self.retention.chain(req, keys)
-        done = [k for k in chain if k in good]
-        record_stores(self.index, chain, done, [k for k in keys if k not in good])
+    def _stored(
+        self,
+        req: RequestState | None,
+        job: JobState,
+        keys: Sequence[bytes],
+        failed: Collection[bytes],
+    ) -> None:
+        """Complete ``job`` 's stores (or promotions) of ``keys`` in chain order: those in
+        ``failed`` failed.
+
+        One group's ``keys`` come in chain order already (an order's spans are sorted
+        by chunk), and a store knows where its first stored chunk is; other layouts'
+        keys are put in that order.
+        """
+        first = None
+        if req is None or self.retention.plain:
+            chain: Sequence[bytes] = keys if req is None else req.keys[0]
+            done = [k for k in keys if k not in failed] if failed else keys
+            if req is not None and done and len(job.chunks) == len(keys):
+                first = job.chunks[keys.index(done[0])]
+        else:
+            chain = self.retention.chain(req, keys)
+            good = set(keys).difference(failed)
+            done = [k for k in chain if k in good]
+        record_stores(self.index, chain, done, [k for k in keys if k in failed], first=first)
 
     def request_finished(self, req_id: str) -> None:
         """Forget the request once its orders are reported; its blocks may be freed now."""

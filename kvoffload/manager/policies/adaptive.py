@@ -28,7 +28,7 @@ shadows hold at most ``6 * capacity / 8`` keys and the sighting ghost
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Collection, Sequence
+from collections.abc import Collection, Iterable, Sequence
 from zlib import crc32
 
 from kvoffload.errors import IntegrityError
@@ -129,14 +129,16 @@ class AdaptivePolicy(LRUPolicy):
 
     def admit_many(self, keys: Sequence[bytes]) -> list[bytes]:
         seen, limit, admitted = self._seen, GHOST * self.capacity, []
-        has_room = len(self._order) < self.capacity  # admission adds no resident
+        # With room left (admission adds no resident) every key is let in.
+        open_door = len(self._order) < self.capacity or not self.filtering
         for key in keys:
             if not crc32(key) % SAMPLE:
-                self._observe_sampled(key)  # may switch the filter, for the next key too
+                self._observe_sampled(key)  # may switch the filter, for this key and the next
+                open_door = len(self._order) < self.capacity or not self.filtering
             if key in seen:
                 del seen[key]
                 admitted.append(key)
-            elif has_room or not self.filtering:
+            elif open_door:
                 admitted.append(key)
             else:  # remembered, as _remember does (inline: this loop sees every new chunk)
                 seen[key] = None
@@ -150,6 +152,15 @@ class AdaptivePolicy(LRUPolicy):
         except KeyError:
             return
         self._observe(key)
+
+    def touch_many(self, keys: Iterable[bytes]) -> None:
+        order = self._order
+        move = order.move_to_end
+        for key in keys:  # touch, written out: a request's whole prompt comes here
+            if key in order:
+                move(key)
+                if not crc32(key) % SAMPLE:
+                    self._observe_sampled(key)
 
     def reset(self) -> None:
         super().reset()

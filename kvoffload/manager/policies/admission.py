@@ -15,7 +15,7 @@ refused ``prepare_store`` records no sighting.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Iterable
 
 from kvoffload._checks import checked_int
 from kvoffload.errors import ConfigError, IntegrityError
@@ -69,6 +69,12 @@ class AdmissionFilter(EvictionPolicy):
 
     def refresh(self, key: bytes) -> None:
         self.inner.refresh(key)
+
+    def touch_many(self, keys: Iterable[bytes]) -> None:
+        self.inner.touch_many(keys)
+
+    def refresh_many(self, keys: Iterable[bytes]) -> None:
+        self.inner.refresh_many(keys)
 
     def remove(self, key: bytes) -> None:
         self.inner.remove(key)

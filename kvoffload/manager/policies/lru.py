@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Iterable
 
 from kvoffload.manager._integrity import check_resident
 from kvoffload.manager.policies._common import check_capacity
@@ -43,6 +43,19 @@ class LRUPolicy(EvictionPolicy):
             self._order.move_to_end(key)
         except KeyError:
             pass
+
+    def touch_many(self, keys: Iterable[bytes]) -> None:
+        self._move_to_end(keys)
+
+    def refresh_many(self, keys: Iterable[bytes]) -> None:
+        self._move_to_end(keys)
+
+    def _move_to_end(self, keys: Iterable[bytes]) -> None:
+        order = self._order
+        move = order.move_to_end
+        for key in keys:
+            if key in order:
+                move(key)
 
     def remove(self, key: bytes) -> None:
         self._order.pop(key, None)

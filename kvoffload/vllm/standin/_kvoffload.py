@@ -50,6 +50,12 @@ class KVOffloadSide:
     come from the stand-in's block hashes or the token ids as
     ``config.key_source`` says, as in the connector (the stand-in's hashes
     are the same in every process).
+
+    ``transfers=False`` moves no bytes: every order completes at once, as
+    vLLM's own connector runs beside it in ``benchmarks/replay_vs_vllm.py``
+    (its worker refuses the CPU platform). The scheduler side then runs under
+    the same conditions as vLLM's, with no worker working between its calls;
+    what it plans and the hits it finds are those of a settled run.
     """
 
     def __init__(
@@ -61,6 +67,7 @@ class KVOffloadSide:
         *,
         settle: bool = True,
         record_events: bool = True,
+        transfers: bool = True,
     ) -> None:
         hashes = EngineHashes(math.gcd(*config.layout.tokens_per_block), STANDIN_HASHES)
         self.scheduler = OffloadScheduler(
@@ -75,6 +82,7 @@ class KVOffloadSide:
         engine = OffloadEngine.from_config(config, kv_caches, namespace)
         self.worker = OffloadWorker(engine, report_blocks=len(config.layout.groups) == 1)
         self.settle = settle
+        self.transfers = transfers
         self.clock = Stopwatch()
 
     # -- scheduler side ---------------------------------------------------------------
@@ -123,6 +131,9 @@ class KVOffloadSide:
     def run_worker(self, meta: object, forward: Callable[[], None]) -> WorkerResult:
         """``bind_connector_metadata`` .. ``get_finished`` around the forward pass."""
         assert isinstance(meta, _Meta)
+        if not self.transfers:
+            forward()
+            return _completed(meta.orders)
         orders, worker = meta.orders, self.worker
         worker.before_forward()
         worker.submit(orders, JobKind.LOAD)
@@ -141,3 +152,14 @@ class KVOffloadSide:
     def close(self) -> None:
         self.worker.close()
         self.scheduler.close()
+
+
+def _completed(orders: Sequence[TransferOrder]) -> WorkerResult:
+    """The worker's answer to ``orders`` had every one of them succeeded at once."""
+    loads = [order for order in orders if order.kind is JobKind.LOAD]
+    reports = [
+        JobReport(order.job_id, 1, frozenset(),
+                  dict.fromkeys(order.keys, 1) if order.kind is JobKind.LOAD else {}, {})
+        for order in orders
+    ]  # fmt: skip
+    return WorkerResult({order.req_id for order in loads}, set(), set(), reports)
