@@ -364,9 +364,8 @@ class OffloadManager:
     def _evictable(self, found: set[bytes]) -> int:
         """Ready chunks an eviction may take: neither pinned nor found by this call."""
         pins = self._pins
-        if not found:
-            return len(self._ready) - len(pins)
-        return len(self._ready) - len(pins) - sum(1 for key in found if key not in pins)
+        protected = sum(1 for key in found if key not in pins) if found else 0
+        return len(self._ready) - len(pins) - protected
 
     def _evict(
         self, need: int, found: set[bytes], spare: Callable[[bytes], bool] | None = None
