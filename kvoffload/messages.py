@@ -164,6 +164,8 @@ class TransferOrder:
 
     @property
     def keys(self) -> tuple[bytes, ...]:
+        if len(self.spans) == 1:  # most orders: one run of chunks
+            return tuple(self.spans[0].keys)  # the same tuple, not a copy
         return tuple(key for span in self.spans for key in span.keys)
 
 

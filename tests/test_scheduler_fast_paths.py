@@ -82,10 +82,12 @@ def test_available_run_stops_at_the_first_missing_key() -> None:
 
 
 class KeyByKey(AdaptivePolicy):
-    """The adaptive policy's admission rule as it reads, asked (and ranked) one key at a time."""
+    """The adaptive policy's admission rule as it reads, asked (ranked, inserted) one key at a
+    time."""
 
     touch_many = EvictionPolicy.touch_many
     refresh_many = EvictionPolicy.refresh_many
+    insert_many = EvictionPolicy.insert_many
 
     def admit_many(self, keys: Sequence[bytes]) -> list[bytes]:
         return [key for key in keys if self._admit_one(key)]
@@ -104,10 +106,11 @@ class KeyByKey(AdaptivePolicy):
 
 
 class KeyByKeyLRU(LRUPolicy):
-    """LRU ranking one key at a time."""
+    """LRU ranking and inserting one key at a time."""
 
     touch_many = EvictionPolicy.touch_many
     refresh_many = EvictionPolicy.refresh_many
+    insert_many = EvictionPolicy.insert_many
 
 
 @pytest.mark.parametrize("name", ["adaptive", "admission"])
@@ -161,7 +164,7 @@ def test_a_one_group_step_stores_and_completes_as_the_general_path(seed: int) ->
     layout = KVLayout((CacheGroup("full", 4, ("a0",), 64),))
     chunk = layout.groups[0].chunk_bytes(2)
     config = build_offloading_config(
-        {"blocks_per_chunk": 2, "cpu_bytes_to_use": 24 * chunk, "eviction_policy": "adaptive"},
+        {"blocks_per_chunk": 2, "cpu_bytes_to_use": 12 * chunk, "eviction_policy": "adaptive"},
         layout,
     )
     namespace = namespace_of("fast-paths", "bfloat16", layout)
@@ -171,6 +174,7 @@ def test_a_one_group_step_stores_and_completes_as_the_general_path(seed: int) ->
     )
     prefixes = [[rng.randrange(1, 500) for _ in range(rng.choice((16, 40)))] for _ in range(4)]
     late: list[tuple[TransferOrder, frozenset[bytes]]] = []
+    short = False  # whether some step found the tier short of room (its chunks retried)
 
     def both(call: str, *args: object, **kwargs: object) -> object:
         answers = [getattr(s, call)(*args, **kwargs) for s in (fast, general)]
@@ -178,9 +182,11 @@ def test_a_one_group_step_stores_and_completes_as_the_general_path(seed: int) ->
         return answers[0]
 
     def report(orders: list[TransferOrder]) -> None:
-        for order in orders:  # some fail in part, some report a step late
+        for order in orders:  # some fail in part, some report steps late
             failed = frozenset(k for k in order.keys if rng.random() < 0.1)
             late.append((order, failed))
+        if rng.random() < 0.6:  # none this step: stores in flight leave the tier short of room
+            return
         rng.shuffle(late)
         for order, failed in [late.pop() for _ in range(rng.randint(0, len(late)))]:
             both("on_report", JobReport(order.job_id, 1, failed, {}, {}))
@@ -198,13 +204,14 @@ def test_a_one_group_step_stores_and_completes_as_the_general_path(seed: int) ->
             n = min(len(ids) - done, rng.choice((4, 8, 13, 40)))
             step = StepRequest(req, ids, done, n, table, len(ids))
             report(both("plan_step", [step]))  # type: ignore[arg-type]
+            short = short or any(r.retry[0] for r in fast._requests.values())
             done += n
         both("request_finished", req)
     report([])
     for order, failed in late:
         both("on_report", JobReport(order.job_id, 1, failed, {}, {}))
     assert fast.figures() == general.figures()
-    assert fast.figures()["stored_chunks"] > 24 and fast.figures()["loads"] > 0
+    assert fast.figures()["stored_chunks"] > 12 and fast.figures()["loads"] > 0 and short
     a, b = fast.index, general.index
     assert list(a._ready) == list(b._ready) and list(a._storing) == list(b._storing)
     assert isinstance(a.policy, AdaptivePolicy) and isinstance(b.policy, AdaptivePolicy)

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NoReturn
 
 from kvoffload._checks import checked_int
 from kvoffload.errors import ConfigError, IntegrityError, ProtocolError
@@ -282,23 +282,20 @@ class OffloadManager:
         ``insert`` in the order given, like ``touch``.
         """
         storing = self._storing
-        batch: set[bytes] = set()
-        for key in keys:
-            if key not in storing or key in batch:
-                raise ProtocolError(
-                    f"complete_store: chunk {short_key(key)} has no store in flight "
-                    "(never prepared, or completed twice)"
-                )
-            batch.add(key)
+        batch = set(keys)
+        if len(batch) != len(keys) or not storing.keys() >= batch:  # at once: the common case
+            self._refuse_completion(keys)
         if success:
-            ready, insert = self._ready, self.policy.insert
-            record = self._events.append if self.record_events else None
-            for key in keys:
-                slot = storing.pop(key)
-                ready[key] = slot
-                insert(key)
-                if record is not None:
+            ready = self._ready
+            if self.record_events:
+                record = self._events.append
+                for key in keys:
+                    ready[key] = slot = storing.pop(key)
                     record(IndexEvent(_STORED, key, slot))
+            else:
+                for key in keys:
+                    ready[key] = storing.pop(key)
+            self.policy.insert_many(keys)
             self._counters["stores"] += len(keys)
             if self.tenants is not None:
                 self.tenants.stored(keys)
@@ -361,6 +358,18 @@ class OffloadManager:
             self.tenants.check(self._ready.keys(), self._storing.keys(), self._pins.keys())
 
     # -- internals -------------------------------------------------------------
+    def _refuse_completion(self, keys: Sequence[bytes]) -> NoReturn:
+        """Raise ``complete_store`` 's error, naming the first key with no store in flight."""
+        storing, batch = self._storing, set()
+        for key in keys:
+            if key not in storing or key in batch:
+                raise ProtocolError(
+                    f"complete_store: chunk {short_key(key)} has no store in flight "
+                    "(never prepared, or completed twice)"
+                )
+            batch.add(key)
+        raise AssertionError("complete_store refused keys it can complete")
+
     def _evictable(self, found: set[bytes]) -> int:
         """Ready chunks an eviction may take: neither pinned nor found by this call."""
         pins = self._pins
@@ -381,8 +390,14 @@ class OffloadManager:
             victims = self.policy.evict(need, lambda key: key in pins or key in found)
         else:
             victims = self.policy.evict(need, lambda key: key in pins or key in found or spare(key))
-        bad = [k for k in victims if k not in ready or k in pins or k in found]
-        if len(victims) != need or bad or len(set(victims)) != need:
+        chosen = set(victims)  # checked at once: every victim ready, none kept, none twice
+        if not (
+            len(victims) == len(chosen) == need
+            and ready.keys() >= chosen
+            and pins.keys().isdisjoint(chosen)
+            and chosen.isdisjoint(found)
+        ):
+            bad = [k for k in victims if k not in ready or k in pins or k in found]
             shown = ", ".join(short_key(k) for k in bad[:3])
             raise IntegrityError(
                 f"policy {self.policy.name!r} returned {len(victims)} victim(s) for {need} "
@@ -394,10 +409,13 @@ class OffloadManager:
 
     def _drop(self, keys: Sequence[bytes]) -> None:
         """Free the slots of ready ``keys`` (the policy already let go of them), with events."""
-        record = self._events.append if self.record_events else None
-        for key in keys:
-            self._free.append(slot := self._ready.pop(key))
-            if record is not None:
+        free, ready = self._free, self._ready
+        if self.record_events:
+            record = self._events.append
+            for key in keys:
+                free.append(slot := ready.pop(key))
                 record(IndexEvent(_REMOVED, key, slot))
+        else:
+            free += map(ready.pop, keys)
         if self.tenants is not None:
             self.tenants.dropped(keys, ready=True)

@@ -13,9 +13,10 @@ Protocol, as the index drives it:
   without counting as a hit of this tier: a chunk the engine's own prefix
   cache served, or the head of a request whose tail was just stored (see
   :mod:`kvoffload.manager.usage`). Default: ``touch``.
-* ``touch_many(keys)`` / ``refresh_many(keys)`` (optional hooks): the same
-  for ``keys`` in order, one call per request; keys that are not resident
-  are ignored, as by ``touch``. Default: one ``touch`` / ``refresh`` per key.
+* ``touch_many(keys)`` / ``refresh_many(keys)`` / ``insert_many(keys)``
+  (optional hooks): the same for ``keys`` in order, one call per request or
+  completed store; keys that are not resident are ignored by the first two,
+  as by ``touch``. Default: one ``touch`` / ``refresh`` / ``insert`` per key.
 * ``remove(key)`` when a resident key leaves for a reason other than
   eviction (reset of one key, a tier dropping a corrupt chunk).
 * ``evict(n, protected)`` chooses up to ``n`` resident victims for which
@@ -114,6 +115,12 @@ class EvictionPolicy(ABC):
         refresh = self.refresh
         for key in keys:
             refresh(key)
+
+    def insert_many(self, keys: Iterable[bytes]) -> None:
+        """``insert`` each of ``keys`` in order (one completed store at a time)."""
+        insert = self.insert
+        for key in keys:
+            insert(key)
 
     def on_miss(self, key: bytes) -> None:
         """A lookup missed ``key``. Default: nothing."""

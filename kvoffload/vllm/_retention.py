@@ -43,7 +43,7 @@ from kvoffload.vllm._hits import needed_chunks
 from kvoffload.vllm._request import RequestState, covered
 from kvoffload.vllm._spans import NULL_BLOCK
 
-__all__ = ["Choice", "ChunkRun", "Chosen", "Retention", "Selection", "Trails"]
+__all__ = ["Choice", "Chosen", "Retention", "Selection", "Trails"]
 
 
 class Choice(Enum):
@@ -68,41 +68,17 @@ class Chosen(NamedTuple):
     choice: Choice
 
 
-class ChunkRun(NamedTuple):
-    """Chunks ``[first, stop)`` of full-attention group ``group``, all kept, all valid.
-
-    The common step of a one-group layout (a plain transformer): its chunks
-    are not made one :class:`Chosen` each, since most never get a slot (the
-    admission filter turns them away); :meth:`at` makes the few that do.
-    """
-
-    group: int
-    first: int
-    stop: int
-    #: The group's engine block ids, and engine blocks per chunk.
-    blocks: Sequence[int]
-    blocks_per_chunk: int
-
-    def at(self, i: int) -> Chosen:
-        c, bpc = self.first + i, self.blocks_per_chunk
-        return Chosen(self.group, c, tuple(self.blocks[c * bpc : (c + 1) * bpc]), Choice.KEEP)
-
-
 class Selection(NamedTuple):
-    """What one step of one request may store, and how many chunks it passed over.
-
-    Either ``chosen`` or, for a one-group layout's plain step, ``run``.
-    """
+    """What one step of one request may store, and how many chunks it passed over."""
 
     chosen: list[Chosen]
     #: Chunks whose KV is not there (a null block, blocks no one wrote).
     invalid: int
     #: Window chunks and states no hit point of the request wants.
     unretained: int
-    run: ChunkRun | None = None
 
     def __bool__(self) -> bool:
-        return bool(self.chosen) or (self.run is not None and self.run.stop > self.run.first)
+        return bool(self.chosen)
 
 
 class Retention:
@@ -134,12 +110,6 @@ class Retention:
         :meth:`~kvoffload.vllm.scheduler.OffloadScheduler.plan_store`.
         """
         end, bpc = bounds[1], self.bpc
-        if self.plain:  # one full-attention group, its step valid and nothing to retry
-            stop, first = end // self.spans[0], req.next_chunk[0]
-            if not req.retry[0] and self._all_valid(block_ids[0], req.valid[0],
-                                                    range(first, stop), self.spans[0]):  # fmt: skip
-                req.next_chunk[0] = max(first, stop)
-                return Selection([], 0, 0, ChunkRun(0, first, stop, block_ids[0], bpc))
         chosen: list[Chosen] = []
         invalid = unretained = 0
         for g, (group, span) in enumerate(zip(self.layout.groups, self.spans, strict=True)):
@@ -189,6 +159,23 @@ class Retention:
             else:
                 chosen.append(state)
         return Selection(chosen, invalid, unretained)
+
+    def plain_run(self, req: RequestState, blocks: Sequence[int], end: int) -> range | None:
+        """A plain layout's common step at once: the chunks a step computing up to ``end``
+        completes, if each has its ``blocks`` and valid KV and none waits for a retry.
+
+        :meth:`select` would keep every one of them; since admission turns most
+        of them away, they are not made one :class:`Chosen` each. ``None``
+        (any other layout, or a chunk to look at): ask :meth:`select`.
+        """
+        if not self.plain or req.retry[0]:
+            return None
+        span, first = self.spans[0], req.next_chunk[0]
+        run = range(first, max(first, end // span))
+        if not self._all_valid(blocks, req.valid[0], run, span):
+            return None
+        req.next_chunk[0] = run.stop
+        return run
 
     def _all_valid(
         self, blocks: Sequence[int], valid: list[tuple[int, int]], chunks: range, span: int

@@ -40,6 +40,8 @@ class LoadPiece(NamedTuple):
 
 def _runs(flags: Sequence[object]) -> list[tuple[int, int]]:
     """``[start, stop)`` of every run of equal consecutive ``flags``."""
+    if flags and flags.count(flags[0]) == len(flags):  # one run (a load losing nothing), in C
+        return [(0, len(flags))]
     runs, start = [], 0
     while start < len(flags):
         stop = start + 1

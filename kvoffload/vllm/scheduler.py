@@ -32,16 +32,16 @@ completed here whenever their reports arrive.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection, Iterable, Sequence
+from collections.abc import Collection, Iterable, Sequence
 
 from kvoffload.config import OffloadConfig
 from kvoffload.config.layout import Reuse
 from kvoffload.errors import ProtocolError
 from kvoffload.keys import EngineHashes, KeyExtras
 from kvoffload.manager.offload_manager import OffloadManager
-from kvoffload.manager.results import IndexEvent
+from kvoffload.manager.results import IndexEvent, StoreResult
 from kvoffload.manager.usage import record_stores, record_use
-from kvoffload.messages import JobKind, JobReport, TransferOrder, merge_reports
+from kvoffload.messages import ChunkSpan, JobKind, JobReport, TransferOrder, merge_reports
 from kvoffload.tiers.base import TierProbe
 from kvoffload.vllm._hits import HitFinder
 from kvoffload.vllm._request import JobState, RequestState, StepRequest, tier_shares
@@ -272,6 +272,9 @@ class OffloadScheduler:
         req.prompt_tokens = step.num_prompt_tokens
         self._extend_keys(req, step.token_ids, block_hashes, end)
         moved = self.retention.advance(req, end)
+        run = self.retention.plain_run(req, step.block_ids[0], end)
+        if run is not None:  # a plain layout's common step: every new chunk, at once
+            return self._store_run(req, req_id, run, step.block_ids[0]) if run else None
         selection = self.retention.select(req, step.block_ids, (computed, end), step.states)
         if selection.invalid or selection.unretained:
             self._figures["skipped_store_chunks"] += selection.invalid + selection.unretained
@@ -291,35 +294,67 @@ class OffloadScheduler:
     def _store(self, req: RequestState, req_id: str, selection: Selection) -> TransferOrder | None:
         """Reserve CPU slots for the selected chunks (as many as fit) and queue their store."""
         keys, chosen = self._candidates(req, selection)
-        reserved, n = None, min(len(keys), self.index.room())
-        tenant = req.tenant
-        while n > 0:
-            reserved = self.index.prepare_store(keys if n == len(keys) else keys[:n], tenant=tenant)
-            if reserved is not None:
-                break
-            n //= 2
-        for i in range(n if reserved is not None else 0, len(keys)):
-            c = chosen(i)
+        reserved, n = self._reserve_slots(keys, req.tenant)
+        for c in chosen[n:]:
             if self.layout.groups[c.group].reuse is not Reuse.STATE:
                 req.retry[c.group].add(c.chunk)  # no room now (stores in flight): next step
         if self._windowed:
             new = set(reserved.keys) if reserved is not None else set()
-            trailing = [k for i, k in enumerate(keys) if chosen(i).choice is Choice.TRAIL]
+            trailing = [k for k, c in zip(keys, chosen, strict=True) if c.choice is Choice.TRAIL]
             self.trails.hold(req, req_id, trailing, new)
         if reserved is None or not reserved.keys:
             return None
         position = {key: i for i, key in enumerate(keys)}
-        run, chunks = selection.run, []
-        if run is not None:  # admitted keys keep their order: runs of the group's chunks
-            chunks = [run.first + position[key] for key in reserved.keys]
-            spans = run_spans(run.group, chunks, reserved.keys, reserved.slots, run.blocks,
-                              blocks_per_chunk=self.bpc)  # fmt: skip
-        else:
-            spans = store_spans([
-                StorePiece(c.group, c.chunk, key, slot, c.blocks)
-                for key, slot in zip(reserved.keys, reserved.slots, strict=True)
-                for c in (chosen(position[key]),)
-            ])  # fmt: skip
+        spans = store_spans([
+            StorePiece(c.group, c.chunk, key, slot, c.blocks)
+            for key, slot in zip(reserved.keys, reserved.slots, strict=True)
+            for c in (chosen[position[key]],)
+        ])  # fmt: skip
+        return self._queue_store(req, req_id, spans)
+
+    def _store_run(
+        self, req: RequestState, req_id: str, run: range, blocks: Sequence[int]
+    ) -> TransferOrder | None:
+        """:meth:`_store` for a plain step's chunks ``run``, in the one group's ``blocks``."""
+        keys = req.keys[0][run.start : run.stop]
+        reserved, n = self._reserve_slots(keys, req.tenant)
+        req.retry[0].update(run[n:])  # no room now (stores in flight): next step
+        if reserved is None or not reserved.keys:
+            return None
+        if len(reserved.keys) == len(keys):
+            chunks = list(run)
+        else:  # admission turned some away; the others keep their order
+            position = {key: i for i, key in enumerate(keys)}
+            chunks = [run.start + position[key] for key in reserved.keys]
+        spans = run_spans(0, chunks, reserved.keys, reserved.slots, blocks,
+                          blocks_per_chunk=self.bpc)  # fmt: skip
+        return self._queue_store(req, req_id, spans, chunks)
+
+    def _reserve_slots(
+        self, keys: Sequence[bytes], tenant: str | None
+    ) -> tuple[StoreResult | None, int]:
+        """Slots for as many leading ``keys`` as the index can take now, and how many were asked.
+
+        Stores in flight hold slots no eviction can free: if all of ``keys``
+        do not fit, half of them are asked, and so on (``None``, 0: none fit).
+        """
+        index = self.index
+        n = min(len(keys), index.room())
+        while n > 0:
+            reserved = index.prepare_store(keys if n == len(keys) else keys[:n], tenant=tenant)
+            if reserved is not None:
+                return reserved, n
+            n //= 2
+        return None, 0
+
+    def _queue_store(
+        self,
+        req: RequestState,
+        req_id: str,
+        spans: tuple[ChunkSpan, ...],
+        chunks: Sequence[int] = (),
+    ) -> TransferOrder:
+        """Queue a store of ``spans`` (``chunks``: its chunk indices, for a plain layout)."""
         order = TransferOrder(self._new_job_id(), req_id, JobKind.STORE, spans)
         self._queue(req, JobState(order, chunks=chunks))
         self._figures["stores"] += 1
@@ -459,20 +494,17 @@ class OffloadScheduler:
 
     def _candidates(
         self, req: RequestState, selection: Selection
-    ) -> tuple[list[bytes], Callable[[int], Chosen]]:
-        """The selected chunks' keys in chain order, and the chunk behind each key's index.
+    ) -> tuple[list[bytes], list[Chosen]]:
+        """The selected chunks' keys in chain order, and the chunks in the same order.
 
         Chain order is by chunk end in tokens: if the CPU tier has room for
         only some of them, the ones kept form a prefix in every group, which
         is what later hits need.
         """
-        run = selection.run
-        if run is not None:
-            return req.keys[run.group][run.first : run.stop], run.at
         chosen, spans = selection.chosen, self.tokens_per_chunk
         if len(spans) > 1:  # one group's chunks come in order
             chosen.sort(key=lambda c: ((c.chunk + 1) * spans[c.group], c.group))
-        return [req.keys[c.group][c.chunk] for c in chosen], chosen.__getitem__
+        return [req.keys[c.group][c.chunk] for c in chosen], chosen
 
     def _keyable(self, tokens: int, block_hashes: Sequence[bytes] | None) -> int:
         """How many of the first ``tokens`` tokens can be keyed: with engine keys, those the
@@ -495,6 +527,8 @@ class OffloadScheduler:
                 "this scheduler makes keys from the engine's block hashes: pass each "
                 "request's block_hashes to lookup and plan_step"
             )
+        if self.retention.plain and len(req.keys[0]) >= tokens // self.tokens_per_chunk[0]:
+            return  # keyed already: most steps after a request's lookup
         req.extend_keys(token_ids, tokens, self.tokens_per_chunk, self.namespace,
                         engine=engine, block_hashes=block_hashes or ())  # fmt: skip
 

@@ -64,6 +64,9 @@ class AdmissionFilter(EvictionPolicy):
     def insert(self, key: bytes) -> None:
         self.inner.insert(key)
 
+    def insert_many(self, keys: Iterable[bytes]) -> None:
+        self.inner.insert_many(keys)
+
     def touch(self, key: bytes) -> None:
         self.inner.touch(key)
 
