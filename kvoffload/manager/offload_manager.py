@@ -199,31 +199,37 @@ class OffloadManager:
                 state = "still being stored" if key in self._storing else "not stored"
                 raise ProtocolError(f"prepare_load: chunk {short_key(key)} is {state}")
         pins, tenants = self._pins, self.tenants
-        for key in keys:
-            held = pins.get(key, 0)
-            pins[key] = held + 1
-            if tenants is not None and not held:
-                tenants.pinned(key, +1)
-        return LoadResult(tuple(keys), tuple([ready[key] for key in keys]))
+        if tenants is None:
+            for key in keys:
+                pins[key] = pins.get(key, 0) + 1
+        else:
+            for key in keys:
+                held = pins.get(key, 0)
+                pins[key] = held + 1
+                if not held:
+                    tenants.pinned(key, +1)
+        return LoadResult(tuple(keys), tuple(map(ready.__getitem__, keys)))
 
     def complete_load(self, keys: Sequence[bytes]) -> None:
         """Drop one pin per occurrence of each key; raise ``ProtocolError`` below zero pins."""
-        pins = self._pins
-        for key, count in Counter(keys).items():
-            held = pins.get(key, 0)
-            if count > held:
-                raise ProtocolError(
-                    f"complete_load: chunk {short_key(key)} has {held} pin(s), "
-                    f"asked to drop {count}"
-                )
+        pins, tenants = self._pins, self.tenants
+        unique = set(keys)
+        if len(unique) < len(keys) or not pins.keys() >= unique:  # else one pin each: enough
+            for key, count in Counter(keys).items():
+                held = pins.get(key, 0)
+                if count > held:
+                    raise ProtocolError(
+                        f"complete_load: chunk {short_key(key)} has {held} pin(s), "
+                        f"asked to drop {count}"
+                    )
         for key in keys:
             left = pins[key] - 1
             if left:
                 pins[key] = left
             else:
                 del pins[key]
-                if self.tenants is not None:
-                    self.tenants.pinned(key, -1)
+                if tenants is not None:
+                    tenants.pinned(key, -1)
 
     # -- stores --------------------------------------------------------------
     def prepare_store(

@@ -104,7 +104,7 @@ def load_spans(
     for piece in pieces:
         g, c0, keys, blocks = piece.group, piece.first_chunk, piece.keys, block_ids[piece.group]
         first_block = groups[g].chunk_first_block
-        for start, run in _runs([key in lost for key in keys]):
+        for start, run in _runs([key in lost for key in keys] if lost else [False] * len(keys)):
             lo = max(piece.first, first_block(c0 + start, blocks_per_chunk))
             hi = min(piece.stop, (c0 + run) * blocks_per_chunk)
             if keys[start] in lost:
@@ -112,7 +112,7 @@ def load_spans(
                 continue
             offset = lo - first_block(c0 + start, blocks_per_chunk)
             block_span = BlockSpan(tuple(blocks[lo:hi]), offset)
-            chunk_slots = tuple(slots[key] for key in keys[start:run])
+            chunk_slots = tuple(map(slots.__getitem__, keys[start:run]))
             spans.append(ChunkSpan(g, keys[start:run], chunk_slots, block_span))
     return tuple(spans), unloadable
 

@@ -210,8 +210,11 @@ class OffloadScheduler:
         pins and reservations until its report completes them.
         """
         mask = self.index.ready_mask(keys)
-        resident = [key for key, ok in zip(keys, mask, strict=True) if ok]
-        lower = [key for key, ok in zip(keys, mask, strict=True) if not ok]
+        if all(mask):  # the common load: all of it in the CPU tier
+            resident, lower = keys, []
+        else:
+            resident = [key for key, ok in zip(keys, mask, strict=True) if ok]
+            lower = [key for key, ok in zip(keys, mask, strict=True) if not ok]
         slots = dict(zip(resident, self.index.prepare_load(resident).slots, strict=True))
         promoted: tuple[bytes, ...] = ()
         if lower:
