@@ -59,7 +59,8 @@ class BlockSpan:
         if not ids:
             raise TransferError("a BlockSpan needs at least one block id")
         object.__setattr__(self, "block_ids", ids)
-        checked_int("first_offset", self.first_offset, minimum=0, error=TransferError)
+        if type(self.first_offset) is not int or self.first_offset < 0:  # checked in full
+            checked_int("first_offset", self.first_offset, minimum=0, error=TransferError)
 
     def num_chunks(self, blocks_per_chunk: int) -> int:
         """Chunks the span touches."""

@@ -23,10 +23,12 @@ from kvoffload.manager import OffloadManager
 from kvoffload.manager.policies.adaptive import GHOST, AdaptivePolicy
 from kvoffload.manager.policies.admission import AdmissionFilter
 from kvoffload.manager.policies.lru import LRUPolicy
-from kvoffload.manager.policy import EvictionPolicy
+from kvoffload.manager.policy import EvictionPolicy, nothing_protected
 from kvoffload.messages import JobReport, TransferOrder
 from kvoffload.vllm._hits import HitFinder
+from kvoffload.registry import POLICIES
 from kvoffload.vllm._request import add_range
+from kvoffload.vllm._spans import StorePiece, run_spans, store_spans
 from kvoffload.vllm.scheduler import OffloadScheduler, StepRequest
 
 
@@ -242,3 +244,49 @@ def test_valid_ranges_merge_as_sets_of_tokens_would(seed: int) -> None:
             else:
                 merged.append((lo, hi))
         assert ranges == merged
+
+
+@pytest.mark.parametrize("name", POLICIES.names())
+def test_evicting_with_nothing_protected_takes_what_asking_each_key_takes(name: str) -> None:
+    # The index passes nothing_protected when no key is pinned or found; LRU then pops its
+    # oldest at once. Every policy must pick the victims it picks when asked key by key.
+    rng = random.Random(3)
+    pool = [os.urandom(16) for _ in range(40)]
+    fast, asked = POLICIES.create(name, 16), POLICIES.create(name, 16)
+    resident: list[bytes] = []
+    for _ in range(300):
+        key = rng.choice(pool)
+        if key in resident:
+            for policy in (fast, asked):
+                policy.touch(key)
+        elif len(resident) < 16:
+            resident.append(key)
+            for policy in (fast, asked):
+                policy.insert(key)
+        else:
+            n = rng.randint(1, 4)
+            victims = fast.evict(n, nothing_protected)
+            assert victims == asked.evict(n, lambda key: False) and len(victims) == n
+            resident = [k for k in resident if k not in victims]
+    assert fast.evict(16, nothing_protected) == asked.evict(16, lambda key: False)
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_a_run_of_chunks_spans_as_its_pieces_do(seed: int) -> None:
+    # run_spans makes a plain store's spans from its chunk indices (one run at once, else
+    # cut where a chunk is missing); they must be store_spans' of the same chunks.
+    rng = random.Random(seed)
+    bpc = rng.choice((1, 2, 4))
+    blocks = [rng.randrange(1, 1000) for _ in range(40 * bpc)]
+    first = rng.randrange(0, 20)
+    chunks = list(range(first, first + rng.randint(1, 20)))
+    if seed % 2:  # admission turned some away
+        chunks = sorted(rng.sample(chunks, rng.randint(1, len(chunks))))
+    keys = [os.urandom(16) for _ in chunks]
+    slots = [rng.randrange(100) for _ in chunks]
+    pieces = [
+        StorePiece(3, c, key, slot, tuple(blocks[c * bpc : (c + 1) * bpc]))
+        for c, key, slot in zip(chunks, keys, slots, strict=True)
+    ]
+    spans = run_spans(3, chunks, keys, slots, blocks, blocks_per_chunk=bpc)
+    assert spans == store_spans(pieces)

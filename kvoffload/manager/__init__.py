@@ -13,7 +13,7 @@ from kvoffload.manager.policies import (
     LRUPolicy,
     S3FIFOPolicy,
 )
-from kvoffload.manager.policy import EvictionPolicy
+from kvoffload.manager.policy import EvictionPolicy, nothing_protected
 from kvoffload.manager.results import EventKind, IndexEvent, LoadResult, StoreResult
 
 __all__ = [
@@ -28,4 +28,5 @@ __all__ = [
     "OffloadManager",
     "S3FIFOPolicy",
     "StoreResult",
+    "nothing_protected",
 ]

@@ -27,7 +27,7 @@ from kvoffload.errors import ConfigError, IntegrityError, ProtocolError
 from kvoffload.keys import short_key
 from kvoffload.manager._tenants import TenantShares
 from kvoffload.manager.policies.admission import AdmissionFilter
-from kvoffload.manager.policy import EvictionPolicy
+from kvoffload.manager.policy import EvictionPolicy, nothing_protected
 from kvoffload.manager.results import EventKind, IndexEvent, LoadResult, StoreResult
 from kvoffload.registry import DEFAULT_POLICY, POLICIES
 
@@ -393,7 +393,9 @@ class OffloadManager:
             return []
         pins, ready = self._pins, self._ready
         if spare is None:
-            victims = self.policy.evict(need, lambda key: key in pins or key in found)
+            # A set's own membership test, not a lambda: it is asked once per victim.
+            kept = (pins.keys() | found).__contains__ if pins or found else nothing_protected
+            victims = self.policy.evict(need, kept)
         else:
             victims = self.policy.evict(need, lambda key: key in pins or key in found or spare(key))
         chosen = set(victims)  # checked at once: every victim ready, none kept, none twice

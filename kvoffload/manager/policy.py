@@ -21,6 +21,8 @@ Protocol, as the index drives it:
   eviction (reset of one key, a tier dropping a corrupt chunk).
 * ``evict(n, protected)`` chooses up to ``n`` resident victims for which
   ``protected(key)`` is false, forgets them and returns them, oldest first.
+  The index passes :func:`nothing_protected` itself when no key is (no pins,
+  no keys of the store at hand): a policy may recognise it and skip asking.
   Fewer than ``n`` means no more unprotected keys exist; the index then
   undoes nothing, because it asks for victims only after checking it can
   succeed (``prepare_store`` is all or nothing).
@@ -44,7 +46,12 @@ from collections.abc import Callable, Collection, Iterable, Sequence
 
 from kvoffload.errors import IntegrityError
 
-__all__ = ["EvictionPolicy"]
+__all__ = ["EvictionPolicy", "nothing_protected"]
+
+
+def nothing_protected(key: bytes) -> bool:
+    """The ``protected`` of an eviction where no key is protected (see ``evict``)."""
+    return False
 
 
 class EvictionPolicy(ABC):

@@ -158,6 +158,9 @@ def run_spans(
     pieces need not be made one by one.
     """
     spans, start, n = [], 0, len(chunks)
+    if n and chunks[-1] - chunks[0] == n - 1:  # one run (ascending, so no gap): at once
+        ids = tuple(blocks[chunks[0] * blocks_per_chunk : (chunks[-1] + 1) * blocks_per_chunk])
+        return (ChunkSpan(group, tuple(keys), tuple(slots), BlockSpan(ids)),)
     for i in range(1, n + 1):
         if i == n or chunks[i] != chunks[i - 1] + 1:
             ids = tuple(

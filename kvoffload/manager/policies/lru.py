@@ -7,7 +7,7 @@ from collections.abc import Callable, Collection, Iterable
 
 from kvoffload.manager._integrity import check_resident
 from kvoffload.manager.policies._common import check_capacity
-from kvoffload.manager.policy import EvictionPolicy
+from kvoffload.manager.policy import EvictionPolicy, nothing_protected
 
 __all__ = ["LRUPolicy"]
 
@@ -69,6 +69,9 @@ class LRUPolicy(EvictionPolicy):
         victims: list[bytes] = []
         if n <= 0:
             return victims
+        if protected is nothing_protected:  # the oldest n, popped at once
+            pop = self._order.popitem
+            return [pop(last=False)[0] for _ in range(min(n, len(self._order)))]
         for key in self._order:
             if not protected(key):
                 victims.append(key)
