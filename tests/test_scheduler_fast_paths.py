@@ -25,8 +25,8 @@ from kvoffload.manager.policies.admission import AdmissionFilter
 from kvoffload.manager.policies.lru import LRUPolicy
 from kvoffload.manager.policy import EvictionPolicy, nothing_protected
 from kvoffload.messages import JobReport, TransferOrder
-from kvoffload.vllm._hits import HitFinder
 from kvoffload.registry import POLICIES
+from kvoffload.vllm._hits import HitFinder
 from kvoffload.vllm._request import add_range
 from kvoffload.vllm._spans import StorePiece, run_spans, store_spans
 from kvoffload.vllm.scheduler import OffloadScheduler, StepRequest
