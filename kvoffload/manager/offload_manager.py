@@ -208,7 +208,7 @@ class OffloadManager:
                 pins[key] = held + 1
                 if not held:
                     tenants.pinned(key, +1)
-        return LoadResult(tuple(keys), tuple(map(ready.__getitem__, keys)))
+        return LoadResult(tuple(keys), tuple([ready[key] for key in keys]))
 
     def complete_load(self, keys: Sequence[bytes]) -> None:
         """Drop one pin per occurrence of each key; raise ``ProtocolError`` below zero pins."""
@@ -424,6 +424,7 @@ class OffloadManager:
                 free.append(slot := ready.pop(key))
                 record(IndexEvent(_REMOVED, key, slot))
         else:
-            free += map(ready.pop, keys)
+            for key in keys:
+                free.append(ready.pop(key))
         if self.tenants is not None:
             self.tenants.dropped(keys, ready=True)
