@@ -386,3 +386,55 @@ def test_from_config_uses_the_policy_and_store_threshold() -> None:
         assert store is not None
         offers.append(store.keys)
     assert offers == [(), (), tuple(key)]  # stored on the third sighting
+
+
+# -- write-around: what admission turns away still reaches the lower tiers ----------------
+def test_a_turned_away_store_is_made_for_the_lower_tiers_and_leaves_no_chunk_here() -> None:
+    index = OffloadManager(4, AdmissionFilter(LRUPolicy(4)), write_around=True)
+    first = index.prepare_store(K[:2])  # first sightings: turned away from this tier
+    assert first is not None and first.keys == (K[0], K[1]) and len(first.slots) == 2
+    assert index.stats()["storing"] == 2 and index.stats()["rejected"] == 2
+    index.check_integrity()
+    index.complete_store([K[1], K[0]])
+    stats = index.stats()
+    assert (stats["ready"], stats["free"], stats["stores"], stats["written_around"]) == (0, 4, 0, 2)
+    assert index.take_events() == [] and index.lookup(K[:1]) == 0
+    # A second sighting is admitted (and stays); a first one beside it is written around.
+    both = index.prepare_store([K[0], K[2]])
+    assert both is not None and both.keys == (K[0], K[2])
+    index.complete_store([K[2], K[0]])
+    assert index.lookup([K[0]]) == 1 and index.lookup([K[2]]) == 0
+    assert index.stats()["written_around"] == 3 and len(index.policy) == 1
+    index.check_integrity()
+
+
+def test_a_failed_store_for_the_lower_tiers_frees_its_slot_like_any_other() -> None:
+    index = OffloadManager(2, AdmissionFilter(LRUPolicy(2)), write_around=True)
+    store = index.prepare_store([K[0]])
+    assert store is not None and store.keys == (K[0],)
+    index.complete_store([K[0]], success=False)
+    assert index.stats()["store_failures"] == 1 and index.stats()["free"] == 2
+    index.check_integrity()
+    again = index.prepare_store([K[0]])  # the filter saw it once: admitted now
+    assert again is not None and again.keys == (K[0],)
+    index.complete_store([K[0]])
+    assert index.lookup([K[0]]) == 1 and index.stats()["written_around"] == 0
+
+
+def test_without_lower_tiers_a_turned_away_store_is_not_made() -> None:
+    index = OffloadManager(4, AdmissionFilter(LRUPolicy(4)))
+    store = index.prepare_store(K[:2])
+    assert store is not None and store.keys == () and index.stats()["storing"] == 0
+
+
+@pytest.mark.parametrize(
+    ("tiers", "around"),
+    [({}, False), ({"disk_path": "/tmp/kvoffload-x", "disk_bytes_to_use": 1 << 20}, True),
+     ({"remote_url": "redis://127.0.0.1:1"}, True)],
+)  # fmt: skip
+def test_the_index_writes_around_when_a_lower_tier_is_configured(
+    tiers: dict[str, object], around: bool
+) -> None:
+    layout = KVLayout(groups=(CacheGroup("full", 16, ("l0",), 1024),))
+    config = build_offloading_config({"cpu_bytes_to_use": 8 * 1024, **tiers}, layout)
+    assert OffloadManager.from_config(config).write_around is around

@@ -153,10 +153,13 @@ KEYS: tuple[Key, ...] = (
         "`tokens_per_block`, and must be a multiple of it. Excludes `blocks_per_chunk`.",
         bounds=_TOKENS, sets_field=False),
     Key("eviction_policy", KeyType.POLICY,
-        f"Eviction policy of the offload index: one of {', '.join(POLICIES.names())}."),
+        f"Eviction policy of the offload index: one of {', '.join(POLICIES.names())}. "
+        "Its admission filter (adaptive's) decides what the CPU tier keeps; with a disk or "
+        "remote tier every chunk still reaches them."),
     Key("store_threshold", KeyType.INT,
-        "Offload a chunk once it has been seen this many times (1: on first sight; "
-        "2 and more filter out one-off prefixes).", bounds=_SIGHTINGS),
+        "Keep a chunk in the CPU tier once it has been seen this many times (1: on first "
+        "sight; 2 and more filter out one-off prefixes). A disk or remote tier gets every "
+        "chunk regardless.", bounds=_SIGHTINGS),
     Key("offload_prompt_only", KeyType.BOOL,
         "Offload only chunks that lie wholly inside the prompt, not generated tokens."),
     Key("key_source", KeyType.KEY_SOURCE,

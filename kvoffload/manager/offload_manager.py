@@ -78,6 +78,7 @@ class OffloadManager:
         *,
         record_events: bool = True,
         tenant_share: float | None = None,
+        write_around: bool = False,
     ) -> None:
         checked_int("num_chunks", num_chunks)
         self.capacity = num_chunks
@@ -86,6 +87,11 @@ class OffloadManager:
         # Asking a policy without an admission hook per key would only cost time.
         self._filters_admission = type(self.policy).admit is not EvictionPolicy.admit
         self.record_events = record_events
+        #: Whether stores the policy's admission turns away are made anyway, for the lower
+        #: tiers behind this one: through a slot freed when they complete (``prepare_store``).
+        self.write_around = write_around
+        #: Keys being stored for the lower tiers only: the policy turned them away.
+        self._cold: set[bytes] = set()
         self._ready: dict[bytes, int] = {}
         self._storing: dict[bytes, int] = {}
         self._pins: dict[bytes, int] = {}
@@ -94,7 +100,7 @@ class OffloadManager:
         self._events: list[IndexEvent] = []
         self._counters = dict.fromkeys(
             ("lookups", "hits", "misses", "stores", "store_failures", "evictions", "rejected",
-             "removed", "resets"), 0)  # fmt: skip
+             "written_around", "removed", "resets"), 0)  # fmt: skip
 
     @classmethod
     def from_config(cls, config: OffloadConfig, *, record_events: bool = True) -> OffloadManager:
@@ -102,13 +108,16 @@ class OffloadManager:
 
         ``eviction_policy`` picks the policy; a ``store_threshold`` above 1
         wraps it in an :class:`AdmissionFilter` that stores a chunk on that
-        many sightings; ``tenant_cpu_share`` caps each tenant's chunks.
+        many sightings; ``tenant_cpu_share`` caps each tenant's chunks. With a
+        disk or remote tier the index writes around (``write_around``): what
+        admission turns away still reaches them.
         """
         policy: EvictionPolicy = POLICIES.create(config.eviction_policy, config.num_cpu_chunks)
         if config.store_threshold > 1:
             policy = AdmissionFilter(policy, sightings=config.store_threshold)
-        share = config.tenant_cpu_share
-        return cls(config.num_cpu_chunks, policy, record_events=record_events, tenant_share=share)
+        lower = config.disk_path is not None or config.remote_url is not None
+        return cls(config.num_cpu_chunks, policy, record_events=record_events,
+                   tenant_share=config.tenant_cpu_share, write_around=lower)  # fmt: skip
 
     # -- queries -------------------------------------------------------------
     def lookup(self, keys: Sequence[bytes]) -> int:
@@ -242,6 +251,12 @@ class OffloadManager:
         ``tenant`` owns the new chunks; with tenant shares on, a tenant at its
         cap makes room from its own chunks first (``None`` if it cannot).
 
+        With ``write_around`` (a disk or remote tier behind this one), keys
+        the policy turns away are reserved too and reported as stored: their
+        bytes must pass through a CPU slot to reach the lower tiers, and the
+        filter decides only what this tier keeps (their slots are freed when
+        the store completes). Without, they are not stored at all.
+
         Already-ready keys are skipped and protected from this call's
         evictions; in-flight keys and duplicates are skipped. Room is checked
         assuming every missing key is admitted, *before* the policy's
@@ -258,9 +273,16 @@ class OffloadManager:
         tenants = self.tenants
         if tenants is not None and not tenants.fits(tenant, len(missing), found, self._pins):
             return None
+        cold: list[bytes] = []
         if self._filters_admission and not admit_all:
             admitted = self.policy.admit_many(missing)
             self._counters["rejected"] += len(missing) - len(admitted)
+            if self.write_around and len(admitted) < len(missing):
+                # Turned away from this tier, not from the ones behind it: stored through a
+                # slot like the others, which is freed once the store is done.
+                kept = set(admitted)
+                cold = [key for key in missing if key not in kept]
+                admitted = missing
         else:
             admitted = missing
         if not admitted and tenants is None:
@@ -278,10 +300,14 @@ class OffloadManager:
             slots.append(slot)
         if tenants is not None:
             tenants.reserve(admitted, tenant)
+        self._cold.update(cold)
         return StoreResult(tuple(admitted), tuple(slots), tuple(evicted))
 
     def complete_store(self, keys: Sequence[bytes], success: bool = True) -> None:
         """Finish in-flight stores: ready and ``STORED`` on success, slots freed otherwise.
+
+        A store made only for the lower tiers (``write_around``) frees its
+        slot on success too: the chunk is on them now, and was not admitted here.
 
         Raises ``ProtocolError`` (changing nothing) if a key is not being
         stored, e.g. completed twice or never prepared. Keys reach the policy's
@@ -291,6 +317,8 @@ class OffloadManager:
         batch = set(keys)
         if len(batch) != len(keys) or not storing.keys() >= batch:  # at once: the common case
             self._refuse_completion(keys)
+        if success and self._cold and not self._cold.isdisjoint(keys):
+            keys = self._written_around(keys)
         if success:
             ready = self._ready
             if self.record_events:
@@ -309,6 +337,7 @@ class OffloadManager:
             free = self._free
             for key in keys:
                 free.append(storing.pop(key))
+            self._cold.difference_update(keys)
             self._counters["store_failures"] += len(keys)
             if self.tenants is not None:
                 self.tenants.dropped(keys, ready=False)
@@ -359,11 +388,28 @@ class OffloadManager:
         from kvoffload.manager._integrity import check_index
 
         check_index(self._ready, self._storing, self._pins, self._free, self.capacity)
+        if not self._cold <= self._storing.keys():
+            raise IntegrityError(
+                f"{len(self._cold - self._storing.keys())} chunk(s) marked for the lower tiers "
+                "only have no store in flight"
+            )
         self.policy.check_integrity(self._ready.keys())
         if self.tenants is not None:
             self.tenants.check(self._ready.keys(), self._storing.keys(), self._pins.keys())
 
     # -- internals -------------------------------------------------------------
+    def _written_around(self, keys: Sequence[bytes]) -> list[bytes]:
+        """Free the slots of completed stores that were for the lower tiers only; the rest."""
+        cold, storing, free = self._cold, self._storing, self._free
+        around = [key for key in keys if key in cold]
+        cold.difference_update(around)
+        for key in around:
+            free.append(storing.pop(key))
+        if self.tenants is not None:
+            self.tenants.dropped(around, ready=False)
+        self._counters["written_around"] += len(around)
+        return [key for key in keys if key in storing]
+
     def _refuse_completion(self, keys: Sequence[bytes]) -> NoReturn:
         """Raise ``complete_store`` 's error, naming the first key with no store in flight."""
         storing, batch = self._storing, set()
