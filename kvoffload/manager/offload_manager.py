@@ -318,7 +318,10 @@ class OffloadManager:
         if len(batch) != len(keys) or not storing.keys() >= batch:  # at once: the common case
             self._refuse_completion(keys)
         if success and self._cold and not self._cold.isdisjoint(keys):
-            keys = self._written_around(keys)
+            around = [key for key in keys if key in self._cold]  # for the lower tiers only
+            self._give_back(around)
+            self._counters["written_around"] += len(around)
+            keys = [key for key in keys if key in storing]
         if success:
             ready = self._ready
             if self.record_events:
@@ -334,13 +337,8 @@ class OffloadManager:
             if self.tenants is not None:
                 self.tenants.stored(keys)
         else:
-            free = self._free
-            for key in keys:
-                free.append(storing.pop(key))
-            self._cold.difference_update(keys)
+            self._give_back(keys)
             self._counters["store_failures"] += len(keys)
-            if self.tenants is not None:
-                self.tenants.dropped(keys, ready=False)
 
     def discard(self, keys: Iterable[bytes]) -> list[bytes]:
         """Drop ready, unpinned ``keys`` (chunks no hit will need); returns those dropped."""
@@ -398,17 +396,15 @@ class OffloadManager:
             self.tenants.check(self._ready.keys(), self._storing.keys(), self._pins.keys())
 
     # -- internals -------------------------------------------------------------
-    def _written_around(self, keys: Sequence[bytes]) -> list[bytes]:
-        """Free the slots of completed stores that were for the lower tiers only; the rest."""
-        cold, storing, free = self._cold, self._storing, self._free
-        around = [key for key in keys if key in cold]
-        cold.difference_update(around)
-        for key in around:
+    def _give_back(self, keys: Sequence[bytes]) -> None:
+        """Free the slots of in-flight ``keys`` that do not become ready here (failed, or
+        stored for the lower tiers only)."""
+        storing, free = self._storing, self._free
+        for key in keys:
             free.append(storing.pop(key))
+        self._cold.difference_update(keys)
         if self.tenants is not None:
-            self.tenants.dropped(around, ready=False)
-        self._counters["written_around"] += len(around)
-        return [key for key in keys if key in storing]
+            self.tenants.dropped(keys, ready=False)
 
     def _refuse_completion(self, keys: Sequence[bytes]) -> NoReturn:
         """Raise ``complete_store`` 's error, naming the first key with no store in flight."""

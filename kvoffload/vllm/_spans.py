@@ -6,6 +6,7 @@ run with one gather or scatter call per layer.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Mapping, Sequence
 from typing import NamedTuple
 
@@ -157,17 +158,19 @@ def run_spans(
     ``blocks[chunks[i] * blocks_per_chunk :]``: a plain step's store, whose
     pieces need not be made one by one.
     """
-    spans, start, n = [], 0, len(chunks)
-    if n and chunks[-1] - chunks[0] == n - 1:  # one run (ascending, so no gap): at once
-        ids = tuple(blocks[chunks[0] * blocks_per_chunk : (chunks[-1] + 1) * blocks_per_chunk])
-        return (ChunkSpan(group, tuple(keys), tuple(slots), BlockSpan(ids)),)
-    for i in range(1, n + 1):
-        if i == n or chunks[i] != chunks[i - 1] + 1:
-            ids = tuple(
-                blocks[chunks[start] * blocks_per_chunk : (chunks[i - 1] + 1) * blocks_per_chunk]
-            )
-            spans.append(
-                ChunkSpan(group, tuple(keys[start:i]), tuple(slots[start:i]), BlockSpan(ids))
-            )
-            start = i
+    n = len(chunks)
+    if not n:
+        return ()
+    if chunks[-1] - chunks[0] == n - 1:  # ascending, so no gap: one run, found at once
+        cuts = [0, n]
+    else:
+        cuts = [0, *(i for i in range(1, n) if chunks[i] != chunks[i - 1] + 1), n]
+    spans = []
+    for start, stop in itertools.pairwise(cuts):
+        ids = tuple(
+            blocks[chunks[start] * blocks_per_chunk : (chunks[stop - 1] + 1) * blocks_per_chunk]
+        )
+        spans.append(
+            ChunkSpan(group, tuple(keys[start:stop]), tuple(slots[start:stop]), BlockSpan(ids))
+        )
     return tuple(spans)

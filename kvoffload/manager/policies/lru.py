@@ -50,7 +50,11 @@ class LRUPolicy(EvictionPolicy):
             pass
 
     def touch_many(self, keys: Iterable[bytes]) -> None:
-        self._move_to_end(keys)
+        order = self._order
+        move = order.move_to_end
+        for key in keys:
+            if key in order:
+                move(key)
 
     def refresh_many(self, keys: Iterable[bytes]) -> None:
         # Asked for what is resident (the chain ahead of a completed store, a prefix the
@@ -61,13 +65,6 @@ class LRUPolicy(EvictionPolicy):
                 move(key)
             except KeyError:
                 pass
-
-    def _move_to_end(self, keys: Iterable[bytes]) -> None:
-        order = self._order
-        move = order.move_to_end
-        for key in keys:
-            if key in order:
-                move(key)
 
     def remove(self, key: bytes) -> None:
         self._order.pop(key, None)
