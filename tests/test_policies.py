@@ -17,6 +17,7 @@ from kvoffload.manager import (
     OffloadManager,
     S3FIFOPolicy,
 )
+from kvoffload.manager.policies._segmented import SegmentedLRU
 from kvoffload.registry import POLICIES
 
 K = [i.to_bytes(2, "big") * 8 for i in range(64)]
@@ -26,6 +27,7 @@ FACTORIES: dict[str, Callable[[int], EvictionPolicy]] = {
 }
 FACTORIES["admit+lru"] = lambda c: AdmissionFilter(LRUPolicy(c))
 FACTORIES["admit+arc"] = lambda c: AdmissionFilter(ARCPolicy(c), window=2)
+FACTORIES["slru"] = lambda c: SegmentedLRU(c, c // 2)  # the adaptive policy's residents
 
 
 def never(key: bytes) -> bool:
@@ -88,7 +90,7 @@ def test_check_integrity_detects_a_foreign_set(make: Callable[[int], EvictionPol
     policy.insert(K[0])
     with pytest.raises(IntegrityError, match="tracks 1 keys"):
         policy.check_integrity({K[0], K[1]})
-    if isinstance(policy, LRUPolicy | ARCPolicy | S3FIFOPolicy):
+    if isinstance(policy, LRUPolicy | ARCPolicy | S3FIFOPolicy | SegmentedLRU):
         with pytest.raises(IntegrityError, match="does not hold"):
             policy.check_integrity({K[1]})
 

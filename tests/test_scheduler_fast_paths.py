@@ -20,6 +20,7 @@ from kvoffload import build_offloading_config
 from kvoffload.config.layout import CacheGroup, KVLayout
 from kvoffload.keys import namespace_of
 from kvoffload.manager import OffloadManager
+from kvoffload.manager.policies._segmented import SegmentedLRU
 from kvoffload.manager.policies.adaptive import GHOST, AdaptivePolicy
 from kvoffload.manager.policies.admission import AdmissionFilter
 from kvoffload.manager.policies.lru import LRUPolicy
@@ -99,7 +100,7 @@ class KeyByKey(AdaptivePolicy):
         if key in self._seen:
             del self._seen[key]
             return True
-        if not self.filtering or len(self._order) < self.capacity:
+        if not self.filtering or len(self) < self.capacity:
             return True
         self._seen[key] = None
         if len(self._seen) > GHOST * self.capacity:
@@ -147,7 +148,8 @@ def test_admitting_a_store_at_once_answers_as_key_by_key(name: str) -> None:
     if name == "adaptive":
         a, b = batched.policy, keyed.policy
         assert isinstance(a, AdaptivePolicy) and isinstance(b, AdaptivePolicy)
-        assert (list(a._seen), a.filtering) == (list(b._seen), b.filtering)
+        modes = [(list(p._seen), p.filtering, p.protecting) for p in (a, b)]
+        assert modes[0] == modes[1]
 
 
 def general_scheduler(sched: OffloadScheduler) -> OffloadScheduler:
@@ -217,7 +219,8 @@ def test_a_one_group_step_stores_and_completes_as_the_general_path(seed: int) ->
     a, b = fast.index, general.index
     assert list(a._ready) == list(b._ready) and list(a._storing) == list(b._storing)
     assert isinstance(a.policy, AdaptivePolicy) and isinstance(b.policy, AdaptivePolicy)
-    assert list(a.policy._order) == list(b.policy._order)
+    assert list(a.policy._probation) == list(b.policy._probation)
+    assert list(a.policy._protected) == list(b.policy._protected)
     assert list(a.policy._seen) == list(b.policy._seen)
 
 
@@ -246,13 +249,18 @@ def test_valid_ranges_merge_as_sets_of_tokens_would(seed: int) -> None:
         assert ranges == merged
 
 
-@pytest.mark.parametrize("name", POLICIES.names())
+@pytest.mark.parametrize("name", [*POLICIES.names(), "slru"])
 def test_evicting_with_nothing_protected_takes_what_asking_each_key_takes(name: str) -> None:
     # The index passes nothing_protected when no key is pinned or found; LRU then pops its
-    # oldest at once. Every policy must pick the victims it picks when asked key by key.
+    # oldest at once. Every policy must pick the victims it picks when asked key by key
+    # (slru: the adaptive policy's residents with their protected segment on).
     rng = random.Random(3)
     pool = [os.urandom(16) for _ in range(40)]
-    fast, asked = POLICIES.create(name, 16), POLICIES.create(name, 16)
+
+    def make() -> EvictionPolicy:
+        return SegmentedLRU(16, 5) if name == "slru" else POLICIES.create(name, 16)
+
+    fast, asked = make(), make()
     resident: list[bytes] = []
     for _ in range(300):
         key = rng.choice(pool)

@@ -1,28 +1,38 @@
-"""The default policy: LRU whose admission filter turns itself on and off.
+"""The default policy: LRU that turns an admission filter and a protected segment on and off.
 
 Why: on serving traces most chunks are stored once and never reused. At a
 small capacity, storing them flushes chunks that would have been hit, so
 admitting a chunk only on its *second* sighting pays (x1.7 the hit ratio of
 LRU on the Mooncake conversation trace at 4,000 chunks). At a large capacity
 the same filter costs a miss on every second sighting that LRU would have
-hit (-20% at 16,000). Which side wins depends on capacity *and* workload, so
-the policy measures it instead of guessing.
+hit (-20% at 16,000). In between, admitting everything but keeping chunks
+that were hit in a protected segment of a quarter of the cache (segmented
+LRU, :mod:`~kvoffload.manager.policies._segmented`) keeps the reused chunks
+from being pushed out by the stream of new ones (+4% over LRU at 16,000
+chunks), and at a capacity that holds nearly all the reuse, plain LRU is
+best. Which wins depends on capacity *and* workload, so the policy measures
+it instead of guessing.
 
-How: residents are one LRU list; chain tails go first because the replay
-(and vLLM's connector) touches a request tail first, leaving its head most
-recent. Beside it run two *miniature simulations* (Waldspurger et al.,
-USENIX ATC'17): a deterministic 1/8 sample of the key space (by CRC-32, so
-runs are reproducible) is replayed into two small LRU caches of 1/8 the
-capacity, one admitting everything, one admitting on second sighting. Their
-hit counts, halved every few capacities' worth of sampled requests so the
-choice follows phase changes, decide the mode of the real cache: the filter
-is on while its shadow hits at least 10% more (the margin keeps the policy
-plain LRU when both are close, so it is never worse than LRU where LRU is
-right). The filter never rejects while the cache still has free room.
+How: residents are a segmented LRU; chain tails go first because the usage
+rules (:mod:`kvoffload.manager.usage`) touch a request tail first, leaving
+its head most recent. Beside it run three *miniature simulations*
+(Waldspurger et al., USENIX ATC'17): a deterministic 1/8 sample of the key
+space (by CRC-32, so runs are reproducible) is replayed into three small
+caches of 1/8 the capacity: plain LRU, LRU admitting on second sighting, and
+the segmented LRU. Their hit counts, halved every few capacities' worth of
+sampled requests so the choice follows phase changes, decide the mode of the
+real cache. The filter is on while its shadow hits at least 10% more than
+plain LRU's; the segment is on while its shadow hits at least 2% more than
+plain LRU's and more than the filter's (it costs no miss outright, only
+reorders evictions, so it needs less proof). The margins keep the policy
+plain LRU when the shadows are close, so it is never worse than LRU where
+LRU is right. The filter never rejects while the cache still has free room.
 
 Cost: O(1) per key (one CRC-32, and OrderedDict moves for 1 key in 8); the
-shadows hold at most ``6 * capacity / 8`` keys and the sighting ghost
-``4 * capacity``. Eviction skips protected keys exactly like LRU.
+shadows hold at most ``3 * capacity / 8`` keys plus their sightings, and the
+sighting ghost ``4 * capacity``. Turning the segment off sends its keys back
+to probation at once (O(capacity / 4), rare). Eviction skips protected keys
+exactly like LRU.
 """
 
 from __future__ import annotations
@@ -32,15 +42,20 @@ from collections.abc import Collection, Iterable, Sequence
 from zlib import crc32
 
 from kvoffload.errors import IntegrityError
-from kvoffload.manager.policies._common import check_capacity
-from kvoffload.manager.policies.lru import LRUPolicy
+from kvoffload.manager.policies._segmented import SegmentedLRU
 
 __all__ = ["AdaptivePolicy"]
 
 #: One key in ``SAMPLE`` feeds the shadows, which have 1/``SAMPLE`` the capacity.
 SAMPLE = 8
-#: The filter must beat admit-all by this factor in the shadows to be switched on.
+#: The filter must beat plain LRU by this factor in the shadows to be switched on.
 MARGIN = 1.1
+#: The protected segment must beat plain LRU by this factor to be switched on.
+PROTECT_MARGIN = 1.02
+#: The protected segment's size while it is on, as a fraction of the capacity (the
+#: Mooncake traces gained most at 1/5 to 1/3; at 1/2 and above, new chunks are
+#: evicted before their conversation's next turn reads them).
+PROTECTED_SHARE = 0.25
 #: Sightings remembered, in capacities: a chunk offered again within this many
 #: rejected offers is admitted. Longer than the cache, since reuse is sparse.
 GHOST = 4
@@ -56,72 +71,104 @@ def _remember(queue: OrderedDict[bytes, None], key: bytes, limit: int) -> None:
 
 
 class _Shadow:
-    """A miniature LRU cache over sampled keys that counts its own hits."""
+    """A miniature cache over sampled keys that counts its own hits: LRU, LRU with the
+    second-sighting filter (``filtering``), or segmented LRU (``protected_limit`` > 0)."""
 
-    __slots__ = ("capacity", "filtering", "hits", "resident", "seen")
+    __slots__ = ("capacity", "filtering", "hits", "limit", "protected", "resident", "seen")
 
-    def __init__(self, capacity: int, filtering: bool) -> None:
+    def __init__(self, capacity: int, *, filtering: bool = False, protected_limit: int = 0) -> None:
         self.capacity = capacity
         self.filtering = filtering
+        self.limit = protected_limit
         self.hits = 0.0
-        self.resident: OrderedDict[bytes, None] = OrderedDict()
+        self.resident: OrderedDict[bytes, None] = OrderedDict()  # probation, with a segment
+        self.protected: OrderedDict[bytes, None] = OrderedDict()
         self.seen: OrderedDict[bytes, None] = OrderedDict()
 
+    def __len__(self) -> int:
+        return len(self.resident) + len(self.protected)
+
     def request(self, key: bytes) -> None:
-        resident = self.resident
+        resident, protected = self.resident, self.protected
+        if key in protected:
+            self.hits += 1.0
+            protected.move_to_end(key)
+            return
         if key in resident:
             self.hits += 1.0
-            resident.move_to_end(key)
+            if self.limit:
+                del resident[key]
+                protected[key] = None
+                if len(protected) > self.limit:
+                    resident[protected.popitem(last=False)[0]] = None
+            else:
+                resident.move_to_end(key)
             return
-        if self.filtering and len(resident) >= self.capacity:
+        if self.filtering and len(self) >= self.capacity:
             if key not in self.seen:
                 _remember(self.seen, key, GHOST * self.capacity)
                 return
             del self.seen[key]
-        _remember(resident, key, self.capacity)
+        resident[key] = None
+        if len(self) > self.capacity:
+            (resident or protected).popitem(last=False)
 
     def clear(self) -> None:
         self.hits = 0.0
         self.resident.clear()
+        self.protected.clear()
         self.seen.clear()
 
 
-class AdaptivePolicy(LRUPolicy):
-    """LRU with a second-sighting admission filter driven by two shadow caches.
+class AdaptivePolicy(SegmentedLRU):
+    """Segmented LRU whose admission filter and protected segment follow three shadow caches.
 
-    Residents, eviction and their integrity check are LRU's; this class adds
-    admission and the shadows that decide it.
+    Residents, eviction and their integrity check are :class:`SegmentedLRU` 's
+    (plain LRU while the segment is off); this class adds admission and the
+    shadows that decide both modes.
     """
 
     name = "adaptive"
 
     def __init__(self, capacity: int) -> None:
-        super().__init__(check_capacity("AdaptivePolicy", capacity))
+        super().__init__(capacity)
         self._seen: OrderedDict[bytes, None] = OrderedDict()
         small = max(1, capacity // SAMPLE)
-        self._admit_all = _Shadow(small, filtering=False)
+        self._lru = _Shadow(small)
         self._filtered = _Shadow(small, filtering=True)
+        self._segmented = _Shadow(small, protected_limit=max(1, int(PROTECTED_SHARE * small)))
         self._period = DECAY * small
         self._sampled = 0
         #: Whether first sightings are currently rejected (read it for reports).
         self.filtering = False
+        #: Whether keys that were hit are currently protected (read it for reports).
+        self.protecting = False
 
     # -- the shadows -----------------------------------------------------------
     def _observe(self, key: bytes) -> None:
-        """Feed a request of ``key``, if sampled, to both shadows and re-decide the mode."""
+        """Feed a request of ``key``, if sampled, to the shadows and re-decide the mode."""
         if not crc32(key) % SAMPLE:
             self._observe_sampled(key)
 
     def _observe_sampled(self, key: bytes) -> None:
-        admit_all, filtered = self._admit_all, self._filtered
-        admit_all.request(key)
+        lru, filtered, segmented = self._lru, self._filtered, self._segmented
+        lru.request(key)
         filtered.request(key)
+        segmented.request(key)
         self._sampled += 1
         if self._sampled >= self._period:
             self._sampled = 0
-            admit_all.hits *= 0.5
+            lru.hits *= 0.5
             filtered.hits *= 0.5
-        self.filtering = filtered.hits > MARGIN * admit_all.hits
+            segmented.hits *= 0.5
+        filtering = filtered.hits > MARGIN * lru.hits
+        protecting = segmented.hits > PROTECT_MARGIN * lru.hits and (
+            not filtering or segmented.hits > filtered.hits
+        )
+        self.filtering = filtering and not protecting
+        if protecting is not self.protecting:
+            self.protecting = protecting
+            self.protect(int(PROTECTED_SHARE * self.capacity) if protecting else 0)
 
     # -- EvictionPolicy ------------------------------------------------------------
     def admit(self, key: bytes) -> bool:
@@ -130,11 +177,11 @@ class AdaptivePolicy(LRUPolicy):
     def admit_many(self, keys: Sequence[bytes]) -> list[bytes]:
         seen, limit, admitted = self._seen, GHOST * self.capacity, []
         # With room left (admission adds no resident) every key is let in.
-        open_door = len(self._order) < self.capacity or not self.filtering
+        open_door = len(self) < self.capacity or not self.filtering
         for key in keys:
             if not crc32(key) % SAMPLE:
                 self._observe_sampled(key)  # may switch the filter, for this key and the next
-                open_door = len(self._order) < self.capacity or not self.filtering
+                open_door = len(self) < self.capacity or not self.filtering
             if key in seen:
                 del seen[key]
                 admitted.append(key)
@@ -147,35 +194,37 @@ class AdaptivePolicy(LRUPolicy):
         return admitted
 
     def touch(self, key: bytes) -> None:
-        try:
-            self._order.move_to_end(key)
-        except KeyError:
-            return
-        self._observe(key)
+        if self._hit(key):
+            self._observe(key)
 
     def touch_many(self, keys: Iterable[bytes]) -> None:
-        order = self._order
-        move = order.move_to_end
+        hit = self._hit
         for key in keys:  # touch, written out: a request's whole prompt comes here
-            if key in order:
-                move(key)
-                if not crc32(key) % SAMPLE:
-                    self._observe_sampled(key)
+            if hit(key) and not crc32(key) % SAMPLE:
+                self._observe_sampled(key)
 
     def reset(self) -> None:
         super().reset()
         self._seen.clear()
-        self._admit_all.clear()
-        self._filtered.clear()
+        for shadow in (self._lru, self._filtered, self._segmented):
+            shadow.clear()
         self._sampled = 0
         self.filtering = False
+        self.protecting = False
+        self.protect(0)
 
     def check_integrity(self, resident: Collection[bytes]) -> None:
         super().check_integrity(resident)
-        small = self._admit_all.capacity
-        sizes = (len(self._admit_all.resident), len(self._filtered.resident))
+        small = self._lru.capacity
+        shadows = (self._lru, self._filtered, self._segmented)
+        sizes = tuple(len(shadow) for shadow in shadows)
         ghosts = (len(self._seen), len(self._filtered.seen))
-        if max(sizes) > small or ghosts[0] > GHOST * self.capacity or ghosts[1] > GHOST * small:
+        if (
+            max(sizes) > small
+            or len(self._segmented.protected) > self._segmented.limit
+            or ghosts[0] > GHOST * self.capacity
+            or ghosts[1] > GHOST * small
+        ):
             raise IntegrityError(
                 f"adaptive: shadows hold {sizes} keys (capacity {small}), ghosts hold {ghosts} "
                 f"(limits {GHOST * self.capacity}, {GHOST * small})"
