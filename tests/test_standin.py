@@ -149,6 +149,27 @@ def served(tmp_path: Path) -> Iterator[Callable[..., tuple[StandIn, KVOffloadSid
 
 
 @LAYOUTS
+def test_a_side_that_moves_no_bytes_has_no_worker_and_finds_the_same_hits(
+    layout: KVLayout,
+) -> None:
+    # The replay times the scheduler this way (transfers=False), as vLLM's runs beside it.
+    slot = max(g.chunk_bytes(1) for g in layout.groups)
+    config = build_offloading_config({"cpu_bytes_to_use": 200 * slot}, layout)
+    namespace = namespace_of("standin-test", "bfloat16", layout)
+    requests = [(f"{r}{i}", tokens(100, 10 + i)) for r in "ab" for i in range(4)]
+    found = []
+    for transfers in (True, False):
+        side = KVOffloadSide(config, namespace, allocate_kv_caches(layout, 48), transfers=transfers)
+        assert (side.worker is None) is not transfers
+        try:
+            stats = StandIn(layout, side, gpu_blocks=48, step_tokens=64).run(requests)
+        finally:
+            side.close()
+        found.append((stats.gpu_hit_tokens, stats.loaded_tokens, side.scheduler.figures()))
+    assert found[0] == found[1] and found[0][1] > 0
+
+
+@LAYOUTS
 def test_prompts_evicted_from_the_gpu_come_back_from_the_cpu_bit_exact(
     served: Callable[..., tuple[StandIn, KVOffloadSide]], layout: KVLayout
 ) -> None:

@@ -87,6 +87,7 @@ def serve(args: argparse.Namespace, disk_path: str) -> dict[str, Any]:
         stats = engine.run(engine_requests(trace, progress=not args.no_progress, desc="demo"))
     finally:
         side.close()
+    assert side.worker is not None  # a side that moves bytes has one
     figures, worker = side.scheduler.figures(), side.worker.figures()
     tiers = side.worker.engine.stats()
     failed_stores = figures["failed_store_chunks"]

@@ -37,7 +37,7 @@ import math
 from collections.abc import Mapping
 from typing import Any, NamedTuple
 
-from kvoffload._checks import checked_int
+from kvoffload.config._hf_fields import int_field, layer_count
 from kvoffload.config.layout import CacheGroup, KVLayout
 from kvoffload.errors import ConfigError
 
@@ -58,11 +58,6 @@ class _Layer(NamedTuple):
     block: int
     window: int | None
     page: int
-
-
-def _field(config: Mapping[str, Any], name: str, default: int | None) -> int:
-    """An integer field of the config, transformers' ``DeepseekV4Config`` default if absent."""
-    return checked_int(f"model config field {name!r}", config.get(name, default))
 
 
 def _ratios(config: Mapping[str, Any], num_layers: int) -> list[int]:
@@ -115,10 +110,10 @@ def _entry_bytes(config: Mapping[str, Any], dtype: str, head_dim: int) -> int:
 
 
 def _layers(config: Mapping[str, Any], dtype: str) -> list[_Layer]:
-    num_layers = _field(config, "num_hidden_layers", None)
-    head = _field(config, "head_dim", 512)
-    window = _field(config, "sliding_window", 128)
-    index_head = _field(config, "index_head_dim", 128)
+    num_layers = layer_count(config)
+    head = int_field(config, "head_dim", 512)
+    window = int_field(config, "sliding_window", 128)
+    index_head = int_field(config, "index_head_dim", 128)
     align = 576 if dtype == "fp8_ds_mla" else 512
     entry = _entry_bytes(config, dtype, head)
 

@@ -40,6 +40,7 @@ from typing import Any, NamedTuple
 
 from kvoffload._checks import checked_int
 from kvoffload.config._hf_deepseek_v4 import deepseek_v4_layout
+from kvoffload.config._hf_fields import int_field, layer_count
 from kvoffload.config.layout import CacheGroup, KVLayout
 from kvoffload.errors import ConfigError
 
@@ -95,10 +96,6 @@ def load_hf_config(path_or_dict: str | Path | Mapping[str, Any]) -> dict[str, An
     return dict(text) if isinstance(text, Mapping) else config
 
 
-def _int_field(config: Mapping[str, Any], name: str, default: int | None = None) -> int:
-    return checked_int(f"model config field {name!r}", config.get(name, default))
-
-
 def _layer_types(config: Mapping[str, Any], num_layers: int) -> list[str]:
     types = config.get("layer_types")
     if types is None:
@@ -126,7 +123,7 @@ def _implied_layer_types(config: Mapping[str, Any], num_layers: int) -> list[str
         ]
         return ["chunked_attention" if r else "full_attention" for r in rope]
     if "full_attention_interval" in config:  # Qwen3-Next: every n-th layer is full attention
-        interval = _int_field(config, "full_attention_interval")
+        interval = int_field(config, "full_attention_interval")
         return [
             "linear_attention" if (i + 1) % interval else "full_attention"
             for i in range(num_layers)
@@ -144,12 +141,12 @@ def _implied_layer_types(config: Mapping[str, Any], num_layers: int) -> list[str
 
 def _state_bytes(config: Mapping[str, Any], dtype_bytes: int) -> int:
     """A gated DeltaNet layer's state (vLLM's ``gated_delta_net_state_shape``): conv and SSM."""
-    k_heads, v_heads = (_int_field(config, "linear_num_key_heads"),
-                        _int_field(config, "linear_num_value_heads"))  # fmt: skip
-    k_dim, v_dim = (_int_field(config, "linear_key_head_dim"),
-                    _int_field(config, "linear_value_head_dim"))  # fmt: skip
+    k_heads, v_heads = (int_field(config, "linear_num_key_heads"),
+                        int_field(config, "linear_num_value_heads"))  # fmt: skip
+    k_dim, v_dim = (int_field(config, "linear_key_head_dim"),
+                    int_field(config, "linear_value_head_dim"))  # fmt: skip
     conv_dim = 2 * k_dim * k_heads + v_dim * v_heads
-    conv = (_int_field(config, "linear_conv_kernel_dim") - 1) * conv_dim
+    conv = (int_field(config, "linear_conv_kernel_dim") - 1) * conv_dim
     ssm = v_heads * v_dim * k_dim
     return (conv + ssm) * dtype_bytes
 
@@ -160,7 +157,7 @@ def _layer_spec(
     if layer_type == "linear_attention":
         return _LayerSpec("mamba", 0, None, _state_bytes(config, dtype_bytes))
     if "kv_lora_rank" in config:  # MLA: one latent vector per token, no K/V split
-        latent = _int_field(config, "kv_lora_rank") + _int_field(config, "qk_rope_head_dim")
+        latent = int_field(config, "kv_lora_rank") + int_field(config, "qk_rope_head_dim")
         return _LayerSpec("mla", latent * dtype_bytes, None)
     overrides = config.get("per_layer_config") or {}
     override = (
@@ -168,25 +165,25 @@ def _layer_spec(
         if isinstance(overrides, Mapping)
         else {}
     )
-    heads = _int_field(config, "num_attention_heads")
-    head_dim = config.get("head_dim") or _int_field(config, "hidden_size") // heads
+    heads = int_field(config, "num_attention_heads")
+    head_dim = config.get("head_dim") or int_field(config, "hidden_size") // heads
     kv_heads = config.get("num_key_value_heads") or heads
     if layer_type == "full_attention" and not override:
         head_dim = config.get("global_head_dim") or head_dim
         kv_heads = config.get("num_global_key_value_heads") or kv_heads
-    head_dim = _int_field({"head_dim": override.get("head_dim", head_dim)}, "head_dim")
-    kv_heads = _int_field(
+    head_dim = int_field({"head_dim": override.get("head_dim", head_dim)}, "head_dim")
+    kv_heads = int_field(
         {"num_key_value_heads": override.get("num_key_value_heads", kv_heads)},
         "num_key_value_heads",
     )
     kind = _LAYER_KINDS[layer_type]
     window = None
     if kind == "sliding":
-        window = _int_field(config, "sliding_window")
+        window = int_field(config, "sliding_window")
     elif kind == "chunked_local" and config.get("attention_chunk_size") is None:
         kind = "full"  # Llama-4 without attention_chunk_size attends fully everywhere
     elif kind == "chunked_local":
-        window = _int_field(config, "attention_chunk_size")
+        window = int_field(config, "attention_chunk_size")
     return _LayerSpec(kind, 2 * kv_heads * head_dim * dtype_bytes, window)
 
 
@@ -250,7 +247,7 @@ def layout_from_hf_config(
         raise ConfigError(
             f"unknown KV cache dtype {dtype!r}; choose one of {', '.join(DTYPE_BYTES)}"
         )
-    num_layers = _int_field(config, "num_hidden_layers")
+    num_layers = layer_count(config)
     shared = config.get("num_kv_shared_layers") or 0
     types = _layer_types(config, num_layers)
     specs = {}

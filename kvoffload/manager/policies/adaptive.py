@@ -104,13 +104,14 @@ class _Shadow:
             else:
                 resident.move_to_end(key)
             return
-        if self.filtering and len(self) >= self.capacity:
+        held = len(resident) + len(protected)  # lengths written out: one call per sampled key
+        if self.filtering and held >= self.capacity:
             if key not in self.seen:
                 _remember(self.seen, key, GHOST * self.capacity)
                 return
             del self.seen[key]
         resident[key] = None
-        if len(self) > self.capacity:
+        if held >= self.capacity:
             (resident or protected).popitem(last=False)
 
     def clear(self) -> None:
@@ -177,11 +178,12 @@ class AdaptivePolicy(SegmentedLRU):
     def admit_many(self, keys: Sequence[bytes]) -> list[bytes]:
         seen, limit, admitted = self._seen, GHOST * self.capacity, []
         # With room left (admission adds no resident) every key is let in.
-        open_door = len(self) < self.capacity or not self.filtering
+        room = len(self._probation) + len(self._protected) < self.capacity
+        open_door = room or not self.filtering
         for key in keys:
             if not crc32(key) % SAMPLE:
                 self._observe_sampled(key)  # may switch the filter, for this key and the next
-                open_door = len(self) < self.capacity or not self.filtering
+                open_door = room or not self.filtering
             if key in seen:
                 del seen[key]
                 admitted.append(key)
@@ -198,10 +200,20 @@ class AdaptivePolicy(SegmentedLRU):
             self._observe(key)
 
     def touch_many(self, keys: Iterable[bytes]) -> None:
-        hit = self._hit
-        for key in keys:  # touch, written out: a request's whole prompt comes here
-            if hit(key) and not crc32(key) % SAMPLE:
-                self._observe_sampled(key)
+        # touch, written out: a request's whole prompt comes here.
+        if self.protected_limit:
+            hit = self._hit
+            for key in keys:
+                if hit(key) and not crc32(key) % SAMPLE:
+                    self._observe_sampled(key)
+            return
+        probation = self._probation  # the segment is off and empty: LRU's moves
+        move = probation.move_to_end
+        for key in keys:
+            if key in probation:
+                move(key)  # a switch to the segment here takes effect from the next call
+                if not crc32(key) % SAMPLE:
+                    self._observe_sampled(key)
 
     def reset(self) -> None:
         super().reset()

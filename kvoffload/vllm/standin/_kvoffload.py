@@ -55,7 +55,8 @@ class KVOffloadSide:
     vLLM's own connector runs beside it in ``benchmarks/replay_vs_vllm.py``
     (its worker refuses the CPU platform). The scheduler side then runs under
     the same conditions as vLLM's, with no worker working between its calls;
-    what it plans and the hits it finds are those of a settled run.
+    what it plans and the hits it finds are those of a settled run. Such a
+    side has no worker (``worker`` is ``None``): no engine, no CPU slab.
     """
 
     def __init__(
@@ -79,10 +80,11 @@ class KVOffloadSide:
         # Without them the index keeps no events, as the connector's when vLLM
         # publishes none (its default); nobody drains them here.
         self.scheduler.index.record_events = record_events
-        engine = OffloadEngine.from_config(config, kv_caches, namespace)
-        self.worker = OffloadWorker(engine, report_blocks=len(config.layout.groups) == 1)
+        self.worker: OffloadWorker | None = None
+        if transfers:
+            engine = OffloadEngine.from_config(config, kv_caches, namespace)
+            self.worker = OffloadWorker(engine, report_blocks=len(config.layout.groups) == 1)
         self.settle = settle
-        self.transfers = transfers
         self.clock = Stopwatch()
 
     # -- scheduler side ---------------------------------------------------------------
@@ -131,10 +133,10 @@ class KVOffloadSide:
     def run_worker(self, meta: object, forward: Callable[[], None]) -> WorkerResult:
         """``bind_connector_metadata`` .. ``get_finished`` around the forward pass."""
         assert isinstance(meta, _Meta)
-        if not self.transfers:
-            forward()
-            return _completed(meta.orders)
         orders, worker = meta.orders, self.worker
+        if worker is None:
+            forward()
+            return _completed(orders)
         worker.before_forward()
         worker.submit(orders, JobKind.LOAD)
         forward()
@@ -150,7 +152,8 @@ class KVOffloadSide:
         )
 
     def close(self) -> None:
-        self.worker.close()
+        if self.worker is not None:
+            self.worker.close()
         self.scheduler.close()
 
 
