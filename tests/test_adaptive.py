@@ -10,14 +10,17 @@ from __future__ import annotations
 
 import random
 from pathlib import Path
+from typing import NamedTuple
 
 import pytest
 
 from kvoffload.errors import ConfigError, IntegrityError
 from kvoffload.manager import OffloadManager
-from kvoffload.manager.policies.adaptive import GHOST, AdaptivePolicy
+from kvoffload.manager.policies._segmented import SegmentedLRU
+from kvoffload.manager.policies.adaptive import GHOST, AdaptivePolicy, _Shadow
 from kvoffload.manager.policies.admission import AdmissionFilter
 from kvoffload.manager.policies.lru import LRUPolicy
+from kvoffload.manager.policy import nothing_protected
 from kvoffload.registry import DEFAULT_POLICY
 from kvoffload.replay import Trace, block_key, drive, load_trace, replay
 
@@ -158,6 +161,28 @@ def test_ghosts_and_shadows_stay_bounded() -> None:
     manager.check_integrity()  # the shadows' bounds, and the policy tracks the index's keys
 
 
+@pytest.mark.parametrize("limit", [0, 5])
+def test_a_shadow_hits_and_evicts_as_the_real_residents_would(limit: int) -> None:
+    # The shadows write SegmentedLRU's rules out for speed: they must not drift from them.
+    rng = random.Random(limit)
+    shadow, real = _Shadow(20, protected_limit=limit), SegmentedLRU(20, limit)
+    hits = 0
+    for _ in range(3000):
+        key = block_key(int(rng.paretovariate(1.2)) % 200)  # some keys far more often
+        if real.hit(key):
+            hits += 1
+        else:
+            if len(real) == 20:
+                real.evict(1, nothing_protected)
+            real.insert(key)
+        shadow.request(key)
+        assert (list(shadow.resident), list(shadow.protected)) == (
+            list(real._probation),
+            list(real._protected),
+        )
+    assert shadow.hits == hits > 0 and (limit == 0 or len(shadow.protected) == limit)
+
+
 def test_check_integrity_reports_a_mismatch() -> None:
     policy = AdaptivePolicy(4)
     policy.insert(b"a")
@@ -166,40 +191,45 @@ def test_check_integrity_reports_a_mismatch() -> None:
 
 
 # -- behaviour ------------------------------------------------------------------------
+class Served(NamedTuple):
+    """Blocks hit by the adaptive policy, LRU and an always-on filter, and the policy."""
+
+    adaptive: int
+    lru: int
+    always_filter: int
+    policy: AdaptivePolicy
+
+
+def serve(trace: Trace, capacity: int) -> Served:
+    policy = AdaptivePolicy(capacity)
+    filtered = AdmissionFilter(LRUPolicy(capacity), window=GHOST * capacity)
+    return Served(
+        drive(OffloadManager(capacity, policy, record_events=False), trace.requests),
+        replay(trace, capacity, "lru").hit_blocks,
+        drive(OffloadManager(capacity, filtered, record_events=False), trace.requests),
+        policy,
+    )
+
+
 def test_on_a_scan_it_turns_the_filter_on_and_beats_lru() -> None:
-    trace = scan_heavy()
-    policy = AdaptivePolicy(400)
-    adaptive = drive(OffloadManager(400, policy, record_events=False), trace.requests)
-    lru = replay(trace, 400, "lru").hit_blocks
+    served = serve(scan_heavy(), 400)
     hot = 30 * 40 * 4
-    assert policy.filtering and not policy.protecting
-    assert lru == 0 and adaptive > 0.9 * hot
+    assert served.policy.filtering and not served.policy.protecting
+    assert served.lru == 0 and served.adaptive > 0.9 * hot
 
 
 def test_on_a_recency_friendly_stream_it_stays_lru() -> None:
-    trace = recency_friendly()
-    policy = AdaptivePolicy(400)
-    adaptive = drive(OffloadManager(400, policy, record_events=False), trace.requests)
-    lru = replay(trace, 400, "lru").hit_blocks
-    always_filter = drive(
-        OffloadManager(400, AdmissionFilter(LRUPolicy(400), window=GHOST * 400)), trace.requests
-    )
-    assert not policy.filtering and not policy.protecting
-    assert adaptive >= 0.98 * lru
-    assert always_filter < 0.8 * lru  # the trace does punish a fixed filter
+    served = serve(recency_friendly(), 400)
+    assert not served.policy.filtering and not served.policy.protecting
+    assert served.adaptive >= 0.98 * served.lru
+    assert served.always_filter < 0.8 * served.lru  # the trace does punish a fixed filter
 
 
 def test_where_reuse_hides_behind_a_stream_it_protects_and_beats_lru_and_the_filter() -> None:
-    trace = hot_behind_a_stream()
-    policy = AdaptivePolicy(800)
-    adaptive = drive(OffloadManager(800, policy, record_events=False), trace.requests)
-    lru = replay(trace, 800, "lru").hit_blocks
-    always_filter = drive(
-        OffloadManager(800, AdmissionFilter(LRUPolicy(800), window=GHOST * 800)), trace.requests
-    )
-    assert policy.protecting and not policy.filtering
-    assert adaptive > 1.3 * lru and adaptive > 1.1 * always_filter
-    assert always_filter > 1.1 * lru  # the filter would have been chosen over plain LRU
+    served = serve(hot_behind_a_stream(), 800)
+    assert served.policy.protecting and not served.policy.filtering
+    assert served.adaptive > 1.3 * served.lru and served.adaptive > 1.1 * served.always_filter
+    assert served.always_filter > 1.1 * served.lru  # the filter would beat plain LRU
 
 
 def test_on_the_real_trace_it_beats_lru_small_and_in_between_and_matches_it_large() -> None:

@@ -70,10 +70,10 @@ class SegmentedLRU(EvictionPolicy):
             probation[key] = None
 
     def touch(self, key: bytes) -> None:
-        self._hit(key)
+        self.hit(key)
 
-    def _hit(self, key: bytes) -> bool:
-        """Touch ``key``; whether it is resident."""
+    def hit(self, key: bytes) -> bool:
+        """Touch ``key``; whether it is resident (a hit)."""
         protected = self._protected
         if key in protected:
             protected.move_to_end(key)
@@ -97,7 +97,7 @@ class SegmentedLRU(EvictionPolicy):
                 return
 
     def touch_many(self, keys: Iterable[bytes]) -> None:
-        hit = self._hit
+        hit = self.hit
         for key in keys:
             hit(key)
 
@@ -148,6 +148,11 @@ class SegmentedLRU(EvictionPolicy):
         self._protected.clear()
 
     def check_integrity(self, resident: Collection[bytes]) -> None:
+        self.check_segments()
+        check_resident(self.name, self._probation.keys() | self._protected.keys(), resident)
+
+    def check_segments(self) -> None:
+        """Raise ``IntegrityError`` if a key is in both segments or one is over its limit."""
         probation, protected = self._probation, self._protected
         overlap = len(probation.keys() & protected.keys())
         if overlap or len(protected) > self.protected_limit:
@@ -155,4 +160,3 @@ class SegmentedLRU(EvictionPolicy):
                 f"{self.name}: {len(protected)} protected keys (limit {self.protected_limit}), "
                 f"{overlap} also on probation"
             )
-        check_resident(self.name, probation.keys() | protected.keys(), resident)

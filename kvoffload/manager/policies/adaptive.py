@@ -72,7 +72,13 @@ def _remember(queue: OrderedDict[bytes, None], key: bytes, limit: int) -> None:
 
 class _Shadow:
     """A miniature cache over sampled keys that counts its own hits: LRU, LRU with the
-    second-sighting filter (``filtering``), or segmented LRU (``protected_limit`` > 0)."""
+    second-sighting filter (``filtering``), or segmented LRU (``protected_limit`` > 0).
+
+    Its residents follow :class:`SegmentedLRU` 's rules exactly, written out on two
+    ``OrderedDict`` s rather than calling one: a shadow sees one key in eight, three
+    times over, and the calls cost a tenth of the scheduler's time at 64,000 chunks.
+    A test keeps the two alike (``tests/test_adaptive.py``).
+    """
 
     __slots__ = ("capacity", "filtering", "hits", "limit", "protected", "resident", "seen")
 
@@ -196,13 +202,13 @@ class AdaptivePolicy(SegmentedLRU):
         return admitted
 
     def touch(self, key: bytes) -> None:
-        if self._hit(key):
+        if self.hit(key):
             self._observe(key)
 
     def touch_many(self, keys: Iterable[bytes]) -> None:
         # touch, written out: a request's whole prompt comes here.
         if self.protected_limit:
-            hit = self._hit
+            hit = self.hit
             for key in keys:
                 if hit(key) and not crc32(key) % SAMPLE:
                     self._observe_sampled(key)
