@@ -5,7 +5,8 @@ scheduler side and kvoffload's connector through the same stand-in engine.
 With the same policy (LRU) and the same budget the two must load exactly the
 same tokens: a difference means the stand-in, the hit rules or the usage order
 drifted from vLLM's. The unit suite keeps the figures vLLM gave on this slice;
-this test recomputes them from vLLM itself.
+this test recomputes them from vLLM itself. With its default policy kvoffload
+must never load fewer tokens than vLLM's connector, whatever the CPU tier's size.
 """
 
 from __future__ import annotations
@@ -35,3 +36,15 @@ def test_lru_through_kvoffload_loads_what_vllms_connector_loads() -> None:
         theirs.gpu_hit_tokens,
         theirs.loaded_tokens,
     )
+
+
+def test_the_default_policy_never_loads_less_than_vllms_connector() -> None:
+    # The issue's bar, on the slice: small (the admission filter), in between (the protected
+    # segment) and large (plain LRU) CPU tiers, against vLLM's own connector with its LRU.
+    trace = load_trace(SLICE)
+    settings = EngineSettings(gpu_blocks=300)
+    for capacity in (1000, 6000, 16000):
+        ours = kvoffload_row(trace, capacity, "adaptive", settings, transfers=False)
+        theirs = vllm_row(trace, capacity, "lru", settings)
+        assert ours.gpu_hit_tokens == theirs.gpu_hit_tokens  # the same engine in front
+        assert ours.loaded_tokens >= theirs.loaded_tokens > 0, capacity
