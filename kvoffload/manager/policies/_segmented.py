@@ -84,8 +84,7 @@ class SegmentedLRU(EvictionPolicy):
         if self.protected_limit:
             del probation[key]
             protected[key] = None
-            if len(protected) > self.protected_limit:
-                probation[protected.popitem(last=False)[0]] = None
+            self._overflow()
         else:
             probation.move_to_end(key)
         return True

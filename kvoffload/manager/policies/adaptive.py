@@ -144,12 +144,17 @@ class AdaptivePolicy(SegmentedLRU):
         self._lru = _Shadow(small)
         self._filtered = _Shadow(small, filtering=True)
         self._segmented = _Shadow(small, protected_limit=max(1, int(PROTECTED_SHARE * small)))
+        #: The protected segment's size while it is on.
+        self._segment = int(PROTECTED_SHARE * capacity)
         self._period = DECAY * small
         self._sampled = 0
         #: Whether first sightings are currently rejected (read it for reports).
         self.filtering = False
-        #: Whether keys that were hit are currently protected (read it for reports).
-        self.protecting = False
+
+    @property
+    def protecting(self) -> bool:
+        """Whether keys that were hit are currently protected (read it for reports)."""
+        return self.protected_limit > 0
 
     # -- the shadows -----------------------------------------------------------
     def _observe(self, key: bytes) -> None:
@@ -173,9 +178,9 @@ class AdaptivePolicy(SegmentedLRU):
             not filtering or segmented.hits > filtered.hits
         )
         self.filtering = filtering and not protecting
-        if protecting is not self.protecting:
-            self.protecting = protecting
-            self.protect(int(PROTECTED_SHARE * self.capacity) if protecting else 0)
+        limit = self._segment if protecting else 0
+        if limit != self.protected_limit:
+            self.protect(limit)
 
     # -- EvictionPolicy ------------------------------------------------------------
     def admit(self, key: bytes) -> bool:
@@ -228,7 +233,6 @@ class AdaptivePolicy(SegmentedLRU):
             shadow.clear()
         self._sampled = 0
         self.filtering = False
-        self.protecting = False
         self.protect(0)
 
     def check_integrity(self, resident: Collection[bytes]) -> None:
