@@ -49,7 +49,7 @@ from vllm.v1.request import Request, RequestStatus
 
 from kvoffload.config.layout import CacheGroup, KVLayout
 from kvoffload.keys import prefix_keys
-from kvoffload.vllm.standin import SimRequest, StepPlan, Stopwatch, WorkerResult
+from kvoffload.standin import SimRequest, StepPlan, Stopwatch, WorkerResult
 
 __all__ = ["VLLMSide"]
 

@@ -1,7 +1,7 @@
 """kvoffload's connector against vLLM's own ``OffloadingConnector``, one engine, one process.
 
 Both connectors serve the same trace in the same stand-in engine
-(:mod:`kvoffload.vllm.standin`: vLLM 0.32's step order, a GPU prefix cache of
+(:mod:`kvoffload.standin`: vLLM 0.32's step order, a GPU prefix cache of
 ``--gpu-blocks`` blocks with vLLM's eviction order), one after the other in
 this process: kvoffload through its real ``OffloadScheduler`` and
 ``OffloadWorker`` (a CPU tier moving real, tiny pages), vLLM through its real

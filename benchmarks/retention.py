@@ -15,7 +15,7 @@ real bytes through kvoffload's own scheduler and worker (``OffloadScheduler``,
 bytes so it fits any machine; byte figures are the chunks stored times the
 real chunk size.
 
-vLLM's part is played by the package's stand-in (``kvoffload.vllm.standin``,
+vLLM's part is played by the package's stand-in (``kvoffload.standin``,
 the one the demo, ``kvoffload replay`` and the tests use) driving the
 connector's two sides (``KVOffloadSide``: ``get_num_new_matched_tokens``,
 ``update_state_after_alloc``, ``build_connector_meta``, the worker around the
@@ -49,8 +49,8 @@ from typing import Any
 from kvoffload import build_offloading_config
 from kvoffload.config.layout import CacheGroup, KVLayout
 from kvoffload.keys import namespace_of
+from kvoffload.standin import KVOffloadSide, StandIn
 from kvoffload.transfer import allocate_kv_caches
-from kvoffload.vllm.standin import KVOffloadSide, StandIn
 
 TOKENS_PER_BLOCK = 16
 BLOCKS_PER_CHUNK = 16

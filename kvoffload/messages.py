@@ -3,7 +3,7 @@
 The scheduler side decides and the worker side moves bytes (DESIGN.md); they
 meet only in these records, which cross vLLM's process boundary once per step
 and never carry a tensor. This module imports neither torch nor vLLM, so the
-scheduler side (the connector's :mod:`kvoffload.vllm.scheduler`, the index,
+scheduler side (the connector's :mod:`kvoffload.connector.scheduler`, the index,
 the replay) runs in a process where torch cannot be imported.
 
 * :class:`BlockSpan`: engine block ids of one group and where the first sits

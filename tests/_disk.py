@@ -5,7 +5,7 @@ from __future__ import annotations
 import sqlite3
 from pathlib import Path
 
-from kvoffload.tiers._disk_index import INDEX_NAME
+from kvoffload.tiers.disk._index import INDEX_NAME
 
 
 def _query(root: Path, sql: str, *args: object) -> list[tuple[object, ...]]:

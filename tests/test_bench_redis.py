@@ -11,7 +11,7 @@ from _redis_servers import RedisServer, free_port, need_redis_py
 
 from kvoffload.cli import main
 from kvoffload.errors import CorruptChunkError
-from kvoffload.tiers._chunk_file import pack_record, unpack_record_into
+from kvoffload.tiers._record import pack_record, unpack_record_into
 
 TINY = ["--chunk-mib", "0.25", "--total-mib", "1", "--repeat", "1"]
 RATES = {"store_gbps", "load_gbps", "ref_store_gbps", "ref_load_gbps"}

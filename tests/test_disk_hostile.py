@@ -17,7 +17,7 @@ import pytest
 from _disk import indexed_keys, reservations
 
 from kvoffload import ConfigError, CorruptChunkError, TierError
-from kvoffload.tiers._chunk_file import file_bytes
+from kvoffload.tiers._record import file_bytes
 from kvoffload.tiers.disk import DiskProbe, DiskTier
 
 NS = b"\x03" * 16

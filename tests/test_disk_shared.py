@@ -32,9 +32,9 @@ from _disk_worker import BASE, key_of, payload, size_of
 
 from kvoffload import CacheGroup, KVLayout, build_offloading_config
 from kvoffload.errors import TierError
-from kvoffload.tiers._chunk_file import file_bytes
-from kvoffload.tiers._disk_schema import INDEX_NAME, LOCK_NAME
+from kvoffload.tiers._record import file_bytes
 from kvoffload.tiers.disk import DiskProbe, DiskTier
+from kvoffload.tiers.disk._schema import INDEX_NAME, LOCK_NAME
 from kvoffload.tiers.from_config import lower_tiers
 
 REPO = Path(__file__).resolve().parents[1]
@@ -307,7 +307,7 @@ HALF_STORE = """
 import os, sys, time
 import numpy as np
 from kvoffload.tiers.disk import DiskTier
-from kvoffload.tiers._chunk_file import file_bytes
+from kvoffload.tiers._record import file_bytes
 tier = DiskTier(sys.argv[1], int(sys.argv[2]), bytes.fromhex(sys.argv[4]))
 key = (7).to_bytes(16, "little")
 data = np.frombuffer(np.random.default_rng(7).bytes(50_000), np.uint8)

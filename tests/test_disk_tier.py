@@ -20,10 +20,10 @@ import pytest
 from _disk import indexed_keys, reservations
 
 from kvoffload import TIERS, ConfigError, CorruptChunkError, IntegrityError, TierError
-from kvoffload.tiers._chunk_file import file_bytes
-from kvoffload.tiers._direct_io import ALIGN, aligned_empty
-from kvoffload.tiers._disk_repair import STALE_TEMP_S
+from kvoffload.tiers._record import file_bytes
 from kvoffload.tiers.disk import DiskTier
+from kvoffload.tiers.disk._direct_io import ALIGN, aligned_empty
+from kvoffload.tiers.disk._repair import STALE_TEMP_S
 
 REPO = Path(__file__).resolve().parents[1]
 NS = b"\x01" * 16

@@ -16,6 +16,8 @@ import pytest
 
 from kvoffload import build_offloading_config
 from kvoffload.config.layout import CacheGroup, KVLayout
+from kvoffload.connector.key_source import choose_engine_hashes
+from kvoffload.connector.scheduler import OffloadScheduler
 from kvoffload.errors import ConfigError, ProtocolError
 from kvoffload.keys import (
     EngineHashes,
@@ -26,8 +28,7 @@ from kvoffload.keys import (
 )
 from kvoffload.replay import load_trace
 from kvoffload.replay.engine import EngineSettings, replay_engine, trace_layout
-from kvoffload.vllm._key_source import choose_engine_hashes, vllm_hashes_reproducible
-from kvoffload.vllm.scheduler import OffloadScheduler
+from kvoffload.vllm._key_source import vllm_hashes_reproducible
 
 ENGINE = EngineHashes(16, "sha256")
 CONVERSATION = "tests/data/mooncake_conversation_3000.jsonl"

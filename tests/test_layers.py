@@ -42,7 +42,7 @@ def test_the_scheduler_side_and_its_messages_import_without_torch() -> None:
         import sys
         import kvoffload
         from kvoffload.messages import BlockSpan, ChunkSpan, JobReport, TransferOrder
-        from kvoffload.vllm.scheduler import OffloadScheduler
+        from kvoffload.connector.scheduler import OffloadScheduler
         from kvoffload.tiers.from_config import rank_probes
         from kvoffload.cli import plan
         assert kvoffload.ChunkSpan is ChunkSpan

@@ -18,6 +18,10 @@ import pytest
 
 from kvoffload import build_offloading_config
 from kvoffload.config.layout import CacheGroup, KVLayout
+from kvoffload.connector._hits import HitFinder
+from kvoffload.connector._request import add_range
+from kvoffload.connector._spans import StorePiece, run_spans, store_spans
+from kvoffload.connector.scheduler import OffloadScheduler, StepRequest
 from kvoffload.keys import namespace_of
 from kvoffload.manager import OffloadManager
 from kvoffload.manager.policies._segmented import SegmentedLRU
@@ -27,10 +31,6 @@ from kvoffload.manager.policies.lru import LRUPolicy
 from kvoffload.manager.policy import EvictionPolicy, nothing_protected
 from kvoffload.messages import JobReport, TransferOrder
 from kvoffload.registry import POLICIES
-from kvoffload.vllm._hits import HitFinder
-from kvoffload.vllm._request import add_range
-from kvoffload.vllm._spans import StorePiece, run_spans, store_spans
-from kvoffload.vllm.scheduler import OffloadScheduler, StepRequest
 
 
 class NoLowerTier:

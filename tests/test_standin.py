@@ -20,8 +20,8 @@ from kvoffload.config.layout import CacheGroup, KVLayout
 from kvoffload.errors import ConfigError
 from kvoffload.keys import namespace_of, prefix_keys_for_layout
 from kvoffload.manager import EventKind
+from kvoffload.standin import NULL_BLOCK, KVOffloadSide, KVPages, PrefixCache, StandIn
 from kvoffload.transfer import allocate_kv_caches
-from kvoffload.vllm.standin import NULL_BLOCK, KVOffloadSide, KVPages, PrefixCache, StandIn
 
 PAGE = 256
 LLAMA = KVLayout((CacheGroup("full", 4, ("l0", "l1"), PAGE),))

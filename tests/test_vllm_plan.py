@@ -3,10 +3,10 @@
 :class:`Stand` plays vLLM's part around the real pieces (an
 ``OffloadScheduler`` with its real index, ``OffloadWorker`` ranks over real
 ``OffloadEngine``\\ s, real KV tensors, real disk files), one call at a time,
-for the cases the package's stand-in (:mod:`kvoffload.vllm.standin`, which
+for the cases the package's stand-in (:mod:`kvoffload.standin`, which
 serves whole steps) does not reach: tensor-parallel ranks, a rank that
 refuses orders, reports held back or delivered late, block tables edited by
-hand. KV content is the stand-in's (:class:`~kvoffload.vllm.standin.KVPages`:
+hand. KV content is the stand-in's (:class:`~kvoffload.standin.KVPages`:
 a function of each block's hash), so a loaded block is checked bit-exact with
 no copy of what was stored; block ids are shuffled per group, so copies go
 through scattered blocks too.
@@ -25,15 +25,15 @@ import torch
 
 from kvoffload import build_offloading_config
 from kvoffload.config.layout import CacheGroup, KVLayout, Reuse
+from kvoffload.connector.scheduler import OffloadScheduler
+from kvoffload.connector.worker import OffloadWorker
 from kvoffload.engine import ChunkSpan, JobKind, JobStatus, OffloadEngine
 from kvoffload.keys import namespace_of, prefix_keys_for_layout
 from kvoffload.manager.offload_manager import OffloadManager
 from kvoffload.messages import BlockSpan, JobReport, TransferOrder, merge_reports
+from kvoffload.standin import NULL_BLOCK, KVPages, aligned_stop, expected_page, state_key
 from kvoffload.tiers.disk import DiskProbe
 from kvoffload.transfer import allocate_kv_caches
-from kvoffload.vllm.scheduler import OffloadScheduler
-from kvoffload.vllm.standin import NULL_BLOCK, KVPages, aligned_stop, expected_page, state_key
-from kvoffload.vllm.worker import OffloadWorker
 
 PAGE = 256  # bytes of one block of one layer, the same in every group (as in vLLM)
 WINDOW = 24

@@ -27,9 +27,9 @@ from test_vllm_plan import (
 
 from kvoffload import build_offloading_config
 from kvoffload.config.layout import CacheGroup, KVLayout
+from kvoffload.connector._hits import needed_chunks
 from kvoffload.errors import ConfigError
-from kvoffload.vllm._hits import needed_chunks
-from kvoffload.vllm.standin import NULL_BLOCK
+from kvoffload.standin import NULL_BLOCK
 
 SLIDING = [0, 1, 2]  # GEMMA's sliding groups: 16-token blocks, window 24, 32-token chunks
 GEMMA_FULL = 3

@@ -1,6 +1,6 @@
 """The vLLM connector's logic without vLLM: OffloadScheduler and OffloadWorker on real parts.
 
-The package's stand-in for vLLM (:mod:`kvoffload.vllm.standin`) serves the
+The package's stand-in for vLLM (:mod:`kvoffload.standin`) serves the
 requests: its GPU prefix cache, vLLM's call order, block 0 as vLLM's null
 block, KV written by its "forward" as a function of the token prefix and
 every loaded block checked bit-exact. Between requests the GPU cache is
@@ -24,14 +24,14 @@ import torch
 
 from kvoffload import build_offloading_config
 from kvoffload.config.layout import CacheGroup, KVLayout
+from kvoffload.connector import worker as worker_module
+from kvoffload.connector.scheduler import OffloadScheduler
 from kvoffload.engine import JobKind
 from kvoffload.keys import KeyExtras, namespace_of
 from kvoffload.messages import JobReport, TransferOrder
+from kvoffload.standin import KVOffloadSide, KVPages, PrefixCache, StandIn
 from kvoffload.tiers.from_config import lower_probes
 from kvoffload.transfer import allocate_kv_caches
-from kvoffload.vllm import worker as worker_module
-from kvoffload.vllm.scheduler import OffloadScheduler
-from kvoffload.vllm.standin import KVOffloadSide, KVPages, PrefixCache, StandIn
 
 PAGE = 64
 NUM_BLOCKS = 400
@@ -512,7 +512,7 @@ def test_reset_drops_cpu_chunks_and_preemption_forgets_validity(rigs: list[Rig])
 
 def test_tokens_are_credited_to_the_tiers_their_chunks_came_from() -> None:
     """A load of chunks from two tiers splits its tokens by chunk count; shares add up."""
-    from kvoffload.vllm._request import tier_shares
+    from kvoffload.connector._request import tier_shares
 
     assert tier_shares(96, ["cpu", "cpu", "disk"]) == {"cpu": 64, "disk": 32}
     assert tier_shares(100, ["cpu", "disk", "redis"]) == {"cpu": 33, "disk": 33, "redis": 34}

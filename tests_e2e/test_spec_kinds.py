@@ -46,9 +46,9 @@ from vllm.v1.kv_cache_spec_registry import KVCacheSpecRegistry
 
 from kvoffload import ConfigError, build_offloading_config
 from kvoffload.config.layout import Reuse
+from kvoffload.connector._hits import needed_tokens
 from kvoffload.messages import BlockSpan
 from kvoffload.transfer import KVTransfer
-from kvoffload.vllm._hits import needed_tokens
 from kvoffload.vllm._layout import SPEC_TABLE, Action, group_map
 
 BF16 = torch.bfloat16

@@ -33,7 +33,7 @@ def test_this_vllm_is_one_we_test() -> None:
 @pytest.mark.parametrize(
     "module",
     ["kvoffload.vllm", "kvoffload.vllm.connector", "kvoffload.vllm._layout",
-     "kvoffload.vllm.scheduler", "kvoffload.vllm.worker"],
+     "kvoffload.connector.scheduler", "kvoffload.connector.worker"],
 )  # fmt: skip
 def test_the_adapter_imports(module: str) -> None:
     importlib.import_module(module)

@@ -15,10 +15,10 @@ from kvoffload.bench.rows import BenchRow, best_rate
 from kvoffload.config.layout import CacheGroup, KVLayout
 from kvoffload.errors import ConfigError, TierError
 from kvoffload.messages import BlockSpan
-from kvoffload.tiers._direct_io import ALIGN, O_DIRECT, aligned_empty, round_up
 from kvoffload.tiers.base import ChunkBuffer
 from kvoffload.tiers.cpu import CPUSlab
 from kvoffload.tiers.disk import DiskProbe, DiskTier
+from kvoffload.tiers.disk._direct_io import ALIGN, O_DIRECT, aligned_empty, round_up
 from kvoffload.transfer import KVTransfer, allocate_kv_caches, fill_blocks
 
 __all__ = ["bench_cpu", "bench_disk"]

@@ -5,7 +5,7 @@ groups of 256-token blocks and a full-attention group of 16-token blocks,
 KV tensors in vLLM's CPU-backend layout), the bundled trace (shared system
 prompts, multi-turn conversations) is served by the connector's own
 scheduler and worker sides, driven by the stand-in for vLLM
-(:mod:`kvoffload.vllm.standin`: vLLM's step order, a GPU prefix cache too
+(:mod:`kvoffload.standin`: vLLM's step order, a GPU prefix cache too
 small to keep everything). Its hit rules, loads and stores move real bytes
 through the engine, a CPU tier and a disk tier; every block a load fills is
 checked bit-exact. The exit code is 1 if any block came back wrong or any
@@ -30,9 +30,9 @@ from kvoffload.errors import ConfigError
 from kvoffload.keys import namespace_of
 from kvoffload.replay.engine import engine_requests
 from kvoffload.replay.trace import load_trace
+from kvoffload.standin import KVOffloadSide, KVPages, StandIn
 from kvoffload.tiers.disk import DiskProbe
 from kvoffload.transfer import allocate_kv_caches
-from kvoffload.vllm.standin import KVOffloadSide, KVPages, StandIn
 
 __all__ = ["register", "run"]
 

@@ -17,8 +17,8 @@ from kvoffload.config.hf_layout import layout_from_hf_config
 from kvoffload.config.keys import KEYS
 from kvoffload.config.layout import CacheGroup, Reuse
 from kvoffload.config.values import format_bytes, safe_repr
+from kvoffload.connector._hits import needed_chunks
 from kvoffload.errors import ConfigError
-from kvoffload.vllm._hits import needed_chunks
 
 __all__ = ["EXAMPLES", "example_path", "register", "run"]
 

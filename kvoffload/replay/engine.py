@@ -1,10 +1,10 @@
 """The engine replay: a trace through the connector's scheduler and worker, the stand-in as vLLM.
 
 Each request of the trace becomes token ids (:meth:`Trace.tokens`), enters a
-:class:`~kvoffload.vllm.standin.StandIn` engine with a GPU prefix cache of
+:class:`~kvoffload.standin.StandIn` engine with a GPU prefix cache of
 ``gpu_blocks`` blocks, and is served by the connector's real
-:class:`~kvoffload.vllm.scheduler.OffloadScheduler` and
-:class:`~kvoffload.vllm.worker.OffloadWorker` over a real CPU tier: every
+:class:`~kvoffload.connector.scheduler.OffloadScheduler` and
+:class:`~kvoffload.connector.worker.OffloadWorker` over a real CPU tier: every
 hit rule, every store, every load the product makes, with real bytes. The
 pages are tiny (one layer, one byte per token for K and for V), so bytes are
 cheap and the figures measure decisions, not copies.
@@ -26,8 +26,8 @@ from kvoffload.config import build_offloading_config
 from kvoffload.config.layout import CacheGroup, KVLayout
 from kvoffload.keys import namespace_of
 from kvoffload.replay.trace import TRACE_BLOCK_TOKENS, Trace
+from kvoffload.standin import ConnectorSide, KVOffloadSide, StandIn, StandInStats
 from kvoffload.transfer import allocate_kv_caches
-from kvoffload.vllm.standin import ConnectorSide, KVOffloadSide, StandIn, StandInStats
 
 __all__ = [
     "EngineRow",
@@ -151,7 +151,7 @@ def replay_engine(
     ``key_source`` is the connector's key of that name: by default, as in vLLM
     with its default hash, keys come from the engine's block hashes.
     ``transfers=False``: orders complete at once and no bytes move (see
-    :class:`~kvoffload.vllm.standin.KVOffloadSide`); the hits are the same.
+    :class:`~kvoffload.standin.KVOffloadSide`); the hits are the same.
     """
     layout = trace_layout() if layout is None else layout
     slot = max(g.chunk_bytes(1) for g in layout.groups)

@@ -9,7 +9,7 @@ what one engine computed, every engine can load.
 hex>``: the namespace fingerprints model, dtype and layout, so engines of
 different models share a server safely. The value is one record (the disk
 tier's chunk header without its padding, then the payload; see
-:func:`kvoffload.tiers._chunk_file.pack_record`), written with one ``SET``,
+:func:`kvoffload.tiers._record.pack_record`), written with one ``SET``,
 so it is there whole or not at all. A load checks magic, namespace, key,
 length and checksum: a wrong, truncated or foreign value is a miss (it is
 deleted and counted), never handed on.
@@ -55,8 +55,8 @@ from typing import Any, TypeVar
 from kvoffload.config.offload_config import OffloadConfig
 from kvoffload.config.remote_url import RemoteURL, parse_remote_url
 from kvoffload.errors import ConfigError, CorruptChunkError, TierError
-from kvoffload.tiers._chunk_file import pack_record, unpack_record_into
-from kvoffload.tiers._disk_checks import checked_buffer, namespace_fingerprint, valid_key
+from kvoffload.tiers._record import pack_record, unpack_record_into
+from kvoffload.tiers._validation import checked_buffer, namespace_fingerprint, valid_key
 from kvoffload.tiers.base import ChunkBuffer, Tier
 from kvoffload.tiers.stats import TierCounters, TierStats
 

@@ -2,8 +2,8 @@
 
 Only :mod:`kvoffload.vllm.connector` and the modules it alone uses (``_layout``,
 ``_events``, ``_prom``) import vLLM, and only when the connector is first asked
-for, so the plain logic (:mod:`~kvoffload.vllm.scheduler`,
-:mod:`~kvoffload.vllm.worker`, ``_extras``, ``_metrics``) imports and is tested
+for, so the plain logic (:mod:`~kvoffload.connector.scheduler`,
+:mod:`~kvoffload.connector.worker`, ``_extras``, ``_metrics``) imports and is tested
 without vLLM installed.
 """
 

@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any, Literal
 from kvoffload.tiers.stats import TierStats
 
 if TYPE_CHECKING:
-    from kvoffload.vllm.worker import OffloadWorker
+    from kvoffload.connector.worker import OffloadWorker
 
 __all__ = [
     "SERIES",

@@ -5,8 +5,8 @@ only added methods (the sleep mode's, implemented below).
 
 This module is only glue: it reads vLLM's objects (requests, block tables,
 scheduler outputs, KV tensors) and hands plain values to
-:class:`~kvoffload.vllm.scheduler.OffloadScheduler` (scheduler side) and
-:class:`~kvoffload.vllm.worker.OffloadWorker` (worker side), which hold all
+:class:`~kvoffload.connector.scheduler.OffloadScheduler` (scheduler side) and
+:class:`~kvoffload.connector.worker.OffloadWorker` (worker side), which hold all
 the logic and are tested without vLLM.
 
 Configuration is vLLM's ``kv_connector_extra_config``, validated by
@@ -41,6 +41,9 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from kvoffload.config import OffloadConfig, build_offloading_config
 from kvoffload.config.layout import KVLayout
+from kvoffload.connector.key_source import choose_engine_hashes
+from kvoffload.connector.scheduler import OffloadScheduler, StepRequest
+from kvoffload.connector.worker import OffloadWorker
 from kvoffload.engine import JobKind, OffloadEngine
 from kvoffload.errors import ConfigError, ProtocolError
 from kvoffload.keys import EngineHashes, namespace_of
@@ -48,12 +51,10 @@ from kvoffload.messages import JobReport, TransferOrder, merge_reports
 from kvoffload.tiers.from_config import rank_probes
 from kvoffload.vllm._events import ChunkEvents
 from kvoffload.vllm._extras import ExtrasReader, Unkeyable, refuse_draft_kv
-from kvoffload.vllm._key_source import choose_engine_hashes, vllm_hashes_reproducible
+from kvoffload.vllm._key_source import vllm_hashes_reproducible
 from kvoffload.vllm._layout import GroupMap, boundary_states, group_map
 from kvoffload.vllm._metrics import Deltas, scheduler_figures, worker_payload
 from kvoffload.vllm._prom import KVOffloadPromMetrics, KVOffloadStats
-from kvoffload.vllm.scheduler import OffloadScheduler, StepRequest
-from kvoffload.vllm.worker import OffloadWorker
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -83,7 +84,7 @@ class KVOffloadMetadata(KVConnectorMetadata):
 
     ``idle``: the step runs no forward pass (every request waits for a load
     or a chunk in flight), so the worker may wait for its jobs instead of
-    returning at once (see :meth:`kvoffload.vllm.worker.OffloadWorker.poll`).
+    returning at once (see :meth:`kvoffload.connector.worker.OffloadWorker.poll`).
     """
 
     orders: tuple[TransferOrder, ...] = ()

@@ -19,7 +19,7 @@ group must supply for ``H`` depends on its :class:`Reuse` (:func:`needed_tokens`
   one was stored.
 
 Window chunks and states are stored only at some hit points (see
-:mod:`kvoffload.vllm._retention`), so the hits a request can get are sparse:
+:mod:`kvoffload.connector._retention`), so the hits a request can get are sparse:
 the search below checks each candidate in constant time per group (runs of
 available chunks), never chunk by chunk. Availability is the CPU index
 (exact) or a lower-tier probe (a hint: disk files, the remote server). Lower

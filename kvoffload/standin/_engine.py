@@ -7,13 +7,13 @@ import time
 from collections.abc import Iterable, Sequence
 
 from kvoffload.config.layout import KVLayout, Reuse
+from kvoffload.connector._hits import needed_tokens
 from kvoffload.errors import ConfigError
 from kvoffload.keys import KeyExtras, prefix_keys, prefix_keys_for_layout
-from kvoffload.vllm._hits import needed_tokens
-from kvoffload.vllm.standin._kv import KVPages
-from kvoffload.vllm.standin._prefix_cache import NULL_BLOCK, PrefixCache
-from kvoffload.vllm.standin._state import aligned_stop, state_block_size, state_key
-from kvoffload.vllm.standin._types import (
+from kvoffload.standin._kv import KVPages
+from kvoffload.standin._prefix_cache import NULL_BLOCK, PrefixCache
+from kvoffload.standin._state import aligned_stop, state_block_size, state_key
+from kvoffload.standin._types import (
     ConnectorSide,
     SimRequest,
     StandInStats,

@@ -50,7 +50,7 @@ from pathlib import Path
 from typing import Any, NamedTuple, TypeVar
 
 from kvoffload.errors import TierError
-from kvoffload.tiers._disk_schema import INDEX_NAME, LOCK_NAME, WriterLock, open_index
+from kvoffload.tiers.disk._schema import INDEX_NAME, LOCK_NAME, WriterLock, open_index
 
 __all__ = ["INDEX_NAME", "TOUCH_BATCH", "Adopted", "Full", "NoSpace", "SharedIndex", "Totals"]
 

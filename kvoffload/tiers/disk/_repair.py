@@ -27,7 +27,7 @@ import time
 from functools import partial
 
 from kvoffload.errors import IntegrityError
-from kvoffload.tiers._disk_files import (
+from kvoffload.tiers.disk._files import (
     FRESH_OWNER,
     Found,
     NamespaceDir,
@@ -40,7 +40,7 @@ from kvoffload.tiers._disk_files import (
     parse_chunk_name,
     remove_regular,
 )
-from kvoffload.tiers._disk_index import Adopted, SharedIndex
+from kvoffload.tiers.disk._index import Adopted, SharedIndex
 from kvoffload.tiers.stats import TierCounters
 
 __all__ = ["STALE_TEMP_S", "audit", "reap_dead_writers", "reconcile"]

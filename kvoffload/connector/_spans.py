@@ -11,8 +11,8 @@ from collections.abc import Mapping, Sequence
 from typing import NamedTuple
 
 from kvoffload.config.layout import CacheGroup, Reuse
+from kvoffload.connector._hits import needed_tokens
 from kvoffload.messages import BlockSpan, ChunkSpan
-from kvoffload.vllm._hits import needed_tokens
 
 __all__ = [
     "NULL_BLOCK",

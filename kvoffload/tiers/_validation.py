@@ -13,7 +13,7 @@ import numpy as np
 
 from kvoffload._checks import checked_int
 from kvoffload.errors import ConfigError, TierError
-from kvoffload.tiers._chunk_file import MAX_KEY_BYTES
+from kvoffload.tiers._record import MAX_KEY_BYTES
 from kvoffload.tiers.base import ChunkBuffer
 
 __all__ = [

@@ -11,12 +11,12 @@ least recently freed first. A request frees its blocks tail first
 (``reversed``), so a chain's tail is evicted before its head.
 
 Which blocks a hit needs is the scheduler's own rule
-(:func:`kvoffload.vllm._hits.needed_tokens`): everything before the hit
+(:func:`kvoffload.connector._hits.needed_tokens`): everything before the hit
 point for full attention, the window before it for a sliding window, and
 whatever a new group kind declares there; blocks a group does not need
 are vLLM's null block. Hits land on multiples of every group's block size.
 A recurrent state group gets one block per step, the one the step ends in
-(:mod:`kvoffload.vllm.standin._state`).
+(:mod:`kvoffload.standin._state`).
 """
 
 from __future__ import annotations
@@ -26,8 +26,8 @@ from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 
 from kvoffload.config.layout import KVLayout, Reuse
-from kvoffload.vllm._hits import needed_tokens
-from kvoffload.vllm._spans import NULL_BLOCK
+from kvoffload.connector._hits import needed_tokens
+from kvoffload.connector._spans import NULL_BLOCK
 
 __all__ = ["NULL_BLOCK", "PrefixCache"]
 

@@ -51,7 +51,7 @@ class RequestState:
     ``next_chunk[g]`` were stored or skipped, except those in ``retry[g]``
     (no CPU room at the time, or a window chunk a later hit point may want).
     The hit points its window chunks and states are kept for are in
-    :mod:`kvoffload.vllm._retention`.
+    :mod:`kvoffload.connector._retention`.
     """
 
     keys: list[list[bytes]]
@@ -174,7 +174,7 @@ class StepRequest(NamedTuple):
     block_ids: Sequence[Sequence[int]]
     num_prompt_tokens: int
     #: ``(group, block id, tokens)`` of recurrent states vLLM says the step writes besides
-    #: the one at its end (see :meth:`~kvoffload.vllm.scheduler.OffloadScheduler.plan_store`).
+    #: the one at its end (see :meth:`~kvoffload.connector.scheduler.OffloadScheduler.plan_store`).
     states: Collection[tuple[int, int, int]] = ()
     #: The engine's block hashes of the request (vLLM's ``request.block_hashes``), if keys
     #: are made from them.

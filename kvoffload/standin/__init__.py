@@ -14,7 +14,7 @@ what a connector can observe of vLLM and nothing else:
   group holds nothing (before a sliding window), hits only at multiples of
   every group's block size, the least recently freed blocks evicted first
   and a request's tail before its head. Which blocks a hit needs is the
-  connector's own rule (:func:`kvoffload.vllm._hits.needed_tokens`), so a
+  connector's own rule (:func:`kvoffload.connector._hits.needed_tokens`), so a
   new group kind is served here as soon as the scheduler knows it.
   ``prefix_caching=False`` turns it off (vLLM's ``enable_prefix_caching``).
 * **A step** is vLLM's ``schedule`` / ``execute_model`` / ``update_from_output``:
@@ -38,12 +38,12 @@ vLLM's scheduler per step.
 
 from __future__ import annotations
 
-from kvoffload.vllm.standin._engine import MAX_IDLE_STEPS, StandIn
-from kvoffload.vllm.standin._kv import KVPages, expected_page
-from kvoffload.vllm.standin._kvoffload import KVOffloadSide
-from kvoffload.vllm.standin._prefix_cache import NULL_BLOCK, PrefixCache
-from kvoffload.vllm.standin._state import aligned_stop, state_block_size, state_key
-from kvoffload.vllm.standin._types import (
+from kvoffload.standin._engine import MAX_IDLE_STEPS, StandIn
+from kvoffload.standin._kv import KVPages, expected_page
+from kvoffload.standin._kvoffload import KVOffloadSide
+from kvoffload.standin._prefix_cache import NULL_BLOCK, PrefixCache
+from kvoffload.standin._state import aligned_stop, state_block_size, state_key
+from kvoffload.standin._types import (
     ConnectorSide,
     SimRequest,
     StandInStats,

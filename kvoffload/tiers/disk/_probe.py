@@ -11,8 +11,8 @@ import os
 from collections.abc import Sequence
 from pathlib import Path
 
-from kvoffload.tiers._disk_checks import namespace_fingerprint, valid_key
-from kvoffload.tiers._disk_files import chunk_name, is_regular
+from kvoffload.tiers._validation import namespace_fingerprint, valid_key
+from kvoffload.tiers.disk._files import chunk_name, is_regular
 
 __all__ = ["DiskProbe"]
 

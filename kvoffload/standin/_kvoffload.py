@@ -1,8 +1,8 @@
 """kvoffload's connector as the stand-in drives it: the real scheduler and worker sides.
 
 What :mod:`kvoffload.vllm.connector` does with vLLM's objects, this side does
-with the stand-in's: the same :class:`~kvoffload.vllm.scheduler.OffloadScheduler`
-calls on the scheduler side, the same :class:`~kvoffload.vllm.worker.OffloadWorker`
+with the stand-in's: the same :class:`~kvoffload.connector.scheduler.OffloadScheduler`
+calls on the scheduler side, the same :class:`~kvoffload.connector.worker.OffloadWorker`
 calls around the forward pass on the worker side, over a real
 :class:`~kvoffload.engine.OffloadEngine` moving real bytes.
 """
@@ -16,14 +16,14 @@ from typing import NamedTuple
 import torch
 
 from kvoffload.config import OffloadConfig
+from kvoffload.connector.key_source import choose_engine_hashes
+from kvoffload.connector.scheduler import OffloadScheduler, StepRequest
+from kvoffload.connector.worker import OffloadWorker
 from kvoffload.engine import JobKind, OffloadEngine
 from kvoffload.keys import EngineHashes
 from kvoffload.messages import JobReport, TransferOrder
+from kvoffload.standin._types import SimRequest, StepPlan, Stopwatch, WorkerResult
 from kvoffload.tiers.base import TierProbe
-from kvoffload.vllm._key_source import choose_engine_hashes
-from kvoffload.vllm.scheduler import OffloadScheduler, StepRequest
-from kvoffload.vllm.standin._types import SimRequest, StepPlan, Stopwatch, WorkerResult
-from kvoffload.vllm.worker import OffloadWorker
 
 __all__ = ["KVOffloadSide"]
 

@@ -2,7 +2,7 @@
 
 A hit at ``H`` needs every full-attention chunk below ``H`` but only the
 window before ``H`` of a sliding-window group and only the state taken at
-``H`` of a recurrent one (:func:`~kvoffload.vllm._hits.needed_tokens`). So
+``H`` of a recurrent one (:func:`~kvoffload.connector._hits.needed_tokens`). So
 storing every window chunk and every state is mostly wasted: on a layout of
 five sliding-window layers per full-attention layer, five sixths of the bytes.
 Full-prefix chunks are all stored; window chunks and states only for these
@@ -38,10 +38,10 @@ from typing import NamedTuple
 
 from kvoffload.config import OffloadConfig
 from kvoffload.config.layout import Reuse
+from kvoffload.connector._hits import needed_chunks
+from kvoffload.connector._request import RequestState, covered
+from kvoffload.connector._spans import NULL_BLOCK
 from kvoffload.manager.offload_manager import OffloadManager
-from kvoffload.vllm._hits import needed_chunks
-from kvoffload.vllm._request import RequestState, covered
-from kvoffload.vllm._spans import NULL_BLOCK
 
 __all__ = ["Choice", "Chosen", "Retention", "Selection", "Trails"]
 
@@ -107,7 +107,7 @@ class Retention:
         group needs every chunk or a hit point of the request wants it; the
         others are counted and never looked at again, except window chunks
         a later hit point may want (``retry``). ``states`` as in
-        :meth:`~kvoffload.vllm.scheduler.OffloadScheduler.plan_store`.
+        :meth:`~kvoffload.connector.scheduler.OffloadScheduler.plan_store`.
         """
         end, bpc = bounds[1], self.bpc
         chosen: list[Chosen] = []

@@ -3,7 +3,7 @@
 Layout: ``<disk_path>/<namespace fingerprint hex>/<key hex>.kv``, directories
 created 0700 and files 0600, names built from hex only; beside them,
 ``<disk_path>/kvoffload-index.sqlite3``, the index every process on the path
-shares. The file format and checksum: :mod:`kvoffload.tiers._chunk_file`.
+shares. The file format and checksum: :mod:`kvoffload.tiers._record`.
 
 Why it is built this way:
 
@@ -12,17 +12,17 @@ Why it is built this way:
   ``disk_path``. A chunk is a file, so one a process stored is a hit for the
   others (:class:`DiskProbe` and :meth:`DiskTier.contains_many` ask the
   directory). Together they stay within ``disk_bytes_to_use``, in one LRU
-  order, through a small SQLite index (:mod:`~kvoffload.tiers._disk_index`:
+  order, through a small SQLite index (:mod:`~kvoffload.tiers.disk._index`:
   why that, and its cost). No process deletes another's write in flight, and
   a crashed one's leftovers are cleaned by whoever starts next or runs short
-  of room (:mod:`~kvoffload.tiers._disk_files`, :mod:`~kvoffload.tiers._disk_repair`).
+  of room (:mod:`~kvoffload.tiers.disk._files`, :mod:`~kvoffload.tiers.disk._repair`).
 * **Atomic stores.** A temp file is renamed over the chunk's name inside the
   index transaction that records it: a crash (even SIGKILL) leaves the old
   chunk, the new one, or a temp file cleaned later. Files are not fsynced: a
   power cut may lose or tear chunks; the checksum makes a torn one a miss.
 * **Nothing outside ``disk_path``, nothing that blocks**: regular files only,
   opened relative to the namespace directory (``not_regular_files`` counts
-  what is skipped); see :mod:`~kvoffload.tiers._disk_files`.
+  what is skipped); see :mod:`~kvoffload.tiers.disk._files`.
 * **A full disk makes room.** ``ENOSPC``, ``EDQUOT`` or a full index evicts
   the oldest chunks (what the file system lacks) and retries once
   (``full_retries``); what still fails is a failed store.
@@ -45,25 +45,26 @@ from functools import partial
 from pathlib import Path
 
 from kvoffload.errors import ConfigError, CorruptChunkError, TierError
-from kvoffload.tiers._chunk_file import MAX_KEY_BYTES, ChunkFileIO, file_bytes
-from kvoffload.tiers._direct_io import probe_direct_io
-from kvoffload.tiers._disk_checks import (
+from kvoffload.tiers._record import MAX_KEY_BYTES, file_bytes
+from kvoffload.tiers._validation import (
     check_budget,
     checked_buffer,
     namespace_fingerprint,
     valid_key,
 )
-from kvoffload.tiers._disk_files import (
+from kvoffload.tiers.base import ChunkBuffer, Tier
+from kvoffload.tiers.disk._chunk_io import ChunkFileIO
+from kvoffload.tiers.disk._direct_io import probe_direct_io
+from kvoffload.tiers.disk._files import (
     NamespaceDir,
     NotRegular,
     OwnerLock,
     Removal,
     chunk_name,
 )
-from kvoffload.tiers._disk_index import Full, NoSpace, SharedIndex
-from kvoffload.tiers._disk_probe import DiskProbe
-from kvoffload.tiers._disk_repair import audit, reap_dead_writers, reconcile
-from kvoffload.tiers.base import ChunkBuffer, Tier
+from kvoffload.tiers.disk._index import Full, NoSpace, SharedIndex
+from kvoffload.tiers.disk._probe import DiskProbe
+from kvoffload.tiers.disk._repair import audit, reap_dead_writers, reconcile
 from kvoffload.tiers.stats import TierCounters, TierStats
 
 __all__ = ["DiskProbe", "DiskTier"]  # DiskProbe lives apart (no SQLite on the scheduler side)

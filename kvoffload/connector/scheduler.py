@@ -4,11 +4,11 @@ vLLM calls the connector with its own objects; :mod:`kvoffload.vllm.connector`
 turns them into token ids, block id lists and counts and calls this class,
 which knows nothing of vLLM and is tested without it.
 
-**Hits** follow each group kind's rule (:mod:`kvoffload.vllm._hits`): full
+**Hits** follow each group kind's rule (:mod:`kvoffload.connector._hits`): full
 attention needs every chunk up to the hit point, a sliding window only the
 chunks inside the window before it, a recurrent group only the state taken
 at it. **Stores** keep every full-attention chunk, and window chunks and
-states only for the request's hit points (:mod:`kvoffload.vllm._retention`).
+states only for the request's hit points (:mod:`kvoffload.connector._retention`).
 
 **Keys.** Each request's chunk keys are made once, as its tokens become
 known: from its token ids, or, given the engine's ``engine_hashes``, from
@@ -25,7 +25,7 @@ reached it to the end of the next one: stored then or never.
 
 **Blocks are never reused under a store.** The worker side finishes every
 store's copy out of the engine's blocks before the step's output reaches
-vLLM (see :mod:`kvoffload.vllm.worker`), so a finished request's blocks may
+vLLM (see :mod:`kvoffload.connector.worker`), so a finished request's blocks may
 be freed at once (``request_finished`` answers false) and its orders are
 completed here whenever their reports arrive.
 """
@@ -36,17 +36,10 @@ from collections.abc import Collection, Iterable, Sequence
 
 from kvoffload.config import OffloadConfig
 from kvoffload.config.layout import Reuse
-from kvoffload.errors import ProtocolError
-from kvoffload.keys import EngineHashes, KeyExtras
-from kvoffload.manager.offload_manager import OffloadManager
-from kvoffload.manager.results import IndexEvent, StoreResult
-from kvoffload.manager.usage import record_stores, record_use
-from kvoffload.messages import ChunkSpan, JobKind, JobReport, TransferOrder, merge_reports
-from kvoffload.tiers.base import TierProbe
-from kvoffload.vllm._hits import HitFinder
-from kvoffload.vllm._request import JobState, RequestState, StepRequest, tier_shares
-from kvoffload.vllm._retention import Choice, Chosen, Retention, Selection, Trails
-from kvoffload.vllm._spans import (
+from kvoffload.connector._hits import HitFinder
+from kvoffload.connector._request import JobState, RequestState, StepRequest, tier_shares
+from kvoffload.connector._retention import Choice, Chosen, Retention, Selection, Trails
+from kvoffload.connector._spans import (
     StorePiece,
     load_pieces,
     load_spans,
@@ -54,6 +47,13 @@ from kvoffload.vllm._spans import (
     stateless,
     store_spans,
 )
+from kvoffload.errors import ProtocolError
+from kvoffload.keys import EngineHashes, KeyExtras
+from kvoffload.manager.offload_manager import OffloadManager
+from kvoffload.manager.results import IndexEvent, StoreResult
+from kvoffload.manager.usage import record_stores, record_use
+from kvoffload.messages import ChunkSpan, JobKind, JobReport, TransferOrder, merge_reports
+from kvoffload.tiers.base import TierProbe
 
 __all__ = ["OffloadScheduler", "StepRequest", "TierProbe"]
 

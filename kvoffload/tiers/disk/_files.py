@@ -48,7 +48,7 @@ from pathlib import Path
 from typing import NamedTuple
 
 from kvoffload.errors import ConfigError
-from kvoffload.tiers._chunk_file import MAX_KEY_BYTES
+from kvoffload.tiers._record import MAX_KEY_BYTES
 
 __all__ = [
     "FRESH_OWNER",

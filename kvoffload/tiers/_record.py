@@ -1,4 +1,7 @@
-"""One chunk file on disk: its header, its checksum, and the one syscall that moves it.
+"""A chunk as bytes that check themselves: the header, the checksum, the file and record forms.
+
+The disk tier writes it as a file (:mod:`kvoffload.tiers.disk._chunk_io` moves it with
+one syscall); the remote tier stores it as one value (:func:`pack_record`).
 
 File format (little-endian), version 1::
 
@@ -33,8 +36,6 @@ neither resists an adversary, which the 0700 directory keeps out.
 
 from __future__ import annotations
 
-import errno
-import os
 import struct
 import zlib
 from collections.abc import Callable
@@ -44,17 +45,20 @@ import numpy as np
 
 from kvoffload.config.offload_config import disk_footprint
 from kvoffload.errors import CorruptChunkError, TierError
-from kvoffload.tiers._direct_io import ALIGN, O_DIRECT, BufferPool, is_aligned
 from kvoffload.tiers.base import ChunkBuffer
 
 __all__ = [
+    "CHECKSUMS",
     "CRC32",
+    "DEFAULT_ALGORITHM",
     "FORMAT_VERSION",
     "MAX_KEY_BYTES",
     "XXH3_64",
-    "ChunkFileIO",
+    "check_header",
     "file_bytes",
+    "pack_header",
     "pack_record",
+    "seal_header",
     "unpack_record_into",
 ]
 
@@ -78,11 +82,11 @@ def _xxh3() -> Checksum | None:
     return fn
 
 
-_CHECKSUMS: dict[int, Checksum] = {CRC32: zlib.crc32}
+CHECKSUMS: dict[int, Checksum] = {CRC32: zlib.crc32}
 if (_fast := _xxh3()) is not None:
-    _CHECKSUMS[XXH3_64] = _fast
+    CHECKSUMS[XXH3_64] = _fast
 #: The algorithm new files are written with: the fastest one available.
-DEFAULT_ALGORITHM = max(_CHECKSUMS)
+DEFAULT_ALGORITHM = max(CHECKSUMS)
 
 
 def file_bytes(payload_len: int) -> int:
@@ -134,13 +138,13 @@ def parse_header(block: ChunkBuffer) -> Header:
         raise CorruptChunkError(f"bad header: magic {magic!r}, version {version}, key {key_len} B")
     if crc != _header_crc(block, key_len):
         raise CorruptChunkError(f"header checksum mismatch: stored {crc:#010x}")
-    if algo not in _CHECKSUMS:
+    if algo not in CHECKSUMS:
         raise CorruptChunkError(f"chunk checksummed with algorithm {algo}, not available here")
     key = block[_FIXED.size : _FIXED.size + key_len].tobytes()
     return Header(namespace, key, length, payload_sum, algo)
 
 
-def _check_header(block: ChunkBuffer, name: tuple[bytes, bytes], length: int) -> Header:
+def check_header(block: ChunkBuffer, name: tuple[bytes, bytes], length: int) -> Header:
     header = parse_header(block)
     if header.namespace != name[0]:
         raise CorruptChunkError(
@@ -152,84 +156,6 @@ def _check_header(block: ChunkBuffer, name: tuple[bytes, bytes], length: int) ->
     if header.payload_len != length:
         raise TierError(f"chunk holds {header.payload_len} bytes, the caller expects {length}")
     return header
-
-
-class ChunkFileIO:
-    """Writes and reads whole chunk files with one vectored syscall each.
-
-    ``direct`` selects O_DIRECT or buffered I/O. With O_DIRECT, a caller array
-    that is not page aligned goes through an aligned staging buffer (one
-    memcpy); aligned arrays, and every array in buffered mode, are used as is.
-    """
-
-    def __init__(self, direct: bool, algorithm: int = DEFAULT_ALGORITHM) -> None:
-        if algorithm not in _CHECKSUMS:
-            raise TierError(f"checksum algorithm {algorithm} is not available")
-        self.direct = direct
-        self.algorithm = algorithm
-        self._buffers = BufferPool(max_bytes=64 << 20)
-
-    @property
-    def open_flags(self) -> int:
-        """Flags to open a chunk file with for :meth:`write` and :meth:`read_into`."""
-        return O_DIRECT if self.direct else 0
-
-    def _zero_copy(self, buf: ChunkBuffer) -> bool:
-        return not self.direct or is_aligned(buf)
-
-    def write(self, fd: int, name: tuple[bytes, bytes], payload: ChunkBuffer) -> None:
-        """Write ``payload`` as chunk ``name`` (namespace, key) into the new, empty file
-        ``fd`` (opened with :attr:`open_flags`); raise ``OSError`` on failure."""
-        namespace, key = name
-        n, body = payload.nbytes, payload.nbytes - payload.nbytes % ALIGN
-        staged = not self._zero_copy(payload)
-        with self._buffers.lease(file_bytes(n) if staged else 2 * ALIGN) as scratch:
-            header = scratch[:ALIGN]
-            pack_header(header, namespace, key, n, self.algorithm)
-            if staged:
-                scratch[ALIGN : ALIGN + n] = payload
-                scratch[ALIGN + n :] = 0
-                iov = [scratch]
-            else:
-                tail = scratch[ALIGN:]
-                tail[: n - body] = payload[body:]
-                tail[n - body :] = 0
-                iov = [header, payload[:body]] + ([tail] if body < n else [])
-            seal_header(header, len(key), _CHECKSUMS[self.algorithm](payload.data))
-            written = os.pwritev(fd, [buf.data for buf in iov if buf.nbytes], 0)
-            if written != file_bytes(n):
-                raise OSError(errno.ENOSPC, f"short write: {written} of {file_bytes(n)} B")
-
-    def read_into(self, fd: int, name: tuple[bytes, bytes], out: ChunkBuffer) -> None:
-        """Fill ``out`` from the chunk file ``fd`` (opened with :attr:`open_flags`), verified
-        against chunk ``name`` (namespace, key).
-
-        Raises ``OSError``, ``CorruptChunkError`` (bad header, truncated,
-        checksum mismatch) or ``TierError`` (the chunk is intact but not
-        ``out.nbytes`` long).
-        """
-        n, body = out.nbytes, out.nbytes - out.nbytes % ALIGN
-        staged = not self._zero_copy(out)
-        with self._buffers.lease(file_bytes(n) if staged else 2 * ALIGN) as scratch:
-            header = scratch[:ALIGN]
-            size = os.fstat(fd).st_size
-            if size != file_bytes(n):
-                _explain_size(fd, header, name, n, size)
-            tail = scratch[ALIGN:]
-            iov = [scratch] if staged else [header, out[:body]] + ([tail] if body < n else [])
-            got = os.preadv(fd, [buf.data for buf in iov if buf.nbytes], 0)
-            if got != file_bytes(n):
-                raise CorruptChunkError(f"truncated chunk file: read {got} B")
-            checked = _check_header(header, name, n)
-            if staged:
-                out[:] = scratch[ALIGN : ALIGN + n]
-            elif body < n:
-                out[body:] = tail[: n - body]
-        actual = _CHECKSUMS[checked.algorithm](out.data)
-        if actual != checked.payload_sum:
-            raise CorruptChunkError(
-                f"payload checksum mismatch: {actual:#x} != stored {checked.payload_sum:#x}"
-            )
 
 
 def pack_record(namespace: bytes, key: bytes, payload: ChunkBuffer) -> np.ndarray:
@@ -247,7 +173,7 @@ def pack_record(namespace: bytes, key: bytes, payload: ChunkBuffer) -> np.ndarra
     record = np.empty(size + payload.nbytes, dtype=np.uint8)
     header = record[:size]
     pack_header(header, namespace, key, payload.nbytes, DEFAULT_ALGORITHM)
-    seal_header(header, len(key), _CHECKSUMS[DEFAULT_ALGORITHM](payload.data))
+    seal_header(header, len(key), CHECKSUMS[DEFAULT_ALGORITHM](payload.data))
     record[size:] = payload
     return record
 
@@ -266,25 +192,15 @@ def unpack_record_into(record: bytes, name: tuple[bytes, bytes], out: ChunkBuffe
     size = _FIXED.size + key_len
     if view.nbytes < size:
         raise CorruptChunkError(f"truncated chunk record: {view.nbytes} bytes, no complete header")
-    checked = _check_header(view[:size], name, out.nbytes)
+    checked = check_header(view[:size], name, out.nbytes)
     if view.nbytes != size + out.nbytes:
         raise CorruptChunkError(
             f"truncated chunk record: {view.nbytes - size} payload bytes, needs {out.nbytes}"
         )
     payload = view[size:]
-    actual = _CHECKSUMS[checked.algorithm](payload.data)
+    actual = CHECKSUMS[checked.algorithm](payload.data)
     if actual != checked.payload_sum:
         raise CorruptChunkError(
             f"payload checksum mismatch: {actual:#x} != stored {checked.payload_sum:#x}"
         )
     out[:] = payload
-
-
-def _explain_size(
-    fd: int, header: ChunkBuffer, name: tuple[bytes, bytes], n: int, size: int
-) -> None:
-    """Raise the right error for a file whose length does not fit ``n`` payload bytes."""
-    if size < ALIGN or os.preadv(fd, [header.data], 0) != ALIGN:
-        raise CorruptChunkError(f"truncated chunk file: {size} bytes, no complete header")
-    _check_header(header, name, n)
-    raise CorruptChunkError(f"truncated chunk file: {size} bytes, needs {file_bytes(n)}")
