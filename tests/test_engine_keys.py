@@ -174,7 +174,7 @@ def test_a_scheduler_on_engine_keys_needs_the_hashes() -> None:
     with pytest.raises(ProtocolError, match="block_hashes"):
         scheduler.lookup("r", list(range(64)), 0)
     assert scheduler.lookup("r", list(range(64)), 0, None, block_hashes(list(range(64)))) == 0
-    assert [len(k) for k in scheduler._requests["r"].keys] == [3]  # 63 tokens keyed: 3 chunks
+    assert [len(k) for k in scheduler.requests.open("r").keys] == [3]  # 63 tokens keyed: 3 chunks
     with pytest.raises(ConfigError, match="does not end on the engine's block hashes"):
         OffloadScheduler(config(), b"ns", engine_hashes=EngineHashes(12, "sha256"))
 

@@ -208,7 +208,7 @@ def test_a_one_group_step_stores_and_completes_as_the_general_path(seed: int) ->
             n = min(len(ids) - done, rng.choice((4, 8, 13, 40)))
             step = StepRequest(req, ids, done, n, table, len(ids))
             report(both("plan_step", [step]))  # type: ignore[arg-type]
-            short = short or any(r.retry[0] for r in fast._requests.values())
+            short = short or any(r.retry[0] for r in fast.requests)
             done += n
         both("request_finished", req)
     report([])

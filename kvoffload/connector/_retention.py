@@ -41,9 +41,8 @@ from kvoffload.config.layout import Reuse
 from kvoffload.connector._hits import needed_chunks
 from kvoffload.connector._request import RequestState, covered
 from kvoffload.connector._spans import NULL_BLOCK
-from kvoffload.manager.offload_manager import OffloadManager
 
-__all__ = ["Choice", "Chosen", "Retention", "Selection", "Trails"]
+__all__ = ["Choice", "Chosen", "Retention", "Selection"]
 
 
 class Choice(Enum):
@@ -109,47 +108,24 @@ class Retention:
         a later hit point may want (``retry``). ``states`` as in
         :meth:`~kvoffload.connector.scheduler.OffloadScheduler.plan_store`.
         """
-        end, bpc = bounds[1], self.bpc
+        end = bounds[1]
         chosen: list[Chosen] = []
         invalid = unretained = 0
         for g, (group, span) in enumerate(zip(self.layout.groups, self.spans, strict=True)):
             if group.reuse is Reuse.STATE:
                 continue
-            blocks, stop, valid = block_ids[g], end // span, req.valid[g]
+            blocks, stop = block_ids[g], end // span
             new = range(req.next_chunk[g], stop)
             if (
                 group.reuse is Reuse.PREFIX
                 and not req.retry[g]
-                and self._all_valid(blocks, valid, new, span)
+                and self._all_valid(blocks, req.valid[g], new, span)
             ):  # the common case, checked at once: every new chunk is stored
-                req.next_chunk[g] = max(req.next_chunk[g], stop)
-                chosen += [
-                    Chosen(g, c, tuple(blocks[c * bpc : (c + 1) * bpc]), Choice.KEEP) for c in new
-                ]
-                continue
-            todo: Iterable[int] = new
-            if req.retry[g]:
-                todo, req.retry[g] = [*sorted(req.retry[g]), *todo], set()
-            inside = (0, 0)  # the valid range the last chunk lay in: most chunks share one
-            for c in todo:
-                ids = tuple(blocks[c * bpc : (c + 1) * bpc])
-                lo, hi = c * span, (c + 1) * span
-                if not (inside[0] <= lo and hi <= inside[1]):
-                    inside = next((r for r in valid if r[0] <= lo and hi <= r[1]), (0, 0))
-                if len(ids) < bpc or NULL_BLOCK in ids or inside == (0, 0):
-                    invalid += 1
-                    continue
-                choice = (
-                    Choice.KEEP
-                    if group.reuse is Reuse.PREFIX
-                    else self.window_choice(req, g, c, end)
-                )
-                if choice is Choice.WAIT:
-                    req.retry[g].add(c)
-                elif choice is Choice.SKIP:
-                    unretained += 1
-                else:
-                    chosen.append(Chosen(g, c, ids, choice))
+                chosen += [Chosen(g, c, tuple(blocks[c * self.bpc : (c + 1) * self.bpc]),
+                                  Choice.KEEP) for c in new]  # fmt: skip
+            else:
+                bad, unwanted = self._select_group(req, g, blocks, new, end=end, chosen=chosen)
+                invalid, unretained = invalid + bad, unretained + unwanted
             req.next_chunk[g] = max(req.next_chunk[g], stop)
         for state in self._states(req, block_ids, bounds, states):
             if state.choice is Choice.SKIP:
@@ -159,6 +135,59 @@ class Retention:
             else:
                 chosen.append(state)
         return Selection(chosen, invalid, unretained)
+
+    def _select_group(
+        self,
+        req: RequestState,
+        g: int,
+        blocks: Sequence[int],
+        new: range,
+        *,
+        end: int,
+        chosen: list[Chosen],
+    ) -> tuple[int, int]:
+        """:meth:`select` for group ``g`` chunk by chunk: its retries, then ``new``.
+
+        Appends what is stored to ``chosen``; returns how many chunks had no valid
+        KV and how many no hit point wants.
+        """
+        group, span, bpc, valid = self.layout.groups[g], self.spans[g], self.bpc, req.valid[g]
+        invalid = unretained = 0
+        todo: Iterable[int] = new
+        if req.retry[g]:
+            todo, req.retry[g] = [*sorted(req.retry[g]), *todo], set()
+        inside = (0, 0)  # the valid range the last chunk lay in: most chunks share one
+        for c in todo:
+            ids = tuple(blocks[c * bpc : (c + 1) * bpc])
+            lo, hi = c * span, (c + 1) * span
+            if not (inside[0] <= lo and hi <= inside[1]):
+                inside = next((r for r in valid if r[0] <= lo and hi <= r[1]), (0, 0))
+            if len(ids) < bpc or NULL_BLOCK in ids or inside == (0, 0):
+                invalid += 1
+                continue
+            choice = (
+                Choice.KEEP if group.reuse is Reuse.PREFIX else self.window_choice(req, g, c, end)
+            )
+            if choice is Choice.WAIT:
+                req.retry[g].add(c)
+            elif choice is Choice.SKIP:
+                unretained += 1
+            else:
+                chosen.append(Chosen(g, c, ids, choice))
+        return invalid, unretained
+
+    def retry_later(self, req: RequestState, chosen: Iterable[Chosen]) -> None:
+        """Chunks a step selected that found no CPU slot (stores in flight): the next step.
+
+        A state is not retried: the engine overwrites it once the request moves on.
+        """
+        for c in chosen:
+            if self.layout.groups[c.group].reuse is not Reuse.STATE:
+                req.retry[c.group].add(c.chunk)
+
+    def retry_run(self, req: RequestState, chunks: Iterable[int]) -> None:
+        """:meth:`retry_later` for a plain layout's chunk indices."""
+        req.retry[0].update(chunks)
 
     def plain_run(self, req: RequestState, blocks: Sequence[int], end: int) -> range | None:
         """A plain layout's common step at once: the chunks a step computing up to ``end``
@@ -316,70 +345,3 @@ class Retention:
             for group, group_keys in zip(self.layout.groups, req.keys, strict=True)
         ]
         return req.chain(self.spans, wanted)
-
-
-class Trails:
-    """Chunks stored only for requests' trailing points, dropped when no request trails them.
-
-    A chunk another request keeps for good is never dropped: keeping it
-    removes it from here. A chunk still being stored when it is released is
-    dropped when its store completes, unless someone wanted it again meanwhile.
-    """
-
-    def __init__(self, index: OffloadManager) -> None:
-        self.index = index
-        self._holders: dict[bytes, set[str]] = {}
-        self._doomed: set[bytes] = set()
-
-    def keep(self, keys: Iterable[bytes]) -> None:
-        """``keys`` are wanted for good."""
-        if not self._holders and not self._doomed:
-            return  # nothing trailed (a layout of full-attention groups only never trails)
-        for key in keys:
-            self._holders.pop(key, None)
-            self._doomed.discard(key)
-
-    def hold(self, req: RequestState, req_id: str, keys: Iterable[bytes], new: set[bytes]) -> None:
-        """``req`` trails ``keys``; ``new`` are those its store reserved (nobody held them)."""
-        for key in keys:
-            holders = self._holders.get(key)
-            if holders is None and key not in new and key not in self._doomed:
-                continue  # stored for good by someone else, or not stored at all
-            self._holders.setdefault(key, set()).add(req_id)
-            self._doomed.discard(key)
-            req.trail_keys.add(key)
-
-    def release(self, req: RequestState, req_id: str, still: set[bytes]) -> int:
-        """``req`` no longer trails its keys outside ``still``; returns how many were dropped."""
-        gone = req.trail_keys - still
-        req.trail_keys -= gone
-        dropped = []
-        for key in gone:
-            holders = self._holders.get(key)
-            if holders is None:
-                continue
-            holders.discard(req_id)
-            if not holders:
-                del self._holders[key]
-                dropped.append(key)
-        removed = self.index.discard(dropped)
-        self._doomed.update(set(dropped) - set(removed))
-        return len(removed)
-
-    def finish(self, req: RequestState, req_id: str) -> None:
-        """The request ended: what it trails now is its output's hit point, kept for good."""
-        for key in req.trail_keys:
-            holders = self._holders.get(key)
-            if holders is not None and req_id in holders:
-                del self._holders[key]
-        req.trail_keys.clear()
-
-    def stored(self, keys: Sequence[bytes]) -> int:
-        """Stores of ``keys`` completed: drop those released meanwhile; returns how many."""
-        if not self._doomed:
-            return 0
-        doomed = [key for key in keys if key in self._doomed]
-        if not doomed:
-            return 0
-        self._doomed.difference_update(doomed)
-        return len(self.index.discard(doomed))

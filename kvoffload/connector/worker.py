@@ -43,6 +43,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvoffload.connector.stats import WorkerStats
 from kvoffload.engine import JobKind, OffloadEngine
 from kvoffload.messages import JobReport, TransferOrder, merge_reports
 
@@ -79,7 +80,7 @@ class OffloadWorker:
         self._failed_loads: set[str] = set()
         self._failed_blocks: set[int] = set()
         self._reports: dict[int, JobReport] = {}
-        self._figures = Counter[str]()
+        self._stats = WorkerStats()
         #: Seconds of each finished job by kind, until taken (bounded: no one may take them).
         self._seconds = {kind: deque[float](maxlen=10_000) for kind in JobKind}
         self._suspended = False
@@ -105,7 +106,7 @@ class OffloadWorker:
             if kind is JobKind.LOAD:
                 self._loads[order.req_id] += 1
             if self._suspended:  # fails at once: the engine's memory is released
-                self._figures["suspended_orders"] += 1
+                self._stats.suspended_orders += 1
             if not order.spans or self._suspended:
                 self._instant.append(order)
                 continue
@@ -116,7 +117,7 @@ class OffloadWorker:
                     job_id = self.engine.submit_store(order.spans)
             except Exception as exc:  # a bad order fails its job, never the step
                 logger.error("kvoffload: %s order %d refused: %s", kind.value, order.job_id, exc)
-                self._figures["refused_orders"] += 1
+                self._stats.refused_orders += 1
                 self._instant.append(order)
             else:
                 self._orders[job_id] = order
@@ -146,16 +147,14 @@ class OffloadWorker:
             if order.kind is JobKind.LOAD:
                 self._finish_load(order, report, out)
             elif not report.ok:
-                self._figures["failed_store_jobs"] += 1
+                self._stats.failed_store_jobs += 1
         return out
 
     def _finish_load(self, order: TransferOrder, report: JobReport, out: PollResult) -> None:
         req_id = order.req_id
         if not report.ok:
-            self._figures["failed_load_jobs"] += 1
-            self._figures["failed_load_blocks"] += sum(
-                len(b) for b in report.failed_blocks.values()
-            )
+            self._stats.failed_load_jobs += 1
+            self._stats.failed_load_blocks += sum(len(b) for b in report.failed_blocks.values())
             if self.report_blocks:
                 for ids in report.failed_blocks.values():
                     self._failed_blocks |= ids
@@ -174,10 +173,15 @@ class OffloadWorker:
     def _record(self, order: TransferOrder, report: JobReport) -> None:
         old = self._reports.get(order.job_id)
         self._reports[order.job_id] = report if old is None else merge_reports(old, report)
-        kind = order.kind.value
-        self._figures[f"{kind}_jobs"] += 1
-        self._figures[f"{kind}_chunks"] += len(order.keys) - len(report.failed_keys)
-        self._figures[f"failed_{kind}_chunks"] += len(report.failed_keys)
+        stats, failed = self._stats, len(report.failed_keys)
+        if order.kind is JobKind.LOAD:
+            stats.load_jobs += 1
+            stats.load_chunks += len(order.keys) - failed
+            stats.failed_load_chunks += failed
+        else:
+            stats.store_jobs += 1
+            stats.store_chunks += len(order.keys) - failed
+            stats.failed_store_chunks += failed
 
     def take_failed_blocks(self) -> set[int]:
         """Engine block ids whose load failed since the last call (single-group layouts)."""
@@ -202,7 +206,7 @@ class OffloadWorker:
         Jobs are counted here, from their reports; bytes, hits and failures of
         each tier are counted by the tier (``TierStats.snapshot()``).
         """
-        out: dict[str, Any] = dict(self._figures)
+        out: dict[str, Any] = self._stats.snapshot()
         out["tiers"] = {name: stats.snapshot() for name, stats in self.engine.stats().items()}
         return out
 

@@ -1,0 +1,134 @@
+"""Load plans: what an accepted hit pins, promotes and copies, and what its report completes.
+
+A hit was offered at lookup (:class:`~kvoffload.connector._hits.HitFinder`); once vLLM
+allocated the request's blocks and accepted ``num_external`` tokens of it, the chunks it
+needs are pinned where the CPU tier holds them and given a CPU slot to be promoted into
+where a lower tier does. What gets no slot goes into the order as ``unloadable``: the
+worker reports it failed at once and vLLM recomputes it, never waiting on it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from kvoffload.config import OffloadConfig
+from kvoffload.connector._request import JobState, RequestState, tier_shares
+from kvoffload.connector._retention import Retention
+from kvoffload.connector._spans import load_pieces, load_spans, stateless
+from kvoffload.connector.jobs import JobBook
+from kvoffload.connector.stats import SchedulerStats
+from kvoffload.connector.stores import record_stored
+from kvoffload.manager.offload_manager import OffloadManager
+from kvoffload.manager.usage import record_use
+from kvoffload.messages import JobKind, JobReport, TransferOrder
+
+__all__ = ["LoadPlanner"]
+
+
+class LoadPlanner:
+    """Plans and completes the loads of one scheduler's requests."""
+
+    def __init__(
+        self,
+        config: OffloadConfig,
+        *,
+        index: OffloadManager,
+        retention: Retention,
+        jobs: JobBook,
+        stats: SchedulerStats,
+    ) -> None:
+        self.groups = config.layout.groups
+        self.bpc = config.blocks_per_chunk
+        self.index = index
+        self.retention = retention
+        self.jobs = jobs
+        self.stats = stats
+
+    def plan(
+        self, req: RequestState, req_id: str, block_ids: Sequence[Sequence[int]], num_external: int
+    ) -> TransferOrder | None:
+        """Pin and reserve what ``req`` 's offered hit needs and queue its load order.
+
+        ``block_ids`` are the request's engine blocks per group after vLLM's
+        allocation, ``num_external`` the tokens vLLM accepted of the offer.
+        """
+        if not req.use_recorded:  # vLLM's own prefix-cache hits included
+            record_use(self.index, *self.retention.used(req))
+            req.use_recorded = True
+        if num_external <= 0 or not req.offered:
+            # vLLM's own prefix-cache blocks (null ones are skipped later).
+            req.mark_valid(0, req.local_hit)
+            return None
+        # The hit point is what lookup checked; vLLM may have moved the local/external split.
+        hit = req.offered
+        req.mark_valid(0, hit - num_external)
+        groups = self.groups
+        pieces = load_pieces(groups, req.keys, block_ids, (hit - num_external, hit), self.bpc)
+        slots, lost, job = self._reserve([k for p in pieces for k in p.keys], req.tenant)
+        lost |= stateless(pieces, groups, block_ids)  # a state needs its block: fail, not skip
+        spans, unloadable = load_spans(pieces, block_ids, slots, lost, self.bpc, groups=groups)
+        order = self.jobs.order(req_id, JobKind.LOAD, spans, unloadable)
+        job.order, job.tokens = order, num_external
+        tiers = ["cpu"] * len(job.pinned) + [req.found_in.get(k, "lower") for k in job.promoted]
+        job.tiers = tier_shares(num_external, tiers)
+        job.ranges = tuple(
+            (p.group, p.first * groups[p.group].tokens_per_block, hit) for p in pieces
+        )
+        self.jobs.queue(req, job)
+        stats = self.stats
+        stats.add_by_tier(stats.hit_tokens_by_tier, job.tiers)
+        stats.hit_requests += 1
+        stats.hit_tokens += num_external
+        stats.cpu_hit_chunks += len(job.pinned)
+        stats.lower_hit_chunks += len(job.promoted)
+        stats.unloadable_chunks += len(lost)
+        return order
+
+    def _reserve(
+        self, keys: list[bytes], tenant: str | None
+    ) -> tuple[dict[bytes, int], set[bytes], JobState]:
+        """Slots for ``keys``: pins for CPU-resident ones, promotion slots for the rest.
+
+        Returns key -> slot, the keys that got no slot, and a job holding the
+        pins and reservations until its report completes them.
+        """
+        index = self.index
+        mask = index.ready_mask(keys)
+        if all(mask):  # the common load: all of it in the CPU tier
+            resident, lower = keys, []
+        else:
+            resident = [key for key, ok in zip(keys, mask, strict=True) if ok]
+            lower = [key for key, ok in zip(keys, mask, strict=True) if not ok]
+        slots = dict(zip(resident, index.prepare_load(resident).slots, strict=True))
+        promoted: tuple[bytes, ...] = ()
+        if lower:
+            reserved = index.prepare_store(lower, admit_all=True, tenant=tenant)
+            if reserved is not None:
+                promoted = reserved.keys
+                slots.update(zip(reserved.keys, reserved.slots, strict=True))
+        lost = set(lower) - set(promoted)
+        placeholder = TransferOrder(0, "", JobKind.LOAD, ())
+        return slots, lost, JobState(placeholder, pinned=tuple(resident), promoted=promoted)
+
+    def complete(self, req: RequestState | None, job: JobState, report: JobReport) -> None:
+        """Every rank reported the load: unpin, record promotions, count, mark KV valid.
+
+        A promoted chunk is stored in the CPU tier only where every rank promoted it.
+        """
+        self.index.complete_load(job.pinned)
+        world = self.jobs.world_size
+        everywhere = {k for k, ranks in report.promoted.items() if ranks >= world}
+        failed = report.failed_keys
+        unpromoted = {k for k in job.promoted if k in failed or k not in everywhere}
+        record_stored(self.index, self.retention, req, job, keys=job.promoted, failed=unpromoted)
+        stats = self.stats
+        stats.loads += 1
+        if not report.ok:
+            stats.failed_loads += 1
+            stats.failed_load_tokens += job.tokens
+            return
+        stats.loaded_tokens += job.tokens
+        stats.add_by_tier(stats.loaded_tokens_by_tier, job.tiers)
+        if req is not None:
+            for g, lo, hi in job.ranges:
+                req.mark_valid(lo, hi, group=g)

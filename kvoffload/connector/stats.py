@@ -1,0 +1,82 @@
+"""The connector core's counters, one record per side, each event counted once where it happens.
+
+Like the tiers' :class:`~kvoffload.tiers.stats.TierStats`, they are records with a field per
+figure, not string-keyed dicts: a typo is an ``AttributeError`` at once, not a new key that
+nobody reads. ``snapshot()`` gives the plain numbers an exporter, a log line or a test
+reads (the adapter maps them to Prometheus series in one place,
+:mod:`kvoffload.vllm._metrics`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+__all__ = ["SchedulerStats", "WorkerStats"]
+
+
+@dataclass(slots=True)
+class SchedulerStats:
+    """What the scheduler side offered, loaded and stored, in tokens, chunks and jobs."""
+
+    #: Lookups asked, and those answered "ask again" (a chunk they need is in flight).
+    lookups: int = 0
+    deferred_lookups: int = 0
+    #: Requests that took a hit, and the tokens vLLM accepted of it.
+    hit_requests: int = 0
+    hit_tokens: int = 0
+    #: Tokens whose load every rank reported done, or failed.
+    loaded_tokens: int = 0
+    failed_load_tokens: int = 0
+    loads: int = 0
+    failed_loads: int = 0
+    #: Chunks a hit needed that got no CPU slot for their promotion (failed at once).
+    unloadable_chunks: int = 0
+    stores: int = 0
+    stored_chunks: int = 0
+    failed_store_chunks: int = 0
+    #: Chunks a step passed over: KV not there (a null block) or not retained.
+    skipped_store_chunks: int = 0
+    #: Window chunks and states no hit point of their request wanted.
+    unretained_chunks: int = 0
+    #: Chunks of a hit found in the CPU tier, and in a lower tier.
+    cpu_hit_chunks: int = 0
+    lower_hit_chunks: int = 0
+    #: Chunks stored only for a trailing hit point and dropped when it moved on.
+    dropped_chunks: int = 0
+    #: Chunks a finished request never found a CPU slot for (an undersized tier shows here).
+    no_room_chunks: int = 0
+    resets: int = 0
+    #: ``hit_tokens`` and ``loaded_tokens`` by the tier their chunks came from.
+    hit_tokens_by_tier: dict[str, int] = field(default_factory=dict)
+    loaded_tokens_by_tier: dict[str, int] = field(default_factory=dict)
+
+    def add_by_tier(self, counts: dict[str, int], tokens: dict[str, int]) -> None:
+        """Add a job's ``tokens`` per tier to ``counts`` (one of the ``*_by_tier`` fields)."""
+        for tier, n in tokens.items():
+            counts[tier] = counts.get(tier, 0) + n
+
+    def snapshot(self) -> dict[str, int | dict[str, int]]:
+        """Every figure by name; the ``*_by_tier`` ones as fresh dicts."""
+        return asdict(self)
+
+
+@dataclass(slots=True)
+class WorkerStats:
+    """One worker's orders and jobs, counted from their reports (bytes are the tiers')."""
+
+    #: Orders held back while the side was suspended, and orders it could not run.
+    suspended_orders: int = 0
+    refused_orders: int = 0
+    store_jobs: int = 0
+    load_jobs: int = 0
+    failed_store_jobs: int = 0
+    failed_load_jobs: int = 0
+    store_chunks: int = 0
+    load_chunks: int = 0
+    failed_store_chunks: int = 0
+    failed_load_chunks: int = 0
+    #: Engine blocks of failed loads, handed back to the engine to recompute.
+    failed_load_blocks: int = 0
+
+    def snapshot(self) -> dict[str, int]:
+        return asdict(self)
