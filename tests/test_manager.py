@@ -55,7 +55,7 @@ def test_empty_index_misses(policy: str) -> None:
     assert manager.lookup(K[:3]) == 0
     assert manager.lookup([]) == 0
     stats = manager.stats()
-    assert (stats["hits"], stats["misses"], stats["lookups"]) == (0, 3, 2)
+    assert (stats.hits, stats.misses, stats.lookups) == (0, 3, 2)
     assert manager.take_events() == []
 
 
@@ -87,7 +87,7 @@ def test_failed_store_frees_slots_and_emits_nothing(policy: str) -> None:
     assert manager.take_events() == []
     assert manager.lookup(K[:2]) == 0
     stats = manager.stats()
-    assert (stats["used"], stats["store_failures"], stats["stores"]) == (0, 2, 0)
+    assert (stats.used, stats.store_failures, stats.stores) == (0, 2, 0)
     again = manager.prepare_store(K[:2])
     assert again is not None and sorted(again.slots) == [0, 1]
     manager.check_integrity()
@@ -101,7 +101,7 @@ def test_prepare_store_skips_stored_in_flight_and_duplicates(policy: str) -> Non
     assert second is not None
     assert second.keys == (K[4],) and len(second.slots) == 1
     assert len(set(first.slots + second.slots)) == 3
-    assert manager.stats()["storing"] == 3
+    assert manager.stats().storing == 3
     manager.check_integrity()
 
 
@@ -123,7 +123,7 @@ def test_batch_never_evicts_its_own_stored_keys(policy: str) -> None:
 def test_batch_larger_than_capacity_is_refused(policy: str) -> None:
     manager = OffloadManager(3, policy)
     assert manager.prepare_store(K[:4]) is None
-    assert manager.stats()["used"] == 0
+    assert manager.stats().used == 0
 
 
 def test_pins_stack_and_protect_from_eviction(policy: str) -> None:
@@ -132,7 +132,7 @@ def test_pins_stack_and_protect_from_eviction(policy: str) -> None:
     manager.prepare_load([K[0], K[1]])
     manager.complete_load([K[1]])
     manager.complete_load([K[0]])
-    assert manager.stats()["pinned"] == 1, "K0 still holds its second pin"
+    assert manager.stats().pinned == 1, "K0 still holds its second pin"
     store = manager.prepare_store([K[5]])
     assert store is not None and store.evicted == (K[1],)
     assert manager.prepare_store([K[6]]) is None, "only K0 (pinned) and K5 (in flight) are left"
@@ -172,7 +172,7 @@ def test_evicted_slot_is_reused_and_reported_before_the_store(policy: str) -> No
         IndexEvent(EventKind.REMOVED, K[0], 0),
         IndexEvent(EventKind.STORED, K[1], 0),
     ]
-    assert manager.stats()["evictions"] == 1
+    assert manager.stats().evictions == 1
 
 
 def test_prepare_load_returns_slots_and_pins_each_occurrence(policy: str) -> None:
@@ -182,7 +182,7 @@ def test_prepare_load_returns_slots_and_pins_each_occurrence(policy: str) -> Non
     assert load.keys == (K[2], K[0], K[2])
     assert load.slots[0] == load.slots[2] != load.slots[1]
     manager.complete_load([K[2], K[2], K[0]])
-    assert manager.stats()["pinned"] == 0
+    assert manager.stats().pinned == 0
 
 
 @pytest.mark.parametrize(
@@ -249,7 +249,7 @@ def test_reset_keeps_pinned_and_in_flight_chunks(policy: str) -> None:
     manager.complete_load([K[1]])
     assert manager.lookup([K[1], K[5]]) == 2
     stats = manager.stats()
-    assert (stats["ready"], stats["removed"], stats["resets"]) == (2, 2, 1)
+    assert (stats.ready, stats.removed, stats.resets) == (2, 2, 1)
     manager.check_integrity()
 
 
@@ -267,7 +267,7 @@ def test_discard_drops_only_ready_unpinned_chunks(policy: str) -> None:
     assert again is not None and again.evicted == ()
     manager.complete_store([*store.keys, *again.keys])
     manager.complete_load([K[1]])
-    assert manager.stats()["removed"] == 1
+    assert manager.stats().removed == 1
     manager.check_integrity()
 
 
@@ -293,14 +293,14 @@ def test_record_events_off(policy: str) -> None:
         manager.complete_store(store.keys)
     manager.reset()
     assert manager.take_events() == []
-    assert manager.stats()["evictions"] == 2
+    assert manager.stats().evictions == 2
 
 
 def test_stats_shape(policy: str) -> None:
     manager = filled(policy, 5, 2)
     stats = manager.stats()
-    assert stats["capacity"] == 5 and stats["used"] == 2 and stats["free"] == 3
-    assert stats["stores"] == 2 and stats["pinned"] == 0
+    assert stats.capacity == 5 and stats.used == 2 and stats.free == 3
+    assert stats.stores == 2 and stats.pinned == 0
     assert manager.policy.name == policy
 
 
@@ -321,7 +321,7 @@ def test_admission_filter_stores_on_second_offer() -> None:
     manager = OffloadManager(4, AdmissionFilter(LRUPolicy(4)))
     first = manager.prepare_store(K[:2])
     assert first == StoreResult((), (), ())
-    assert manager.stats()["rejected"] == 2
+    assert manager.stats().rejected == 2
     second = manager.prepare_store(K[:3])
     assert second is not None and second.keys == (K[0], K[1])
     assert manager.policy.name == "admit+lru"
@@ -393,18 +393,18 @@ def test_a_turned_away_store_is_made_for_the_lower_tiers_and_leaves_no_chunk_her
     index = OffloadManager(4, AdmissionFilter(LRUPolicy(4)), write_around=True)
     first = index.prepare_store(K[:2])  # first sightings: turned away from this tier
     assert first is not None and first.keys == (K[0], K[1]) and len(first.slots) == 2
-    assert index.stats()["storing"] == 2 and index.stats()["rejected"] == 2
+    assert index.stats().storing == 2 and index.stats().rejected == 2
     index.check_integrity()
     index.complete_store([K[1], K[0]])
     stats = index.stats()
-    assert (stats["ready"], stats["free"], stats["stores"], stats["written_around"]) == (0, 4, 0, 2)
+    assert (stats.ready, stats.free, stats.stores, stats.written_around) == (0, 4, 0, 2)
     assert index.take_events() == [] and index.lookup(K[:1]) == 0
     # A second sighting is admitted (and stays); a first one beside it is written around.
     both = index.prepare_store([K[0], K[2]])
     assert both is not None and both.keys == (K[0], K[2])
     index.complete_store([K[2], K[0]])
     assert index.lookup([K[0]]) == 1 and index.lookup([K[2]]) == 0
-    assert index.stats()["written_around"] == 3 and len(index.policy) == 1
+    assert index.stats().written_around == 3 and len(index.policy) == 1
     index.check_integrity()
 
 
@@ -413,18 +413,18 @@ def test_a_failed_store_for_the_lower_tiers_frees_its_slot_like_any_other() -> N
     store = index.prepare_store([K[0]])
     assert store is not None and store.keys == (K[0],)
     index.complete_store([K[0]], success=False)
-    assert index.stats()["store_failures"] == 1 and index.stats()["free"] == 2
+    assert index.stats().store_failures == 1 and index.stats().free == 2
     index.check_integrity()
     again = index.prepare_store([K[0]])  # the filter saw it once: admitted now
     assert again is not None and again.keys == (K[0],)
     index.complete_store([K[0]])
-    assert index.lookup([K[0]]) == 1 and index.stats()["written_around"] == 0
+    assert index.lookup([K[0]]) == 1 and index.stats().written_around == 0
 
 
 def test_without_lower_tiers_a_turned_away_store_is_not_made() -> None:
     index = OffloadManager(4, AdmissionFilter(LRUPolicy(4)))
     store = index.prepare_store(K[:2])
-    assert store is not None and store.keys == () and index.stats()["storing"] == 0
+    assert store is not None and store.keys == () and index.stats().storing == 0
 
 
 @pytest.mark.parametrize(

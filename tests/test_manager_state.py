@@ -152,7 +152,7 @@ class IndexMachine(RuleBasedStateMachine):
         assert [k for k in missing if k in set(stored)] == stored, "keys out of order or foreign"
         if type(self.manager.policy).admit is EvictionPolicy.admit or self.write_around:
             assert stored == missing, "every key is stored: admitted, or for the lower tiers"
-        turned_away = self.manager.stats()["rejected"] - before["rejected"]
+        turned_away = self.manager.stats().rejected - before.rejected
         if self.write_around:
             marked = self.manager._cold - self.around  # which ones, the index's own record
             assert len(marked) == turned_away and marked <= set(stored)
@@ -213,16 +213,16 @@ class IndexMachine(RuleBasedStateMachine):
         manager = self.manager
         manager.check_integrity()
         stats = manager.stats()
-        assert stats["ready"] == len(self.ready)
-        assert stats["storing"] == len(self.storing)
-        assert stats["pinned"] == len(self.pins)
-        assert stats["used"] == len(self.ready) + len(self.storing) <= stats["capacity"]
-        assert stats["free"] == self.free_slots()
-        assert (stats["hits"], stats["misses"]) == (self.hits, self.misses)
-        assert stats["evictions"] == self.evictions
-        assert stats["rejected"] == self.rejected
-        assert (stats["stores"], stats["store_failures"]) == (self.stores, self.failures)
-        assert stats["written_around"] == self.written_around
+        assert stats.ready == len(self.ready)
+        assert stats.storing == len(self.storing)
+        assert stats.pinned == len(self.pins)
+        assert stats.used == len(self.ready) + len(self.storing) <= stats.capacity
+        assert stats.free == self.free_slots()
+        assert (stats.hits, stats.misses) == (self.hits, self.misses)
+        assert stats.evictions == self.evictions
+        assert stats.rejected == self.rejected
+        assert (stats.stores, stats.store_failures) == (self.stores, self.failures)
+        assert stats.written_around == self.written_around
         assert manager._cold == self.around
         assert len(manager.policy) == len(self.ready)
         slots = list(self.ready.values()) + list(self.storing.values())

@@ -140,7 +140,7 @@ def test_admitting_a_store_at_once_answers_as_key_by_key(name: str) -> None:
         for index in (batched, keyed):
             index.touch(touched)
             index.refresh(refreshed)
-    assert batched.stats() == keyed.stats() and batched.stats()["rejected"] > 0
+    assert batched.stats() == keyed.stats() and batched.stats().rejected > 0
     assert list(batched._ready) == list(keyed._ready)
     assert list(batched.policy.evict(capacity, lambda k: False)) == list(
         keyed.policy.evict(capacity, lambda k: False)

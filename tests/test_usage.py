@@ -62,7 +62,7 @@ def test_a_store_that_knows_its_place_in_the_chain_ranks_alike() -> None:
     assert reserved is not None
     with pytest.raises(ValueError, match="not chunk 4 of the chain"):
         record_stores(m, chain, list(reserved.keys), first=4)
-    assert m.stats()["storing"] == 1  # nothing completed
+    assert m.stats().storing == 1  # nothing completed
 
 
 def test_failed_stores_free_their_slots_and_change_no_order() -> None:
@@ -71,7 +71,7 @@ def test_failed_stores_free_their_slots_and_change_no_order() -> None:
     reserved = m.prepare_store(chain)
     assert reserved is not None
     record_stores(m, chain, chain[:2], [chain[2]])
-    assert m.stats()["free"] == 2 and eviction_order(m) == [chain[1], chain[0]]
+    assert m.stats().free == 2 and eviction_order(m) == [chain[1], chain[0]]
 
 
 def test_the_engines_own_hits_rank_as_recent_but_are_no_hits_of_the_tier() -> None:

@@ -445,7 +445,7 @@ class Stand:
 
     def check_integrity(self) -> None:
         stats = self.index.stats()
-        assert (stats["pinned"], stats["storing"]) == (0, 0)
+        assert (stats.pinned, stats.storing) == (0, 0)
         assert self.scheduler.figures()["jobs_in_flight"] == 0
         self.index.check_integrity()
         for rank, worker in enumerate(self.workers):
@@ -544,12 +544,12 @@ def test_lookup_is_free_of_side_effects(stand: Callable[..., Stand], model: Mode
     s = stand(model, cpu_chunks=capacity, policy="lru")
     s.serve("a", ta)
     s.serve("b", tb)
-    assert s.index.stats()["free"] == 0
+    assert s.index.stats().free == 0
     s.scheduler.take_events()
     before = s.index.stats()
     answers = [s.scheduler.lookup("x", ta, 0) for _ in range(2)]
     assert answers[0] == answers[1] == reference_hit(model, len(ta), 0, lambda g, c: True) > 0
-    assert s.index.stats() == before and before["pinned"] == 0
+    assert s.index.stats() == before and before.pinned == 0
     assert s.scheduler.take_events() == [] and s.scheduler.take_orders() == []
     assert s.scheduler.figures()["jobs_in_flight"] == 0
     s.scheduler.request_finished("x")
@@ -873,7 +873,7 @@ def test_a_job_completes_once_every_rank_reported(stand: Callable[..., Stand]) -
     keys = [k for group in s.keys(tokens) for k in group]
     assert r0.job_id == r1.job_id and r0.ok and r1.ok
     s.scheduler.on_report(r0)
-    assert not any(s.ready(keys)) and s.index.stats()["storing"] == len(keys)
+    assert not any(s.ready(keys)) and s.index.stats().storing == len(keys)
     assert s.scheduler.figures()["jobs_in_flight"] == 1
     s.scheduler.on_report(r1)
     assert all(s.ready(keys)) and s.scheduler.figures()["stored_chunks"] == len(keys)
@@ -946,7 +946,7 @@ def test_reset_drops_unpinned_chunks_and_keeps_pinned_ones(
     assert b.load is not None
     held = s.scheduler.take_orders()
     pinned = set(b.load.keys)
-    assert s.index.stats()["pinned"] == len(pinned) > 0
+    assert s.index.stats().pinned == len(pinned) > 0
     s.scheduler.take_events()
     assert s.scheduler.reset()
     all_a = {k for group in stored_keys(s, ta) for k in group}
@@ -971,9 +971,9 @@ def test_reset_drops_unpinned_chunks_and_keeps_pinned_ones(
     assert b.verified == sum(len(ids) for ids in b.load_ids.values())
     s.step([b])
     s.finish(b)
-    assert s.index.stats()["pinned"] == 0 and all(s.ready(sorted(pinned)))
+    assert s.index.stats().pinned == 0 and all(s.ready(sorted(pinned)))
     s.scheduler.reset()  # nothing pinned now: everything goes
-    assert s.index.stats()["ready"] == 0 and s.scheduler.lookup("y", ta, 0) == 0
+    assert s.index.stats().ready == 0 and s.scheduler.lookup("y", ta, 0) == 0
     s.scheduler.request_finished("y")
     s.check_integrity()
 

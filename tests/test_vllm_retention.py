@@ -98,7 +98,7 @@ def test_window_chunks_are_kept_only_for_the_ends_of_prompt_and_output(
     # The trailing point passed 224 on its way: its window chunk was stored, then dropped.
     assert fig["dropped_chunks"] == len(SLIDING) * len(window_chunks(224) - window_chunks(256))
     assert fig["unretained_chunks"] > 0
-    assert s.index.stats()["ready"] == sum(len(stored(s, a.tokens, g)) for g in range(4))
+    assert s.index.stats().ready == sum(len(stored(s, a.tokens, g)) for g in range(4))
 
     # The next turn of the conversation hits at the output's end, bit-exact.
     b = turn(s, "b", a.tokens + make_tokens(2, 20), 1)

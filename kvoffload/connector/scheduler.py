@@ -251,7 +251,9 @@ class OffloadScheduler:
         """Counters since start: offered and loaded tokens (also by tier), stores, index state."""
         out = self._stats.snapshot()
         by_tier = {name: out.pop(name) for name in ("hit_tokens_by_tier", "loaded_tokens_by_tier")}
-        out.update({f"index_{name}": value for name, value in self.index.stats().items()})
+        out.update(
+            {f"index_{name}": value for name, value in self.index.stats().snapshot().items()}
+        )
         out.update(by_tier)
         out["jobs_in_flight"] = len(self.jobs)
         out["requests_tracked"] = len(self.requests)

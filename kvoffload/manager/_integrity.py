@@ -11,7 +11,7 @@ from collections.abc import Collection, Mapping
 from kvoffload.errors import IntegrityError
 from kvoffload.keys import short_key
 
-__all__ = ["check_index", "check_resident"]
+__all__ = ["check_index", "check_resident", "check_victims"]
 
 
 def check_index(
@@ -20,8 +20,11 @@ def check_index(
     pins: Mapping[bytes, int],
     free: Collection[int],
     capacity: int,
+    *,
+    cold: Collection[bytes] = (),
 ) -> None:
-    """Every slot is exactly one of free / ready / storing; pins only on ready chunks."""
+    """Every slot is exactly one of free / ready / storing; pins only on ready chunks; every
+    chunk stored for the lower tiers only (``cold``) has its store in flight."""
     both = ready.keys() & storing.keys()
     if both:
         raise IntegrityError(f"{len(both)} chunk(s) are both ready and storing")
@@ -42,6 +45,41 @@ def check_index(
                 f"chunk {short_key(key)} has {count} pin(s) but is "
                 f"{'ready' if key in ready else 'not ready'}"
             )
+    orphans = [key for key in cold if key not in storing]
+    if orphans:
+        raise IntegrityError(
+            f"{len(orphans)} chunk(s) marked for the lower tiers only have no store in flight"
+        )
+
+
+def check_victims(
+    policy: str,
+    victims: Collection[bytes],
+    need: int,
+    *,
+    ready: Mapping[bytes, int],
+    pins: Mapping[bytes, int],
+    found: Collection[bytes],
+) -> None:
+    """A policy's ``need`` victims are distinct, ready, unpinned and not protected by the call.
+
+    Checked at every eviction, at once on the whole batch (a few set operations): a
+    policy out of step with the index must fail loudly before any slot is freed.
+    """
+    chosen = set(victims)
+    if (
+        len(victims) == len(chosen) == need
+        and ready.keys() >= chosen
+        and pins.keys().isdisjoint(chosen)
+        and chosen.isdisjoint(found)
+    ):
+        return
+    bad = [k for k in victims if k not in ready or k in pins or k in found]
+    shown = ", ".join(short_key(k) for k in bad[:3])
+    raise IntegrityError(
+        f"policy {policy!r} returned {len(victims)} victim(s) for {need} "
+        f"({len(bad)} not evictable: {shown or 'none'}); it is out of sync with the index"
+    )
 
 
 def check_resident(name: str, tracked: Collection[bytes], resident: Collection[bytes]) -> None:

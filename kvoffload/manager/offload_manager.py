@@ -23,13 +23,16 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, NoReturn
 
 from kvoffload._checks import checked_int
-from kvoffload.errors import ConfigError, IntegrityError, ProtocolError
+from kvoffload.errors import ProtocolError
 from kvoffload.keys import short_key
+from kvoffload.manager._integrity import check_victims
+from kvoffload.manager._state import IndexState
 from kvoffload.manager._tenants import TenantShares
 from kvoffload.manager.policies.admission import AdmissionFilter
-from kvoffload.manager.policy import EvictionPolicy, nothing_protected
+from kvoffload.manager.policy import EvictionPolicy, build_policy, nothing_protected
 from kvoffload.manager.results import EventKind, IndexEvent, LoadResult, StoreResult
-from kvoffload.registry import DEFAULT_POLICY, POLICIES
+from kvoffload.manager.stats import IndexCounters, IndexStats
+from kvoffload.registry import POLICIES
 
 if TYPE_CHECKING:
     from kvoffload.config import OffloadConfig
@@ -40,27 +43,11 @@ _STORED = EventKind.STORED
 _REMOVED = EventKind.REMOVED
 
 
-def _make_policy(policy: str | EvictionPolicy | None, capacity: int) -> EvictionPolicy:
-    """Build a registered policy by name, or adopt a ready instance."""
-    if isinstance(policy, EvictionPolicy):
-        if policy.capacity != capacity:
-            raise ConfigError(
-                f"policy {policy.name!r} was built for capacity {policy.capacity}, "
-                f"but the index has num_chunks={capacity}; build it with the same capacity"
-            )
-        return policy
-    name = POLICIES.check(DEFAULT_POLICY if policy is None else policy)
-    built = POLICIES.create(name, capacity)
-    if not isinstance(built, EvictionPolicy):
-        raise ConfigError(f"policy {name!r} did not build an EvictionPolicy: {built!r}")
-    return built
-
-
 #: What a store all of whose keys were turned away (or are there already) reserves.
 _NOTHING_STORED = StoreResult((), (), ())
 
 
-class OffloadManager:
+class OffloadManager(IndexState):
     """Index of offloaded chunks with pins, all-or-nothing stores and events.
 
     ``policy`` is a registry name (see ``kvoffload.registry.POLICIES``) or an
@@ -80,9 +67,8 @@ class OffloadManager:
         tenant_share: float | None = None,
         write_around: bool = False,
     ) -> None:
-        checked_int("num_chunks", num_chunks)
-        self.capacity = num_chunks
-        self.policy = _make_policy(policy, num_chunks)
+        super().__init__(checked_int("num_chunks", num_chunks))
+        self.policy = build_policy(policy, num_chunks)
         self.tenants = None if tenant_share is None else TenantShares(num_chunks, tenant_share)
         # Asking a policy without an admission hook per key would only cost time.
         self._filters_admission = type(self.policy).admit is not EvictionPolicy.admit
@@ -90,17 +76,8 @@ class OffloadManager:
         #: Whether stores the policy's admission turns away are made anyway, for the lower
         #: tiers behind this one: through a slot freed when they complete (``prepare_store``).
         self.write_around = write_around
-        #: Keys being stored for the lower tiers only: the policy turned them away.
-        self._cold: set[bytes] = set()
-        self._ready: dict[bytes, int] = {}
-        self._storing: dict[bytes, int] = {}
-        self._pins: dict[bytes, int] = {}
-        # Popped from the end: slot 0 is handed out first.
-        self._free: list[int] = list(range(num_chunks - 1, -1, -1))
         self._events: list[IndexEvent] = []
-        self._counters = dict.fromkeys(
-            ("lookups", "hits", "misses", "stores", "store_failures", "evictions", "rejected",
-             "written_around", "removed", "resets"), 0)  # fmt: skip
+        self._counts = IndexCounters()
 
     @classmethod
     def from_config(cls, config: OffloadConfig, *, record_events: bool = True) -> OffloadManager:
@@ -134,50 +111,11 @@ class OffloadManager:
                 self.policy.on_miss(key)
                 break
             n += 1
-        counters = self._counters
-        counters["lookups"] += 1
-        counters["hits"] += n
-        counters["misses"] += len(keys) - n
+        counts = self._counts
+        counts.lookups += 1
+        counts.hits += n
+        counts.misses += len(keys) - n
         return n
-
-    def ready_mask(self, keys: Iterable[bytes]) -> list[bool]:
-        """Whether each key is ready now: a pure query, no counters, nothing told to the policy.
-
-        For planners that may ask about the same request more than once
-        (vLLM's ``get_num_new_matched_tokens`` must be side-effect free) and
-        that need every key, not just the leading run ``lookup`` counts.
-        """
-        ready = self._ready
-        return [key in ready for key in keys]
-
-    def available_run(self, keys: Iterable[bytes]) -> tuple[int, bool]:
-        """How many leading ``keys`` are ready or being stored, and whether one is being stored.
-
-        A pure query like ``ready_mask``, which stops at the first key that is
-        neither: a planner of chains needs no more.
-        """
-        ready, storing = self._ready, self._storing
-        n, pending = 0, False
-        for key in keys:
-            if key not in ready:
-                if key not in storing:
-                    break
-                pending = True
-            n += 1
-        return n, pending
-
-    def storing_mask(self, keys: Iterable[bytes]) -> list[bool]:
-        """Whether each key's store or promotion is in flight; a pure query like ``ready_mask``."""
-        storing = self._storing
-        return [key in storing for key in keys]
-
-    def room(self) -> int:
-        """The most chunks one new load can use at once: slots neither pinned nor being stored.
-
-        A planner that offers more than this would promise chunks it cannot
-        stage; it should offer a shorter hit instead.
-        """
-        return self.capacity - len(self._pins) - len(self._storing)
 
     def touch(self, keys: Iterable[bytes]) -> None:
         """Tell the policy ``keys`` were used, in the caller's order; unknown keys are ignored.
@@ -273,18 +211,7 @@ class OffloadManager:
         tenants = self.tenants
         if tenants is not None and not tenants.fits(tenant, len(missing), found, self._pins):
             return None
-        cold: list[bytes] = []
-        if self._filters_admission and not admit_all:
-            admitted = self.policy.admit_many(missing)
-            self._counters["rejected"] += len(missing) - len(admitted)
-            if self.write_around and len(admitted) < len(missing):
-                # Turned away from this tier, not from the ones behind it: stored through a
-                # slot like the others, which is freed once the store is done.
-                kept = set(admitted)
-                cold = [key for key in missing if key not in kept]
-                admitted = missing
-        else:
-            admitted = missing
+        admitted, cold = self._admit(missing) if not admit_all else (missing, [])
         if not admitted and tenants is None:
             return _NOTHING_STORED  # every key turned away (the common store at a full tier)
         evicted: list[bytes] = []
@@ -303,6 +230,19 @@ class OffloadManager:
         self._cold.update(cold)
         return StoreResult(tuple(admitted), tuple(slots), tuple(evicted))
 
+    def _admit(self, missing: list[bytes]) -> tuple[list[bytes], list[bytes]]:
+        """The keys of ``missing`` to store, and those of them stored for the lower tiers only."""
+        if not self._filters_admission:
+            return missing, []
+        admitted = self.policy.admit_many(missing)
+        self._counts.rejected += len(missing) - len(admitted)
+        if not self.write_around or len(admitted) == len(missing):
+            return admitted, []
+        # Turned away from this tier, not from the ones behind it: stored through a slot
+        # like the others, which is freed once the store is done.
+        kept = set(admitted)
+        return missing, [key for key in missing if key not in kept]
+
     def complete_store(self, keys: Sequence[bytes], success: bool = True) -> None:
         """Finish in-flight stores: ready and ``STORED`` on success, slots freed otherwise.
 
@@ -320,7 +260,7 @@ class OffloadManager:
         if success and self._cold and not self._cold.isdisjoint(keys):
             around = [key for key in keys if key in self._cold]  # for the lower tiers only
             self._give_back(around)
-            self._counters["written_around"] += len(around)
+            self._counts.written_around += len(around)
             keys = [key for key in keys if key in storing]
         if success:
             ready = self._ready
@@ -333,12 +273,12 @@ class OffloadManager:
                 for key in keys:
                     ready[key] = storing.pop(key)
             self.policy.insert_many(keys)
-            self._counters["stores"] += len(keys)
+            self._counts.stores += len(keys)
             if self.tenants is not None:
                 self.tenants.stored(keys)
         else:
             self._give_back(keys)
-            self._counters["store_failures"] += len(keys)
+            self._counts.store_failures += len(keys)
 
     def discard(self, keys: Iterable[bytes]) -> list[bytes]:
         """Drop ready, unpinned ``keys`` (chunks no hit will need); returns those dropped."""
@@ -346,7 +286,7 @@ class OffloadManager:
         for key in gone:
             self.policy.remove(key)
         self._drop(gone)
-        self._counters["removed"] += len(gone)
+        self._counts.removed += len(gone)
         return gone
 
     # -- housekeeping --------------------------------------------------------
@@ -355,16 +295,12 @@ class OffloadManager:
         events, self._events = self._events, []
         return events
 
-    def stats(self) -> dict[str, int]:
-        """Counters and occupancy; the policy's name is ``self.policy.name``.
-
-        ``hits``/``misses`` count keys over all lookups (a key looked up by
-        two lookups counts twice), ``pinned`` counts distinct pinned chunks,
-        ``used`` is ready plus storing.
-        """
+    def stats(self) -> IndexStats:
+        """Counters and occupancy (:class:`IndexStats`); the policy's name is ``policy.name``."""
         ready, storing = len(self._ready), len(self._storing)
-        return dict(self._counters, capacity=self.capacity, used=ready + storing, ready=ready,
-                    storing=storing, pinned=len(self._pins), free=len(self._free))  # fmt: skip
+        return IndexStats(**self._counts.snapshot(), capacity=self.capacity,
+                          used=ready + storing, ready=ready, storing=storing,
+                          pinned=len(self._pins), free=len(self._free))  # fmt: skip
 
     def reset(self) -> None:
         """Drop every ready chunk that is not pinned, with a ``REMOVED`` event each.
@@ -378,19 +314,16 @@ class OffloadManager:
         self.policy.reset()
         for key in self._ready:
             self.policy.insert(key)
-        self._counters["removed"] += len(dropped)
-        self._counters["resets"] += 1
+        self._counts.removed += len(dropped)
+        self._counts.resets += 1
 
     def check_integrity(self) -> None:
         """Raise ``IntegrityError`` with the numbers if the index's state is inconsistent."""
         from kvoffload.manager._integrity import check_index
 
-        check_index(self._ready, self._storing, self._pins, self._free, self.capacity)
-        if not self._cold <= self._storing.keys():
-            raise IntegrityError(
-                f"{len(self._cold - self._storing.keys())} chunk(s) marked for the lower tiers "
-                "only have no store in flight"
-            )
+        check_index(
+            self._ready, self._storing, self._pins, self._free, self.capacity, cold=self._cold
+        )
         self.policy.check_integrity(self._ready.keys())
         if self.tenants is not None:
             self.tenants.check(self._ready.keys(), self._storing.keys(), self._pins.keys())
@@ -418,12 +351,6 @@ class OffloadManager:
             batch.add(key)
         raise AssertionError("complete_store refused keys it can complete")
 
-    def _evictable(self, found: set[bytes]) -> int:
-        """Ready chunks an eviction may take: neither pinned nor found by this call."""
-        pins = self._pins
-        protected = sum(1 for key in found if key not in pins) if found else 0
-        return len(self._ready) - len(pins) - protected
-
     def _evict(
         self, need: int, found: set[bytes], spare: Callable[[bytes], bool] | None = None
     ) -> list[bytes]:
@@ -440,21 +367,9 @@ class OffloadManager:
             victims = self.policy.evict(need, kept)
         else:
             victims = self.policy.evict(need, lambda key: key in pins or key in found or spare(key))
-        chosen = set(victims)  # checked at once: every victim ready, none kept, none twice
-        if not (
-            len(victims) == len(chosen) == need
-            and ready.keys() >= chosen
-            and pins.keys().isdisjoint(chosen)
-            and chosen.isdisjoint(found)
-        ):
-            bad = [k for k in victims if k not in ready or k in pins or k in found]
-            shown = ", ".join(short_key(k) for k in bad[:3])
-            raise IntegrityError(
-                f"policy {self.policy.name!r} returned {len(victims)} victim(s) for {need} "
-                f"({len(bad)} not evictable: {shown or 'none'}); it is out of sync with the index"
-            )
+        check_victims(self.policy.name, victims, need, ready=ready, pins=pins, found=found)
         self._drop(victims)
-        self._counters["evictions"] += need
+        self._counts.evictions += need
         return victims
 
     def _drop(self, keys: Sequence[bytes]) -> None:

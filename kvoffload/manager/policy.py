@@ -44,7 +44,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Collection, Iterable, Sequence
 
-from kvoffload.errors import IntegrityError
+from kvoffload.errors import ConfigError, IntegrityError
 
 __all__ = ["EvictionPolicy", "nothing_protected"]
 
@@ -142,3 +142,24 @@ class EvictionPolicy(ABC):
             raise IntegrityError(
                 f"policy {self.name!r} tracks {len(self)} keys, the index has {len(resident)} ready"
             )
+
+
+def build_policy(policy: str | EvictionPolicy | None, capacity: int) -> EvictionPolicy:
+    """Build a registered policy by name, or adopt a ready instance built for ``capacity``.
+
+    The registry is imported here, not at the top: it names this module's subclasses.
+    """
+    if isinstance(policy, EvictionPolicy):
+        if policy.capacity != capacity:
+            raise ConfigError(
+                f"policy {policy.name!r} was built for capacity {policy.capacity}, "
+                f"but the index has num_chunks={capacity}; build it with the same capacity"
+            )
+        return policy
+    from kvoffload.registry import DEFAULT_POLICY, POLICIES
+
+    name = POLICIES.check(DEFAULT_POLICY if policy is None else policy)
+    built = POLICIES.create(name, capacity)
+    if not isinstance(built, EvictionPolicy):
+        raise ConfigError(f"policy {name!r} did not build an EvictionPolicy: {built!r}")
+    return built

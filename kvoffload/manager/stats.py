@@ -1,0 +1,45 @@
+"""The index's counters, as a record with a field per figure (like the tiers' ``TierStats``)."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+__all__ = ["IndexCounters", "IndexStats"]
+
+
+@dataclass(slots=True)
+class IndexCounters:
+    """What the index counts as it happens; ``hits`` and ``misses`` count keys, not lookups."""
+
+    lookups: int = 0
+    hits: int = 0
+    misses: int = 0
+    stores: int = 0
+    store_failures: int = 0
+    evictions: int = 0
+    #: Keys the policy's admission turned away from this tier.
+    rejected: int = 0
+    #: Of those, keys stored through a slot for the lower tiers only (write-around).
+    written_around: int = 0
+    #: Chunks dropped on request (``discard``, ``reset``), not by eviction.
+    removed: int = 0
+    resets: int = 0
+
+    def snapshot(self) -> dict[str, int]:
+        """Every figure by name, for an exporter or a log line."""
+        return asdict(self)
+
+
+@dataclass(slots=True)
+class IndexStats(IndexCounters):
+    """A snapshot of the counters and the occupancy of the index's slots.
+
+    ``used`` is ``ready + storing``; ``pinned`` counts distinct pinned chunks.
+    """
+
+    capacity: int = 0
+    used: int = 0
+    ready: int = 0
+    storing: int = 0
+    pinned: int = 0
+    free: int = 0
