@@ -51,7 +51,7 @@ def test_every_integer_and_size_key_has_bounds() -> None:
     assert {key.name for key in NUMERIC_KEYS} == {
         key.name for key in KEYS if key.type in (KeyType.INT, KeyType.SIZE)
     }
-    with pytest.raises(TypeError, match="take bounds"):
+    with pytest.raises(ConfigError, match="take bounds"):
         Key("n", KeyType.INT, "a number without a range")
 
 

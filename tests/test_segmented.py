@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from kvoffload.errors import IntegrityError
+from kvoffload.errors import ConfigError, IntegrityError
 from kvoffload.manager import LRUPolicy
 from kvoffload.manager.policies._segmented import SegmentedLRU
 from kvoffload.replay import block_key
@@ -127,9 +127,9 @@ def test_eviction_takes_probation_first_and_skips_pinned_keys_in_both() -> None:
 
 
 def test_a_bad_limit_is_refused() -> None:
-    with pytest.raises(ValueError, match=r"protected_limit must be in \[0, 4\], got 5"):
+    with pytest.raises(ConfigError, match=r"protected_limit must be in \[0, 4\], got 5"):
         SegmentedLRU(4, protected_limit=5)
-    with pytest.raises(ValueError, match="got -1"):
+    with pytest.raises(ConfigError, match="got -1"):
         SegmentedLRU(4).protect(-1)
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import pytest
 
+from kvoffload.errors import ProtocolError
 from kvoffload.manager import ARCPolicy, OffloadManager
 from kvoffload.manager.policies.adaptive import AdaptivePolicy
 from kvoffload.manager.usage import record_stores, record_use
@@ -60,7 +61,7 @@ def test_a_store_that_knows_its_place_in_the_chain_ranks_alike() -> None:
     assert orders[0] == orders[1] == [key(100), *chain[4::-1]]
     reserved = m.prepare_store(chain[5:])
     assert reserved is not None
-    with pytest.raises(ValueError, match="not chunk 4 of the chain"):
+    with pytest.raises(ProtocolError, match="not chunk 4 of the chain"):
         record_stores(m, chain, list(reserved.keys), first=4)
     assert m.stats().storing == 1  # nothing completed
 

@@ -17,6 +17,7 @@ from enum import Enum
 
 from kvoffload.config import values
 from kvoffload.config.offload_config import OffloadConfig
+from kvoffload.errors import ConfigError
 from kvoffload.registry import POLICIES
 
 __all__ = [
@@ -82,7 +83,7 @@ class Key:
 
     def __post_init__(self) -> None:
         if self.type.numeric != (self.bounds is not None):
-            raise TypeError(f"key {self.name!r}: INT and SIZE keys, and only they, take bounds")
+            raise ConfigError(f"key {self.name!r}: INT and SIZE keys, and only they, take bounds")
 
     @property
     def ignored(self) -> bool:

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 from collections.abc import Collection, Sequence
 
+from kvoffload.errors import ProtocolError
 from kvoffload.manager.offload_manager import OffloadManager
 
 __all__ = ["record_stores", "record_use"]
@@ -70,7 +71,7 @@ def record_stores(
         if first is None:
             first = request_keys.index(done[0])
         elif not (0 <= first < len(request_keys) and request_keys[first] == done[0]):
-            raise ValueError(f"record_stores: done[0] is not chunk {first} of the chain")
+            raise ProtocolError(f"record_stores: done[0] is not chunk {first} of the chain")
     if failed:
         index.complete_store(list(failed), success=False)
     if not done:

@@ -8,7 +8,7 @@ from collections.abc import Iterable, Sequence
 
 from kvoffload.config.layout import KVLayout, Reuse
 from kvoffload.connector._hits import needed_tokens
-from kvoffload.errors import ConfigError
+from kvoffload.errors import ConfigError, IntegrityError
 from kvoffload.keys import KeyExtras, prefix_keys, prefix_keys_for_layout
 from kvoffload.standin._kv import KVPages
 from kvoffload.standin._prefix_cache import NULL_BLOCK, PrefixCache
@@ -183,7 +183,7 @@ class StandIn:
         stats.gpu_evictions = self.cache.evictions
         self._idle = 0 if plan.scheduled else self._idle + 1
         if self._idle > MAX_IDLE_STEPS:
-            raise RuntimeError(f"the stand-in scheduled nothing for {MAX_IDLE_STEPS} steps")
+            raise IntegrityError(f"the stand-in scheduled nothing for {MAX_IDLE_STEPS} steps")
         return plan
 
     def _schedule_running(self, plan: StepPlan, budget: int) -> int:
@@ -200,7 +200,8 @@ class StandIn:
                 continue
             self.cache.remove_skipped(req.blocks, req.computed)
             if not self.cache.allocate(req.blocks, None, req.computed, req.computed + n):
-                raise RuntimeError(f"request {req.req_id!r} found no blocks: the reserve is wrong")
+                msg = f"request {req.req_id!r} found no blocks: the reserve is wrong"
+                raise IntegrityError(msg)
             self.cache.cache(req.blocks, req.hashes, req.computed + n)
             plan.scheduled.append((req, n))
             budget -= n

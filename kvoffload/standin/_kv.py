@@ -15,6 +15,7 @@ import numpy as np
 import torch
 
 from kvoffload.config.layout import KVLayout
+from kvoffload.errors import ConfigError
 
 __all__ = ["KVPages", "expected_page"]
 
@@ -50,7 +51,7 @@ class KVPages:
             # A recurrent state as vLLM hands it over: its bytes only, the padding untouched.
             return tensor.view(torch.uint8)[:, 0, 0]
         if not tensor.is_contiguous():
-            raise ValueError(
+            raise ConfigError(
                 "the stand-in writes pages of block-first (contiguous) KV tensors only"
             )
         return tensor.view(torch.uint8).reshape(tensor.shape[0], -1)

@@ -28,6 +28,7 @@ from collections.abc import Iterable, Sequence
 from kvoffload.config.layout import KVLayout, Reuse
 from kvoffload.connector._hits import needed_tokens
 from kvoffload.connector._spans import NULL_BLOCK
+from kvoffload.errors import ProtocolError
 
 __all__ = ["NULL_BLOCK", "PrefixCache"]
 
@@ -168,7 +169,7 @@ class PrefixCache:
     def reset(self) -> None:
         """vLLM's ``reset_prefix_cache``: forget every cached block (none may be in use)."""
         if len(self._free) != self.num_blocks - 1:
-            raise RuntimeError("reset_prefix_cache with blocks in use")
+            raise ProtocolError("reset_prefix_cache with blocks in use")
         self._hash_of.clear()
         self._cached.clear()
 

@@ -18,6 +18,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from kvoffload.config.layout import KVLayout, Reuse
+from kvoffload.errors import ConfigError
 
 __all__ = ["aligned_stop", "state_block_size", "state_key"]
 
@@ -26,7 +27,7 @@ def state_block_size(layout: KVLayout) -> int | None:
     """The block size of the layout's state groups (vLLM's ``block_size``), ``None`` if none."""
     sizes = {g.tokens_per_block for g in layout.groups if g.reuse is Reuse.STATE}
     if len(sizes) > 1:
-        raise ValueError(f"state groups of different block sizes {sorted(sizes)}: vLLM has one")
+        raise ConfigError(f"state groups of different block sizes {sorted(sizes)}: vLLM has one")
     return sizes.pop() if sizes else None
 
 

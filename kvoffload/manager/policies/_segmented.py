@@ -23,7 +23,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Callable, Collection, Iterable
 
-from kvoffload.errors import IntegrityError
+from kvoffload.errors import ConfigError, IntegrityError
 from kvoffload.manager._integrity import check_resident
 from kvoffload.manager.policies._common import check_capacity
 from kvoffload.manager.policy import EvictionPolicy, nothing_protected
@@ -51,7 +51,7 @@ class SegmentedLRU(EvictionPolicy):
     def protect(self, limit: int) -> None:
         """Let at most ``limit`` keys be protected; the oldest beyond it go back to probation."""
         if not 0 <= limit <= self.capacity:
-            raise ValueError(f"protected_limit must be in [0, {self.capacity}], got {limit}")
+            raise ConfigError(f"protected_limit must be in [0, {self.capacity}], got {limit}")
         self.protected_limit = limit
         self._overflow()
 
