@@ -8,8 +8,9 @@ import pytest
 
 from kvoffload import CacheGroup, KVLayout
 
-#: Real Redis servers on loopback (fixtures ``redis_server``, ``redis_cluster``).
-pytest_plugins = ["_redis_servers"]
+#: Real Redis servers on loopback (fixtures ``redis_server``, ``redis_cluster``), and the
+#: connector core's harness (fixture ``stand``).
+pytest_plugins = ["_redis_servers", "_stand"]
 
 #: The request traces shipped beside the checkout (never copied into it).
 TRACES = Path(__file__).resolve().parents[1].parent / "shared" / "traces"

@@ -9,11 +9,11 @@ generated tokens decoded one step at a time, as vLLM does.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from test_vllm_plan import (
+from _stand import (
     GEMMA,
     QWEN,
     STATE,
@@ -35,20 +35,6 @@ SLIDING = [0, 1, 2]  # GEMMA's sliding groups: 16-token blocks, window 24, 32-to
 GEMMA_FULL = 3
 GEMMA_ALIGN = 32
 QWEN_ALIGN = 8
-
-
-@pytest.fixture
-def stand(tmp_path: Path) -> Iterator[Callable[..., Stand]]:
-    """Build stands over ``tmp_path``; all are closed at teardown."""
-    made: list[Stand] = []
-
-    def make(model: Model, **kwargs: object) -> Stand:
-        made.append(Stand(model, tmp_path, **kwargs))  # type: ignore[arg-type]
-        return made[-1]
-
-    yield make
-    for s in made:
-        s.close()
 
 
 def turn(s: Stand, req_id: str, prompt: list[int], generated: int, local: int = 0) -> Req:
