@@ -35,6 +35,7 @@ from typing import Any
 import numpy as np
 
 import kvoffload
+from kvoffload.bench.local import tier_calls
 from kvoffload.tiers.disk import DiskProbe, DiskTier
 
 NAMESPACE = b"\x07" * 16
@@ -58,14 +59,7 @@ def single_process(root: Path, args: argparse.Namespace) -> dict[str, float]:
     probe = DiskProbe(root, NAMESPACE)
     paths = [str(root / NAMESPACE.hex() / f"{key.hex()}.kv") for key in keys]
 
-    def store() -> None:
-        for key in keys:
-            tier.put(key, data)
-
-    def load() -> None:
-        for key in keys:
-            if not tier.get_into(key, out):
-                raise SystemExit(f"chunk {key.hex()} was not found")
+    store, load = tier_calls(tier, keys, data, out)
 
     def stat() -> None:
         for path in paths:

@@ -42,7 +42,6 @@ import json
 import os
 import random
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -52,10 +51,9 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests_e2e"))  # the random-weight model builders live there
 
+from _launch import EngineFailed, run_spec  # noqa: E402
 from _models import BIG_LLAMA, build  # noqa: E402
 from _runner import figure_delta  # noqa: E402
-
-RUNNER = ROOT / "tests_e2e" / "_runner.py"
 
 
 def conversations(
@@ -78,23 +76,14 @@ def conversations(
 
 def run_engine(spec: dict[str, Any], work: Path, name: str, reserved_cpus: int) -> dict[str, Any]:
     """One engine process on ``spec``; its result (``_runner.py``'s format)."""
-    spec_path, out_path = work / f"{name}.spec.json", work / f"{name}.out.json"
-    spec_path.write_text(json.dumps(spec))
     # The same in every mode: vLLM's CPU backend reserves one core more when a KV
     # connector is configured (vllm/utils/ompmultiprocessing.py), where it binds threads.
     env = {**os.environ, "VLLM_CPU_NUM_OF_RESERVED_CPU": str(reserved_cpus)}
     started = time.perf_counter()
-    proc = subprocess.run(
-        [sys.executable, str(RUNNER), str(spec_path), str(out_path)],
-        capture_output=True,
-        text=True,
-        check=False,
-        env=env,
-    )
-    (work / f"{name}.log").write_text(proc.stdout + proc.stderr)
-    if proc.returncode != 0 or not out_path.exists():
-        raise SystemExit(f"{name}: engine process failed:\n{proc.stderr[-4000:]}")
-    result: dict[str, Any] = json.loads(out_path.read_text())
+    try:
+        result = run_spec(spec, work, name, env=env)
+    except EngineFailed as exc:
+        raise SystemExit(f"{name}: {exc}") from None
     if result["error"]:
         raise SystemExit(f"{name}: engine did not start:\n{result['error']}")
     print(f"  {name}: {time.perf_counter() - started:.0f} s", file=sys.stderr)

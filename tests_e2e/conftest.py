@@ -10,13 +10,13 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 from _harness import Engine, Reference
+from _launch import EngineFailed, run_spec
 from _models import GEMMA4, LLAMA, QWEN3_NEXT, build
 
 # The remote-tier tests use the unit tests' real Redis servers on loopback (appended,
@@ -24,7 +24,6 @@ from _models import GEMMA4, LLAMA, QWEN3_NEXT, build
 sys.path.append(str(Path(__file__).resolve().parents[1] / "tests"))
 pytest_plugins = ["_redis_servers"]
 
-RUNNER = Path(__file__).resolve().parent / "_runner.py"
 #: One engine process may take this long (start-up is ~10 s on two cores).
 ENGINE_TIMEOUT_S = float(os.environ.get("KVOFFLOAD_E2E_TIMEOUT", "600"))
 
@@ -72,25 +71,10 @@ def engine(tmp_path_factory: pytest.TempPathFactory) -> Engine:
     count = iter(range(10**6))
 
     def run(**spec: Any) -> dict[str, Any]:
-        n = next(count)
-        spec_path, out_path = work / f"spec{n}.json", work / f"out{n}.json"
-        spec_path.write_text(json.dumps(spec))
-        proc = subprocess.run(
-            [sys.executable, str(RUNNER), str(spec_path), str(out_path)],
-            capture_output=True,
-            text=True,
-            timeout=ENGINE_TIMEOUT_S,
-            check=False,
-        )
-        (work / f"log{n}.txt").write_text(proc.stdout + proc.stderr)
-        if proc.returncode != 0 or not out_path.exists():
-            raise AssertionError(
-                f"engine process failed (rc {proc.returncode}, spec {spec_path}):\n"
-                f"{proc.stderr[-8000:]}"
-            )
-        result: dict[str, Any] = json.loads(out_path.read_text())
-        result["log"] = str(work / f"log{n}.txt")
-        return result
+        try:
+            return run_spec(spec, work, f"run{next(count)}", timeout=ENGINE_TIMEOUT_S)
+        except EngineFailed as exc:
+            raise AssertionError(str(exc)) from None
 
     return run
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -15,13 +15,13 @@ from kvoffload.bench.rows import BenchRow, best_rate
 from kvoffload.config.layout import CacheGroup, KVLayout
 from kvoffload.errors import ConfigError, TierError
 from kvoffload.messages import BlockSpan
-from kvoffload.tiers.base import ChunkBuffer
+from kvoffload.tiers.base import ChunkBuffer, Tier
 from kvoffload.tiers.cpu import CPUSlab
 from kvoffload.tiers.disk import DiskProbe, DiskTier
 from kvoffload.tiers.disk._direct_io import ALIGN, O_DIRECT, aligned_empty, round_up
 from kvoffload.transfer import KVTransfer, allocate_kv_caches, fill_blocks
 
-__all__ = ["bench_cpu", "bench_disk"]
+__all__ = ["bench_cpu", "bench_disk", "tier_calls"]
 
 #: Shape of the synthetic model behind the cpu rows: a chunk is this many layers x blocks.
 _LAYERS, _BLOCKS_PER_CHUNK, _TOKENS_PER_BLOCK = 8, 4, 16
@@ -211,6 +211,26 @@ def _exists(path: str) -> bool:
     return True
 
 
+def tier_calls(
+    tier: Tier, keys: Sequence[bytes], data: ChunkBuffer, out: ChunkBuffer
+) -> tuple[Callable[[], None], Callable[[], None]]:
+    """A store of ``data`` under every key, and a load of each into ``out``: one timed call each.
+
+    A load that finds no chunk is an error, not a fast miss: the rate would be a lie.
+    """
+
+    def store() -> None:
+        for key in keys:
+            tier.put(key, data)
+
+    def load() -> None:
+        for key in keys:
+            if not tier.get_into(key, out):
+                raise TierError(f"{tier.name} bench: chunk {key.hex()} was not found")
+
+    return store, load
+
+
 def _measure_disk(
     tier: DiskTier,
     ref: _ReferenceFile,
@@ -221,16 +241,7 @@ def _measure_disk(
     repeat: int,
 ) -> list[float]:
     nbytes = len(keys) * data.nbytes
-
-    def store() -> None:
-        for key in keys:
-            tier.put(key, data)
-
-    def load() -> None:
-        for key in keys:
-            if not tier.get_into(key, out):
-                raise TierError(f"disk bench: chunk {key.hex()} was not found")
-
+    store, load = tier_calls(tier, keys, data, out)
     rates = [0.0] * 4
     for _ in range(repeat):
         for key in keys:
