@@ -28,7 +28,7 @@ from kvoffload.replay import (
     replay,
     sweep,
 )
-from kvoffload.replay.engine import EngineSettings, replay_engine
+from kvoffload.replay.engine import EngineSettings, format_misses, replay_engine
 
 #: The first 3,000 requests of the Mooncake conversation trace (see tests/data/README.md).
 CONVERSATION = Path(__file__).resolve().parent / "data" / "mooncake_conversation_3000.jsonl"
@@ -301,6 +301,9 @@ def test_the_engine_replay_loads_what_the_gpu_cache_lost(tmp_path: Path) -> None
     assert (row.gpu_hit_tokens, row.loaded_tokens, row.failed_load_tokens) == (512, 512, 0)
     assert row.hit_ratio == pytest.approx(1 / 9) and row.gpu_hit_ratio == pytest.approx(1 / 9)
     assert row.steps >= 4 and row.scheduler_ms_per_step > 0
+    # r1 and r2 were never stored before they came; r3 loaded what it could.
+    assert row.miss_tokens == {"never_stored": 2 * 1024}
+    assert format_misses(row).endswith("misses (of prompt tokens): never_stored 44.4%")
     # With room for r1 on the GPU, the GPU serves everything and the connector nothing.
     roomy = replay_engine(trace, 10, "lru", settings=EngineSettings(gpu_blocks=8, in_flight=1))
     assert (roomy.gpu_hit_tokens, roomy.loaded_tokens) == (1024, 0)

@@ -405,6 +405,7 @@ def test_corrupt_chunks_are_reported_and_recomputed(
     figures = second.scheduler.figures()
     assert figures["failed_loads"] == 1 and figures["loaded_tokens"] == 0
     assert figures["index_pinned"] == 0 and figures["index_storing"] == 0
+    assert figures["miss_tokens_by_reason"]["failed_load"] == served.failed  # said why
     failed_blocks = second.worker.figures()["failed_load_blocks"]
     assert failed_blocks > 0
     second.scheduler.index.check_integrity()

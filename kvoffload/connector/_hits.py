@@ -238,6 +238,14 @@ class HitFinder:
                 return Hit(hit, pending, cap)
         return Hit(local_hit, False, cap)
 
+    def chunks_needed(self, local: int, hit: int) -> int:
+        """How many chunks a hit at ``hit`` needs beyond ``local``, every group together."""
+        return sum(len(r) for r in self._needs(local, hit))
+
+    def first_prefix_group(self) -> int | None:
+        """The first full-prefix group: its chain tells where the stored prefix ends."""
+        return self._prefix[0] if self._prefix else None
+
     def _needs(self, local: int, hit: int) -> list[range]:
         return [
             needed_chunks(group, span, local, hit)

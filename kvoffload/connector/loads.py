@@ -16,6 +16,7 @@ from kvoffload.connector._request import JobState, RequestState, tier_shares
 from kvoffload.connector._retention import Retention
 from kvoffload.connector._spans import load_pieces, load_spans, stateless
 from kvoffload.connector.jobs import JobBook
+from kvoffload.connector.misses import MissLedger, MissReason
 from kvoffload.connector.stats import SchedulerStats
 from kvoffload.connector.stores import record_stored
 from kvoffload.manager.offload_manager import OffloadManager
@@ -36,6 +37,7 @@ class LoadPlanner:
         retention: Retention,
         jobs: JobBook,
         stats: SchedulerStats,
+        misses: MissLedger,
     ) -> None:
         self.groups = config.layout.groups
         self.bpc = config.blocks_per_chunk
@@ -43,6 +45,7 @@ class LoadPlanner:
         self.retention = retention
         self.jobs = jobs
         self.stats = stats
+        self.misses = misses
 
     def plan(
         self, req: RequestState, req_id: str, block_ids: Sequence[Sequence[int]], num_external: int
@@ -105,6 +108,8 @@ class LoadPlanner:
             reserved = index.prepare_store(lower, admit_all=True, tenant=tenant)
             if reserved is not None:
                 promoted = reserved.keys
+                if reserved.evicted:
+                    self.misses.evicted(reserved.evicted, reserved.capped)
                 slots.update(zip(reserved.keys, reserved.slots, strict=True))
         lost = set(lower) - set(promoted)
         placeholder = TransferOrder(0, "", JobKind.LOAD, ())
@@ -120,12 +125,16 @@ class LoadPlanner:
         everywhere = {k for k, ranks in report.promoted.items() if ranks >= world}
         failed = report.failed_keys
         unpromoted = {k for k in job.promoted if k in failed or k not in everywhere}
-        record_stored(self.index, self.retention, req, job, keys=job.promoted, failed=unpromoted)
+        promoted = record_stored(
+            self.index, self.retention, req, job, keys=job.promoted, failed=unpromoted
+        )
+        self.misses.stored(promoted)
         stats = self.stats
         stats.loads += 1
         if not report.ok:
             stats.failed_loads += 1
             stats.failed_load_tokens += job.tokens
+            self.misses.count(MissReason.FAILED_LOAD, job.tokens)
             return
         stats.loaded_tokens += job.tokens
         stats.add_by_tier(stats.loaded_tokens_by_tier, job.tiers)

@@ -32,14 +32,16 @@ completed here whenever their reports arrive.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Collection, Iterable, Sequence
 
 from kvoffload.config import OffloadConfig
-from kvoffload.connector._hits import HitFinder
+from kvoffload.connector._hits import Hit, HitFinder
 from kvoffload.connector._request import StepRequest
 from kvoffload.connector._retention import Retention
 from kvoffload.connector.jobs import JobBook
 from kvoffload.connector.loads import LoadPlanner
+from kvoffload.connector.misses import MissLedger, MissReason
 from kvoffload.connector.requests import RequestTable
 from kvoffload.connector.stats import SchedulerStats
 from kvoffload.connector.stores import StorePlanner
@@ -50,6 +52,8 @@ from kvoffload.messages import JobKind, JobReport, TransferOrder
 from kvoffload.tiers.base import TierProbe
 
 __all__ = ["OffloadScheduler", "StepRequest", "TierProbe"]
+
+logger = logging.getLogger("kvoffload")
 
 
 class OffloadScheduler:
@@ -90,10 +94,14 @@ class OffloadScheduler:
         )
         self.jobs = JobBook(world_size)
         self._stats = SchedulerStats()
+        self.misses = misses = MissLedger(config.num_cpu_chunks)
+        #: The group whose chain tells where a request's stored prefix ends (misses).
+        self._chain_group = self.hits.first_prefix_group()
         index, retention, jobs, stats = self.index, self.retention, self.jobs, self._stats
         self.stores = StorePlanner(config, index=index, retention=retention, jobs=jobs,
-                                   stats=stats, requests=self.requests)  # fmt: skip
-        self.loads = LoadPlanner(config, index=index, retention=retention, jobs=jobs, stats=stats)
+                                   stats=stats, requests=self.requests, misses=misses)  # fmt: skip
+        self.loads = LoadPlanner(config, index=index, retention=retention, jobs=jobs,
+                                 stats=stats, misses=misses)  # fmt: skip
 
     # -- lookups ------------------------------------------------------------------
     def lookup(
@@ -131,13 +139,34 @@ class OffloadScheduler:
         hit = self.hits.find(req.keys, local_hit, top, self.alignment)
         req.found_in = self.hits.found_in
         req.junction = hit.prefix_end
-        if hit.tokens <= local_hit:
-            return 0
-        if hit.pending:
+        if hit.pending and hit.tokens > local_hit:
             self._stats.deferred_lookups += 1
             return None
+        if hit.tokens < top:
+            self._count_misses(req.keys, local_hit, top, hit)
+        if hit.tokens <= local_hit:
+            return 0
         req.offered = hit.tokens
         return hit.tokens - local_hit
+
+    def _count_misses(
+        self, keys: Sequence[Sequence[bytes]], local_hit: int, top: int, hit: Hit
+    ) -> None:
+        """Name why the lookup serves less than ``top`` tokens (:mod:`~.misses`)."""
+        served, cap = max(hit.tokens, local_hit), max(hit.prefix_end, local_hit)
+        g = self._chain_group
+        if cap > served:  # the full-attention prefix goes further: windows, states or room
+            short = MissReason.NO_ROOM
+            if (
+                not self.retention.plain
+                and self.hits.chunks_needed(local_hit, cap) <= self.index.room()
+            ):
+                short = MissReason.WINDOW_OR_STATE
+            self.misses.count(short, cap - served)
+        if cap < top and g is not None:
+            chunk = cap // self.config.tokens_per_chunk[g]
+            key = keys[g][chunk] if chunk < len(keys[g]) else None
+            self.misses.count(self.misses.stopped_at(key), top - cap)
 
     # -- loads and stores -----------------------------------------------------------
     def plan_load(
@@ -167,6 +196,10 @@ class OffloadScheduler:
         plan = self.stores.plan
         for step in scheduled:
             plan(step)
+        if not self.misses.warned and self._stats.stored_chunks and not self._stats.loaded_tokens:
+            advice = self.misses.advice(self._stats.stored_chunks, self._stats.loaded_tokens)
+            if advice is not None:
+                logger.warning(advice)
         return self.jobs.take_orders()
 
     def plan_store(
@@ -255,6 +288,9 @@ class OffloadScheduler:
             {f"index_{name}": value for name, value in self.index.stats().snapshot().items()}
         )
         out.update(by_tier)
+        out["miss_lookups_by_reason"] = dict(self.misses.lookups)
+        out["miss_tokens_by_reason"] = dict(self.misses.tokens)
+        out["miss_reuse_distance"] = self.misses.reuse_distance() or 0
         out["jobs_in_flight"] = len(self.jobs)
         out["requests_tracked"] = len(self.requests)
         return out

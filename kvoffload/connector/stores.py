@@ -20,6 +20,7 @@ from kvoffload.connector._retention import Choice, Chosen, Retention, Selection
 from kvoffload.connector._spans import StorePiece, run_spans, store_spans
 from kvoffload.connector._trails import Trails
 from kvoffload.connector.jobs import JobBook
+from kvoffload.connector.misses import MissLedger
 from kvoffload.connector.requests import RequestTable
 from kvoffload.connector.stats import SchedulerStats
 from kvoffload.manager.offload_manager import OffloadManager
@@ -42,6 +43,7 @@ class StorePlanner:
         jobs: JobBook,
         stats: SchedulerStats,
         requests: RequestTable,
+        misses: MissLedger,
     ) -> None:
         self.layout = config.layout
         self.bpc = config.blocks_per_chunk
@@ -50,6 +52,7 @@ class StorePlanner:
         self.requests = requests
         self.jobs = jobs
         self.stats = stats
+        self.misses = misses
         self.retention = retention
         self.trails = Trails(index)
         self._prompt_only = config.offload_prompt_only
@@ -138,6 +141,8 @@ class StorePlanner:
         while n > 0:
             reserved = index.prepare_store(keys if n == len(keys) else keys[:n], tenant=tenant)
             if reserved is not None:
+                if reserved.evicted:
+                    self.misses.evicted(reserved.evicted, reserved.capped)
                 return reserved, n
             n //= 2
         return None, 0
@@ -174,7 +179,9 @@ class StorePlanner:
         keys = job.order.keys
         failed = report.failed_keys
         lost = failed.intersection(keys) if failed else frozenset()
-        record_stored(self.index, self.retention, req, job, keys=keys, failed=lost)
+        self.misses.stored(
+            record_stored(self.index, self.retention, req, job, keys=keys, failed=lost)
+        )
         stats = self.stats
         stats.dropped_chunks += self.trails.stored(keys)
         stats.stored_chunks += len(keys) - len(lost)
@@ -196,9 +203,9 @@ def record_stored(
     *,
     keys: Sequence[bytes],
     failed: Collection[bytes],
-) -> None:
+) -> Sequence[bytes]:
     """Complete ``job`` 's stores (or promotions) of ``keys`` in chain order: those in
-    ``failed`` failed.
+    ``failed`` failed. Returns the keys stored.
 
     One group's ``keys`` come in chain order already (an order's spans are sorted
     by chunk), and a store knows where its first stored chunk is; other layouts'
@@ -215,3 +222,4 @@ def record_stored(
         good = set(keys).difference(failed)
         done = [k for k in chain if k in good]
     record_stores(index, chain, done, [k for k in keys if k in failed], first=first)
+    return done

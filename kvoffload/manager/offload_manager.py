@@ -218,6 +218,7 @@ class OffloadManager(IndexState):
         if tenants is not None:
             own = tenants.over_cap(tenant, len(admitted))
             evicted = self._evict(own, found, tenants.others(tenant))
+        capped = len(evicted)
         evicted += self._evict(len(admitted) - len(self._free), found)
         free = self._free
         slots = []
@@ -228,7 +229,7 @@ class OffloadManager(IndexState):
         if tenants is not None:
             tenants.reserve(admitted, tenant)
         self._cold.update(cold)
-        return StoreResult(tuple(admitted), tuple(slots), tuple(evicted))
+        return StoreResult(tuple(admitted), tuple(slots), tuple(evicted), capped)
 
     def _admit(self, missing: list[bytes]) -> tuple[list[bytes], list[bytes]]:
         """The keys of ``missing`` to store, and those of them stored for the lower tiers only."""

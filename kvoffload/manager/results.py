@@ -25,12 +25,14 @@ class StoreResult(NamedTuple):
 
     ``keys`` are the chunks to write now (already stored, in-flight and
     admission-rejected keys are left out), ``slots[i]`` is where ``keys[i]``
-    goes, and ``evicted`` are the chunks removed to make room, oldest first.
+    goes, and ``evicted`` are the chunks removed to make room, oldest first; the first
+    ``capped`` of them went for their tenant's share (``tenant_cpu_share``).
     """
 
     keys: tuple[bytes, ...]
     slots: tuple[int, ...]
     evicted: tuple[bytes, ...]
+    capped: int = 0
 
 
 class EventKind(Enum):

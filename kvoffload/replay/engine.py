@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Iterator, Sequence
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, field, replace
 
 import torch
 
@@ -89,15 +89,19 @@ class EngineRow:
     failed_load_tokens: int
     scheduler_seconds: float
     seconds: float
+    #: Prompt tokens the connector's lookups left unserved, by reason (kvoffload's only).
+    miss_tokens: dict[str, int] = field(default_factory=dict)
 
     @classmethod
     def of(cls, trace: Trace, connector: str, policy: str, settings: tuple[int, int],
-           stats: StandInStats) -> EngineRow:  # fmt: skip
+           stats: StandInStats, *, miss_tokens: dict[str, int] | None = None,
+           ) -> EngineRow:  # fmt: skip
         """A row from a run's stats; ``settings`` are ``(capacity, gpu_blocks)``."""
         capacity, gpu_blocks = settings
         return cls(trace.name, connector, policy, capacity, gpu_blocks, stats.requests,
                    stats.steps, stats.prompt_tokens, stats.gpu_hit_tokens, stats.loaded_tokens,
-                   stats.failed_load_tokens, stats.scheduler_seconds, stats.seconds)  # fmt: skip
+                   stats.failed_load_tokens, stats.scheduler_seconds, stats.seconds,
+                   dict(miss_tokens or {}))  # fmt: skip
 
     @property
     def hit_ratio(self) -> float:
@@ -163,7 +167,10 @@ def replay_engine(
     namespace = namespace_of("kvoffload-replay", "uint8", layout)
     side = KVOffloadSide(config, namespace, kv, record_events=False, transfers=transfers)
     stats = run_side(trace, side, layout, settings, progress=progress, desc=f"{policy}@{capacity}")
-    return EngineRow.of(trace, "kvoffload", policy, (capacity, settings.gpu_blocks), stats)
+    misses = side.scheduler.figures()["miss_tokens_by_reason"]
+    assert isinstance(misses, dict)  # the figure's type, for mypy
+    return EngineRow.of(trace, "kvoffload", policy, (capacity, settings.gpu_blocks), stats,
+                        miss_tokens=misses)  # fmt: skip
 
 
 def run_side(
@@ -195,4 +202,14 @@ def format_engine_table(rows: Sequence[EngineRow]) -> str:
             f"{r.connector:<10} {r.policy:<9} {r.capacity:>8} {r.gpu_blocks:>6} "
             f"{r.hit_ratio:>9.4f} {r.gpu_hit_ratio:>8.4f} {r.scheduler_ms_per_step:>13.3f}"
         )
+    lines += [line for r in rows if (line := format_misses(r))]
     return "\n".join(lines)
+
+
+def format_misses(row: EngineRow) -> str:
+    """Why the lookups left prompt tokens unserved, as shares of the prompt tokens."""
+    if not row.miss_tokens or not row.prompt_tokens:
+        return ""
+    shares = sorted(row.miss_tokens.items(), key=lambda item: -item[1])
+    text = ", ".join(f"{name} {n / row.prompt_tokens:.1%}" for name, n in shares)
+    return f"{row.policy}@{row.capacity} misses (of prompt tokens): {text}"
