@@ -262,3 +262,29 @@ def test_path_choice_uses_the_largest_measured_call_size_not_above_the_call() ->
     summary = choice.summary()
     assert "group 0: load x1: dma (0.50x), load x8: kernel (2.00x)" in summary
     assert "store x64: dma (0.50x)" in summary
+
+
+@pytest.mark.parametrize(
+    ("word", "aligned16", "ops"),
+    [(8, True, {"ld.global.v2.b64", "st.global.v2.b64"}), (1, False, {"st.global.b8"})],
+)
+def test_kernel_compiles_for_a_gpu_without_one(word: int, aligned16: bool, ops: set[str]) -> None:
+    """The interpreter accepts more than the compiler: compile for sm_90 (Triton's own ptxas).
+
+    Aligned pages must become 16-byte loads and stores, sub-word ones byte copies.
+    """
+    from triton import compile as triton_compile
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from kvoffload.transfer import _triton
+
+    constants = {"WORD": _triton._WORDS[word], "WORD_BYTES": word, "TILE": 2048 // word,
+                 "TO_CHUNKS": True, "ALIGNED16": aligned16}  # fmt: skip
+    signature = {"pieces": "*i64", "blocks": "*i64", "n_blocks": "i32"}
+    source = ASTSource(fn=_triton._compiled, signature={**signature, **dict.fromkeys(constants,
+                       "constexpr")}, constexprs=constants)  # fmt: skip
+    kernel = triton_compile(source, target=GPUTarget("cuda", 90, 32),
+                            options={"enable_fp_fusion": False})  # fmt: skip
+    assert "cubin" in kernel.asm
+    assert ops <= {w for line in kernel.asm["ptx"].splitlines() for w in line.split()}

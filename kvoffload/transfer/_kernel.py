@@ -42,7 +42,7 @@ __all__ = ["KernelCopier", "KernelUse", "kernel_use"]
 #: Bytes one program copies at most: 2048 eight-byte words, 16 per thread of 4 warps.
 _MAX_TILE_BYTES = 16 * 2**10
 
-Launch = Callable[[torch.Tensor, torch.Tensor, tuple[int, int, int], int, int, bool], None]
+Launch = Callable[[torch.Tensor, torch.Tensor, tuple[int, int, int], int, int, bool, bool], None]
 
 
 class KernelUse(Enum):
@@ -148,9 +148,10 @@ class KernelCopier:
         which, slot = np.divmod(np.arange(len(ids)) + span.first_offset, pieces.chunk_blocks)
         addresses = np.array([c.data_ptr() for c in chunks], dtype=np.int64)
         blocks = np.stack([ids, addresses[which], slot])
-        word = _word(math.gcd(pieces.align, int(np.gcd.reduce(addresses))))
+        align = math.gcd(pieces.align, int(np.gcd.reduce(addresses)))
+        word = _word(align)
         words = -(-pieces.max_bytes // word)
         tile = min(1 << (words - 1).bit_length(), _MAX_TILE_BYTES // word)
         grid = (len(ids), pieces.table.shape[0], -(-words // tile))
         table = torch.from_numpy(blocks).to(self.device, non_blocking=True)
-        self._launch(pieces.table, table, grid, word, tile, to_chunks)
+        self._launch(pieces.table, table, grid, word, tile, to_chunks, align % 16 == 0)
