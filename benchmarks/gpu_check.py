@@ -305,12 +305,17 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--chunk-mib", default="1,4,16")
     parser.add_argument("--layouts", default="kv_first,block_first")
-    parser.add_argument("--paths", default="staged,direct,kernel,auto,engine,engine-kernel",
-                        help=f"of {', '.join(TRANSFER_PATHS)}")  # fmt: skip
+    parser.add_argument(
+        "--paths",
+        default=None,
+        help=f"of {', '.join(TRANSFER_PATHS)} (default: all; with --device cpu "
+        "staged,direct,engine, as the kernel runs in Triton's interpreter there)",
+    )
     parser.add_argument(
         "--models",
-        default=MODELS,
-        help="bundled examples as NAME:DTYPE, laid out as `kvoffload plan` does",
+        default=None,
+        help="bundled examples as NAME:DTYPE, laid out as `kvoffload plan` does "
+        f"(default {MODELS}; none with --device cpu)",
     )
     parser.add_argument("--model-bpc", type=int, default=8,
                         help="blocks per chunk of the --models rows")  # fmt: skip
@@ -323,6 +328,11 @@ def main(argv: list[str] | None = None) -> int:
                         help="cpu: dry-run the paths on host tensors")  # fmt: skip
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")  # auto's calibration table
+    on_cpu = args.device == "cpu"
+    if args.paths is None:
+        args.paths = "staged,direct,engine" if on_cpu else ",".join(TRANSFER_PATHS)
+    if args.models is None:
+        args.models = "" if on_cpu else MODELS
     if args.device == "cuda" and not torch.cuda.is_available():
         print("gpu_check: no CUDA device visible to torch; nothing to measure (skipped).")
         return 0

@@ -13,10 +13,13 @@ Triton is in the dev extra. Without it these tests skip, except where
 
 from __future__ import annotations
 
+import json
 import math
 import os
+import subprocess
 import sys
 from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 import torch
@@ -288,3 +291,24 @@ def test_kernel_compiles_for_a_gpu_without_one(word: int, aligned16: bool, ops: 
                             options={"enable_fp_fusion": False})  # fmt: skip
     assert "cubin" in kernel.asm
     assert ops <= {w for line in kernel.asm["ptx"].splitlines() for w in line.split()}
+
+
+def test_gpu_check_dry_runs_the_kernel_paths_and_the_planned_models(tmp_path: Path) -> None:
+    """benchmarks/gpu_check.py's kernel, auto and engine-kernel rows, and its model rows."""
+    out = tmp_path / "rows.json"
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "gpu_check.py"
+    args = ["--device", "cpu", "--chunk-mib", "0.0625", "--layouts", "kv_first", "--layers", "2",
+            "--total-mib", "0.125", "--chunks-per-job", "2", "--repeat", "1", "--model-bpc", "1",
+            "--paths", "kernel,auto,engine-kernel", "--models", "tiny_gemma4:bfloat16",
+            "--json-out", str(out)]  # fmt: skip
+    done = subprocess.run([sys.executable, str(script), *args], capture_output=True, text=True,
+                          check=False)  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    rows = json.loads(out.read_text(encoding="utf-8"))["rows"]
+    assert [(r["layout"], r["path"]) for r in rows] == [
+        (layout, path)
+        for layout in ("kv_first", "tiny_gemma4:bfloat16")
+        for _ in ("consecutive", "shuffled")
+        for path in ("kernel", "auto", "engine-kernel")
+    ]
+    assert all(r["bit_exact"] and r["d2h_gbps"] > 0 for r in rows)

@@ -132,7 +132,10 @@ class KernelCopier:
 
     def accepts(self, chunks: Sequence[torch.Tensor]) -> bool:
         """Whether the kernel can reach every chunk buffer (pinned host memory, on CUDA)."""
-        return self.device.type != "cuda" or all(c.is_pinned() for c in chunks)
+        if self.device.type != "cuda":
+            return True
+        storages = {c.untyped_storage().data_ptr(): c for c in chunks}  # slab slots: one
+        return all(c.is_pinned() for c in storages.values())
 
     def copy(
         self,
