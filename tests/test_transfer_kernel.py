@@ -312,3 +312,19 @@ def test_gpu_check_dry_runs_the_kernel_paths_and_the_planned_models(tmp_path: Pa
         for path in ("kernel", "auto", "engine-kernel")
     ]
     assert all(r["bit_exact"] and r["d2h_gbps"] > 0 for r in rows)
+
+
+def test_calibration_stops_at_the_scratch_bound_and_larger_calls_keep_its_last_row(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from kvoffload.transfer import _calibrate
+
+    monkeypatch.setattr(_calibrate, "MAX_SCRATCH_BYTES", 1)  # only the first size fits
+    layout = hybrid()
+    transfer = KVTransfer(layout, synthetic(layout, torch.float16, EngineLayout.BLOCK_FIRST)(0), 2)
+    groups = range(len(layout.groups))
+    choice = calibrate(transfer.groups, [transfer.chunk_blocks(g) for g in groups],
+                       [transfer.chunk_bytes(g) for g in groups], call_chunks=(1, 8))  # fmt: skip
+    assert [[len(rows) for rows in directions] for directions in choice.seconds] == [[1, 1]] * 3
+    (dma, kernel), *_ = choice.seconds[0][1]
+    assert choice.use_kernel(0, True, 64) is (kernel < dma)

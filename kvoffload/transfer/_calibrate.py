@@ -69,6 +69,12 @@ class PathChoice:
         return "; ".join(lines)
 
 
+def _block_bytes(layers: Sequence[LayerPages]) -> int:
+    """Device bytes a scratch block takes: packed pages keep their stride (DeepSeek-V4's
+    1728-byte pages lie 95616 bytes apart), so this can be far more than the chunk's."""
+    return sum(max(p.page_bytes, p.pages.stride(-2)) for p in layers)
+
+
 def _scratch_layers(layers: Sequence[LayerPages], blocks: int) -> list[LayerPages]:
     """Device tensors with the layers' splits, pages and block strides, ``blocks`` long."""
     out = []
@@ -111,7 +117,7 @@ def _measure_group(
 ) -> tuple[tuple[tuple[float, float], ...], ...]:
     directions: list[list[tuple[float, float]]] = [[], []]
     for n in call_chunks:
-        if n > call_chunks[0] and n * chunk_bytes > MAX_SCRATCH_BYTES:
+        if n > call_chunks[0] and n * bpc * _block_bytes(layers) > MAX_SCRATCH_BYTES:
             break
         scratch = _scratch_layers(layers, n * bpc)
         kernel = KernelCopier([scratch], [bpc])
