@@ -150,7 +150,7 @@ def test_slab_slots_that_wrap_or_lie_apart(slots: tuple[int, ...]) -> None:
         check_group(layout, make, group, span, 2, slab_slots)
 
 
-@pytest.mark.parametrize(("geometry", "bpc"), [("fp8_ds_mla", 2), ("bf16", 1)])
+@pytest.mark.parametrize(("geometry", "bpc"), [("fp8_ds_mla", 2)])  # the interpreter is slow
 def test_deepseek_v4_packed_groups(geometry: str, bpc: int) -> None:
     """Mixed page sizes in a group, padded pages, fp8 bytes beside fp32 (test_transfer_packed)."""
     block_stride, groups = GEOMETRIES[geometry]()
@@ -294,12 +294,12 @@ def test_kernel_compiles_for_a_gpu_without_one(word: int, aligned16: bool, ops: 
 
 
 def test_gpu_check_dry_runs_the_kernel_paths_and_the_planned_models(tmp_path: Path) -> None:
-    """benchmarks/gpu_check.py's kernel, auto and engine-kernel rows, and its model rows."""
+    """benchmarks/gpu_check.py's kernel and engine-kernel rows, and its model rows."""
     out = tmp_path / "rows.json"
     script = Path(__file__).resolve().parents[1] / "benchmarks" / "gpu_check.py"
     args = ["--device", "cpu", "--chunk-mib", "0.0625", "--layouts", "kv_first", "--layers", "2",
             "--total-mib", "0.125", "--chunks-per-job", "2", "--repeat", "1", "--model-bpc", "1",
-            "--paths", "kernel,auto,engine-kernel", "--models", "tiny_gemma4:bfloat16",
+            "--paths", "kernel,engine-kernel", "--models", "tiny_gemma4:bfloat16",
             "--json-out", str(out)]  # fmt: skip
     done = subprocess.run([sys.executable, str(script), *args], capture_output=True, text=True,
                           check=False)  # fmt: skip
@@ -309,7 +309,7 @@ def test_gpu_check_dry_runs_the_kernel_paths_and_the_planned_models(tmp_path: Pa
         (layout, path)
         for layout in ("kv_first", "tiny_gemma4:bfloat16")
         for _ in ("consecutive", "shuffled")
-        for path in ("kernel", "auto", "engine-kernel")
+        for path in ("kernel", "engine-kernel")
     ]
     assert all(r["bit_exact"] and r["d2h_gbps"] > 0 for r in rows)
 
