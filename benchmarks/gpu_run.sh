@@ -1,8 +1,12 @@
 #!/usr/bin/env bash
 # Everything CI cannot check, in one run on a machine with an NVIDIA GPU (a few minutes on an H200):
-#   1. the `cuda` tests (transfer paths, the engine's streams and events, the demo on GPU KV);
-#   2. benchmarks/gpu_check.py: D2H/H2D GB/s of the staged path, the direct path and the
-#      worker's engine against a pinned copy_ in the same run, bit-exact round trips;
+#   1. the `cuda` tests (transfer paths, the Triton kernel path `cuda-kernel` included, the
+#      engine's streams and events, the demo on GPU KV);
+#   2. benchmarks/gpu_check.py: D2H/H2D GB/s of the staged path, the direct path, the Triton
+#      kernel (always, and `auto`: calibrated against DMA, its table logged) and the worker's
+#      engine on the staged path and on the kernel, against a pinned copy_ in the same run,
+#      for 1, 4 and 16 MiB chunks and the DeepSeek-V4 (fp8) and Gemma-4 layouts of
+#      `kvoffload plan`; bit-exact round trips;
 #   3. `kvoffload demo --device cuda`: the connector's scheduler and worker on GPU KV tensors;
 #   4. the unit suite on a machine with CUDA (pinned slabs, CUDA-present branches);
 #   5. benchmarks/gpu_e2e.py, which needs vLLM 0.33 on the machine (it says so if missing).
@@ -33,12 +37,13 @@ step() {  # step NAME SECONDS COMMAND...: run it with a time limit, log it, reme
 step machine 30 sh -c "nvidia-smi --query-gpu=name,driver_version,memory.total,pcie.link.gen.max,pcie.link.width.max --format=csv; \
     $PY -c 'import sys, torch; print(sys.version.split()[0], torch.__version__, torch.version.cuda, torch.cuda.get_device_name())'; \
     $PY -c 'import vllm; print(\"vllm\", vllm.__version__)' 2>&1 | tail -1"
-step cuda-tests 90 "$PY" -m pytest -p no:cacheprovider -q -rfE -m cuda tests
-step gpu-check 120 "$PY" benchmarks/gpu_check.py --total-mib 512 --json-out "$OUT/gpu_check.json"
+step cuda-tests 180 "$PY" -m pytest -p no:cacheprovider -q -rfE -m cuda tests
+step gpu-check 300 "$PY" benchmarks/gpu_check.py --total-mib 512 --json-out "$OUT/gpu_check.json"
 step demo 45 sh -c "$PY -m kvoffload demo --device cuda --no-progress --json > '$OUT/demo.json' \
     && $PY -c 'import json, sys; from kvoffload.cli.demo import render; print(render(json.load(open(sys.argv[1]))))' '$OUT/demo.json'"
-step gpu-check-jobs 45 "$PY" benchmarks/gpu_check.py --chunk-mib 1,4 --layouts kv_first \
-    --total-mib 512 --chunks-per-job 64 --paths staged,engine --json-out "$OUT/gpu_check_jobs.json"
+step gpu-check-jobs 90 "$PY" benchmarks/gpu_check.py --chunk-mib 1,4 --layouts kv_first \
+    --total-mib 512 --chunks-per-job 64 --paths staged,kernel,engine,engine-kernel --models "" \
+    --json-out "$OUT/gpu_check_jobs.json"
 step unit-tests 120 "$PY" -m pytest -p no:cacheprovider -q -rfE tests
 if "$PY" -c 'import vllm' 2>/dev/null; then
     step gpu-e2e 600 "$PY" benchmarks/gpu_e2e.py --json-out "$OUT/gpu_e2e.json"

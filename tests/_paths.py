@@ -47,3 +47,25 @@ PATHS = [
     pytest.param(TransferPath("cuda", True), id="cuda", marks=needs_cuda),
     pytest.param(TransferPath("cuda", False), id="cuda-direct", marks=needs_cuda),
 ]
+
+
+@dataclass(frozen=True)
+class KernelPath(TransferPath):
+    """The Triton kernel path (``kernel="always"``); on host tensors in Triton's interpreter.
+
+    The interpreter is slow, so on host tensors it runs only in the kernel's own tests
+    (``tests/test_transfer_kernel*.py``, against the torch paths); ``cuda-kernel`` runs
+    every test of ``PATHS`` on a GPU.
+    """
+
+    def transfer(
+        self,
+        layout: KVLayout,
+        kv: Mapping[str, torch.Tensor],
+        bpc: int,
+        **kwargs: int,
+    ) -> KVTransfer:
+        return KVTransfer(layout, kv, bpc, staged=self.staged, kernel="always", **kwargs)
+
+
+PATHS.append(pytest.param(KernelPath("cuda", True), id="cuda-kernel", marks=needs_cuda))

@@ -33,6 +33,7 @@ only once the forward pass has written the KV.
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections.abc import Mapping, Sequence
 
@@ -44,11 +45,15 @@ from kvoffload._checks import checked_int
 from kvoffload.config.layout import KVLayout
 from kvoffload.errors import TransferError
 from kvoffload.messages import BlockSpan
+from kvoffload.transfer._calibrate import PathChoice, calibrate
+from kvoffload.transfer._kernel import KernelCopier, KernelUse, kernel_use
 from kvoffload.transfer._moves import move_run
 from kvoffload.transfer._staged import DEFAULT_MAX_STAGING_BYTES, staged_copy
 from kvoffload.transfer.views import KVSplit, LayerPages, register_layers
 
 __all__ = ["KVTransfer"]
+
+logger = logging.getLogger("kvoffload")
 
 
 class KVTransfer:
@@ -66,6 +71,10 @@ class KVTransfer:
     fastest; ``True`` runs the staged path on host tensors too, which is how
     the tests check the CUDA path's bookkeeping on machines without a GPU.
     ``max_staging_bytes`` bounds the device memory one call stages at a time.
+    ``kernel`` (:class:`~kvoffload.transfer.KernelUse`, or its name) turns on
+    the Triton kernel path (:mod:`._kernel`): ``"off"`` (the default: it has
+    not run on a GPU yet), ``"always"``, or ``"auto"`` (on CUDA, kernel or
+    staged DMA as a calibration at start measured faster; :mod:`._calibrate`).
     """
 
     def __init__(
@@ -77,6 +86,7 @@ class KVTransfer:
         *,
         staged: bool | None = None,
         max_staging_bytes: int = DEFAULT_MAX_STAGING_BYTES,
+        kernel: KernelUse | str = KernelUse.OFF,
     ) -> None:
         self.layout = layout
         self.blocks_per_chunk = checked_int(
@@ -93,6 +103,23 @@ class KVTransfer:
             "max_staging_bytes", max_staging_bytes, error=TransferError
         )
         self._streams = threading.local()  # one CUDA stream per calling thread
+        self.kernel = kernel_use(kernel)
+        self._kernel, self._choice = self._kernel_path()
+
+    def _kernel_path(self) -> tuple[KernelCopier | None, PathChoice | None]:
+        """The kernel copier ``kernel`` asks for, and on ``auto`` the calibrated choice."""
+        use = self.kernel
+        if use is KernelUse.OFF or (use is KernelUse.AUTO and not self._cuda):
+            return None, None
+        blocks = [self.chunk_blocks(g) for g in range(len(self.groups))]
+        copier = KernelCopier(self.groups, blocks)
+        if use is KernelUse.ALWAYS:
+            return copier, None
+        sizes = [self.chunk_bytes(g) for g in range(len(self.groups))]
+        choice = calibrate(self.groups, blocks, sizes)
+        logger.info("kvoffload transfer on %s, kernel or DMA per call: %s",
+                    torch.cuda.get_device_name(self.device), choice.summary())  # fmt: skip
+        return copier, choice
 
     @property
     def is_cuda(self) -> bool:
@@ -196,7 +223,17 @@ class KVTransfer:
         to_chunks: bool,
         after: torch.cuda.Event | None,
     ) -> None:
-        """The staged or the direct path, on the current stream (waiting for ``after``)."""
+        """The kernel, staged or direct path, on the current stream (waiting for ``after``)."""
+        kernel = self._kernel
+        if (
+            kernel is not None
+            and kernel.accepts(chunks)
+            and (self._choice is None or self._choice.use_kernel(group, to_chunks, len(chunks)))
+        ):
+            if after is not None:
+                torch.cuda.current_stream(self.device).wait_event(after)
+            kernel.copy(group, span, ids, chunks, to_chunks=to_chunks)
+            return
         if self.staged:
             staged_copy(self.groups[group], span, ids, chunks, self.chunk_blocks(group),
                         self.chunk_bytes(group), to_chunks=to_chunks,
