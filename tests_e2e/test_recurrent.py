@@ -13,6 +13,7 @@ loads replaced by zeros, every prompt's tokens differ from the first one on
 
 from __future__ import annotations
 
+import random
 from pathlib import Path
 from typing import Any
 
@@ -85,6 +86,40 @@ def test_qwen3_next_round_trip(
     assert scheduler["failed_loads"] == 0 and worker.get("failed_load_chunks", 0) == 0
     # Pass 1 stored the attention chunks up to the hit and one state per group there.
     assert delta(result, 0, "scheduler", "stored_chunks") == hit // chunk + 3
+
+
+def issue_29_prompts() -> list[list[int]]:
+    """Issue 29's lost hit, on any of vLLM's CPU block sizes (256 or 384 tokens).
+
+    Three prompts share a 1596-token prefix, then one unrelated prompt, in one
+    ``generate``: the shared hit is 1536, a multiple of two blocks of either
+    size (a chunk at ``blocks_per_chunk`` 2); the third prompt's own last block
+    boundary (1792 or 1920) lies past the shared prefix, on an odd block.
+    The issue saw it with 128-token blocks (1300 shared tokens, tails of 70,
+    93 and 116): the first prompt got no hit at 2 blocks per chunk.
+    """
+    rng = random.Random(29)
+    prefix = [rng.randrange(1, 512) for _ in range(1596)]
+    shared = [prefix + [rng.randrange(1, 512) for _ in range(tail)] for tail in (70, 193, 330)]
+    return [*shared, [rng.randrange(1, 512) for _ in range(1596)]]
+
+
+def test_qwen3_next_two_blocks_per_chunk_hits_every_sharing_prompt(
+    engine: Engine, reference: Reference, qwen3_next: str
+) -> None:
+    prompts = issue_29_prompts()
+    expected = reference(qwen3_next, QWEN_ENGINE, prompts)
+    # vLLM's own prefix cache: 1536 for the first two, the third its own later state too.
+    assert expected["passes"][1]["cached"][:2] == [1536] * 2
+    result = engine(model=qwen3_next, engine=QWEN_ENGINE, prompts=prompts, passes=TWO_PASSES,
+                    connector={"blocks_per_chunk": 2, "cpu_bytes_to_use": "256MiB"})  # fmt: skip
+    assert result["error"] is None, result["error"]
+    assert [p["tokens"] for p in result["passes"]] == [expected["passes"][0]["tokens"]] * 2
+    # Hits on chunk boundaries only (the third's own state is not on one); the unrelated
+    # prompt its own.
+    assert result["passes"][1]["cached"] == [1536] * 4
+    assert_loaded_tokens_match(result, 1)
+    assert result["figures"]["scheduler"]["failed_loads"] == 0
 
 
 def test_qwen3_next_next_turn_hits_the_output_end(engine: Engine, qwen3_next: str) -> None:
