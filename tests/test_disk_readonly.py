@@ -16,7 +16,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from _disk import files_under, mounted, remount_read_only, tmpfs
+from _disk import files_under, mounted, remount_read_only, tmpfs, unavailable
 from _redis_servers import RedisServer
 
 from kvoffload import ConfigError
@@ -147,6 +147,8 @@ def test_a_store_that_skips_a_read_only_disk_still_reaches_the_remote_tier(
 def ext4(tmp_path: Path) -> Iterator[Path]:
     """A directory on a file system with the immutable attribute: ``tmp_path`` if it has
     one, else a small ext4 image on a loop device (as CI runs it)."""
+    if shutil.which("chattr") is None or shutil.which("mkfs.ext4") is None:
+        unavailable("chattr or mkfs.ext4 is missing: apt-get install -y e2fsprogs")
     probe = tmp_path / "probe"
     probe.mkdir()
     if (
