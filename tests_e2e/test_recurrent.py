@@ -88,26 +88,40 @@ def test_qwen3_next_round_trip(
     assert delta(result, 0, "scheduler", "stored_chunks") == hit // chunk + 3
 
 
-def issue_29_prompts() -> list[list[int]]:
-    """Issue 29's lost hit, on any of vLLM's CPU block sizes (256 or 384 tokens).
-
-    Three prompts share a 1596-token prefix, then one unrelated prompt, in one
-    ``generate``: the shared hit is 1536, a multiple of two blocks of either
-    size (a chunk at ``blocks_per_chunk`` 2); the third prompt's own last block
-    boundary (1792 or 1920) lies past the shared prefix, on an odd block.
-    The issue saw it with 128-token blocks (1300 shared tokens, tails of 70,
-    93 and 116): the first prompt got no hit at 2 blocks per chunk.
-    """
+def issue_29_prompts(prefix_len: int, tails: tuple[int, ...]) -> list[list[int]]:
+    """Three prompts sharing ``prefix_len`` tokens, then ``tails``, and one unrelated
+    prompt, in one ``generate`` (issue 29: 1300 tokens, tails of 70, 93 and 116)."""
     rng = random.Random(29)
-    prefix = [rng.randrange(1, 512) for _ in range(1596)]
-    shared = [prefix + [rng.randrange(1, 512) for _ in range(tail)] for tail in (70, 193, 330)]
-    return [*shared, [rng.randrange(1, 512) for _ in range(1596)]]
+    prefix = [rng.randrange(1, 512) for _ in range(prefix_len)]
+    shared = [prefix + [rng.randrange(1, 512) for _ in range(tail)] for tail in tails]
+    return [*shared, [rng.randrange(1, 512) for _ in range(prefix_len)]]
 
 
-def test_qwen3_next_two_blocks_per_chunk_hits_every_sharing_prompt(
+def test_qwen3_next_issue_29_prompts_hit_as_vllm_does_at_one_block_per_chunk(
     engine: Engine, reference: Reference, qwen3_next: str
 ) -> None:
-    prompts = issue_29_prompts()
+    """Each prompt's state sits at its last block boundary (1280 or 1152 tokens), which is
+    a chunk end at one block per chunk: every prompt gets vLLM's own hit from the tiers."""
+    prompts = issue_29_prompts(1300, (70, 93, 116))
+    expected = reference(qwen3_next, QWEN_ENGINE, prompts)
+    result = engine(model=qwen3_next, engine=QWEN_ENGINE, prompts=prompts, passes=TWO_PASSES,
+                    connector={"cpu_bytes_to_use": "256MiB"})  # fmt: skip
+    assert result["error"] is None, result["error"]
+    assert [p["tokens"] for p in result["passes"]] == [expected["passes"][0]["tokens"]] * 2
+    hit = 1299 // block_size(result) * block_size(result)
+    assert result["passes"][1]["cached"] == expected["passes"][1]["cached"] == [hit] * 4
+    assert_loaded_tokens_match(result, 1)
+    assert result["figures"]["scheduler"]["failed_loads"] == 0
+
+
+def test_qwen3_next_two_blocks_per_chunk_hits_where_a_state_ends_a_chunk(
+    engine: Engine, reference: Reference, qwen3_next: str
+) -> None:
+    """At 2 blocks per chunk a state serves only on a chunk end (issue 29: the prompts above
+    get none; the connector warns at start). Here the shared prefix's state is at 1536
+    tokens, two chunks of 768 or three of 512 on either CPU block size; the third prompt's
+    own last boundary (1792 or 1920) lies on an odd block, past the prefix."""
+    prompts = issue_29_prompts(1596, (70, 193, 330))
     expected = reference(qwen3_next, QWEN_ENGINE, prompts)
     # vLLM's own prefix cache: 1536 for the first two, the third its own later state too.
     assert expected["passes"][1]["cached"][:2] == [1536] * 2
@@ -115,11 +129,13 @@ def test_qwen3_next_two_blocks_per_chunk_hits_every_sharing_prompt(
                     connector={"blocks_per_chunk": 2, "cpu_bytes_to_use": "256MiB"})  # fmt: skip
     assert result["error"] is None, result["error"]
     assert [p["tokens"] for p in result["passes"]] == [expected["passes"][0]["tokens"]] * 2
-    # Hits on chunk boundaries only (the third's own state is not on one); the unrelated
+    # Hits on chunk ends only (the third's own state is not on one); the unrelated
     # prompt its own.
     assert result["passes"][1]["cached"] == [1536] * 4
     assert_loaded_tokens_match(result, 1)
     assert result["figures"]["scheduler"]["failed_loads"] == 0
+    log = Path(result["log"]).read_text()
+    assert log.count("blocks_per_chunk=2 with recurrent state groups") == 1
 
 
 def test_qwen3_next_next_turn_hits_the_output_end(engine: Engine, qwen3_next: str) -> None:
