@@ -13,7 +13,11 @@ loads replaced by zeros, every prompt's tokens differ from the first one on
 
 from __future__ import annotations
 
+import contextlib
+import os
 import random
+import subprocess
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -204,6 +208,47 @@ def test_qwen3_next_disk_restart_and_corrupt_states(
     scheduler, worker = third["figures"]["scheduler"], third["figures"]["worker"]
     assert scheduler["failed_loads"] > 0 and worker["failed_load_jobs"] > 0
     assert worker["tiers"]["disk"]["corrupt"] == len(damaged) == 3
+
+
+@contextlib.contextmanager
+def read_only(directory: Path) -> Iterator[None]:
+    """``directory`` bind-mounted read-only onto itself (root with CAP_SYS_ADMIN; skipped
+    elsewhere, a failure where ``KVOFFLOAD_REQUIRE_MOUNT`` is set, as in CI)."""
+    done = subprocess.run(["mount", "--bind", str(directory), str(directory)],
+                          capture_output=True, text=True, check=False)  # fmt: skip
+    if done.returncode:
+        reason = f"cannot bind-mount {directory} ({done.stderr.strip()}): needs root"
+        if os.environ.get("KVOFFLOAD_REQUIRE_MOUNT"):
+            pytest.fail(reason)
+        pytest.skip(reason)
+    try:
+        subprocess.run(["mount", "-o", "remount,ro,bind", str(directory)], check=True)
+        yield
+    finally:
+        subprocess.run(["umount", str(directory)], check=True)
+
+
+def test_qwen3_next_read_only_disk_cache_is_served(
+    engine: Engine, reference: Reference, qwen3_next: str, tmp_path: Path
+) -> None:
+    """A cache one engine filled, shipped read-only to a fresh one: served, stores skipped."""
+    expected = reference(qwen3_next, QWEN_ENGINE, QWEN_PROMPTS)
+    connector = with_disk(tmp_path / "kv", "256MiB", cpu_bytes_to_use="256MiB")
+    first = engine(model=qwen3_next, engine=QWEN_ENGINE, prompts=QWEN_PROMPTS, connector=connector)
+    assert first["error"] is None and first["figures"]["scheduler"]["stored_chunks"] > 0
+    new = shared_prefix_prompts(1, prefix_len=1100, suffix_len=20, vocab=512, seed=7)
+    with read_only(tmp_path / "kv"):  # the same prompts, then one it has not seen
+        second = engine(model=qwen3_next, engine=QWEN_ENGINE, prompts=QWEN_PROMPTS,
+                        passes=[{}, {"prompts": new}], connector=connector)  # fmt: skip
+    assert second["error"] is None, second["error"]
+    assert second["passes"][0]["tokens"] == expected["passes"][0]["tokens"]
+    assert second["passes"][0]["cached"] == expected["passes"][1]["cached"]  # vLLM's own cache
+    assert_loaded_tokens_match(second, 0)
+    disk = second["figures"]["worker"]["tiers"]["disk"]
+    assert disk["read_only"] == 1 and disk["loads"] > 0 and disk["read_only_skips"] > 0
+    assert disk["store_failures"] == 0 and disk["load_failures"] == 0
+    log = Path(second["log"]).read_text()
+    assert log.count(f"disk_path {str(tmp_path / 'kv')!r} is read-only (it is on a read-only") == 1
 
 
 def test_qwen3_next_without_boundary_states_is_refused(engine: Engine, qwen3_next: str) -> None:
