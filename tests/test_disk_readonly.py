@@ -19,7 +19,7 @@ import pytest
 from _disk import files_under, mounted, remount_read_only, tmpfs, unavailable
 from _redis_servers import RedisServer
 
-from kvoffload import ConfigError
+from kvoffload import ConfigError, CorruptChunkError
 from kvoffload.tiers.cascade import TierCascade
 from kvoffload.tiers.cpu import CPUSlab
 from kvoffload.tiers.disk import DiskTier
@@ -121,6 +121,25 @@ def test_a_read_only_mount_with_nothing_to_serve_is_refused(ro_mount: Path) -> N
         DiskTier(ro_mount / "below", BUDGET, NS)  # a disk_path it would have to create
 
 
+def test_a_corrupt_chunk_on_a_read_only_mount_fails_each_load_and_stays(ro_mount: Path) -> None:
+    fill(ro_mount)
+    damaged = ro_mount / NS.hex() / f"{KEYS[0].hex()}.kv"
+    data = bytearray(damaged.read_bytes())
+    data[4096 + N // 2] ^= 0xFF  # a payload byte (after the 4 KiB header)
+    damaged.write_bytes(bytes(data))
+    remount_read_only(ro_mount)
+    tier = DiskTier(ro_mount, BUDGET, NS)
+    try:
+        for _ in range(2):  # it cannot be dropped: each load fails, the engine recomputes
+            with pytest.raises(CorruptChunkError):
+                tier.get_into(KEYS[0], np.empty(N, np.uint8))
+        assert damaged.exists() and tier.stats().corrupt == 2
+        assert tier.get_into(KEYS[1], out := np.empty(N, np.uint8))
+        assert np.array_equal(out, payload(KEYS[1]))
+    finally:
+        tier.close()
+
+
 def test_a_store_that_skips_a_read_only_disk_still_reaches_the_remote_tier(
     ro_mount: Path, redis_server: RedisServer
 ) -> None:
@@ -185,7 +204,7 @@ CHILD = """
 import json, os, sys
 sys.path.insert(0, sys.argv[1])
 from test_disk_readonly import serve
-from kvoffload import ConfigError
+from kvoffload import ConfigError, CorruptChunkError
 from pathlib import Path
 os.setgroups([])
 os.setgid(65534)
