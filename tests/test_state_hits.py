@@ -13,12 +13,14 @@ gets 1280 tokens from the connector. The connector says so at start.
 
 from __future__ import annotations
 
+import json
 import logging
 import random
 
 import pytest
 
 from kvoffload import build_offloading_config
+from kvoffload.cli import main
 from kvoffload.config.layout import CacheGroup, KVLayout
 from kvoffload.keys import namespace_of
 from kvoffload.standin import KVOffloadSide, KVPages, StandIn
@@ -84,3 +86,14 @@ def test_two_blocks_per_chunk_miss_a_state_inside_a_chunk_and_say_so(
         "multiple of 512 tokens"
     )
     assert warning.endswith("set blocks_per_chunk to 1 to serve every state vLLM keeps")
+
+
+@pytest.mark.parametrize("blocks_per_chunk", [1, 2])
+def test_plan_says_so_before_the_engine_starts(
+    blocks_per_chunk: int, capsys: pytest.CaptureFixture[str]
+) -> None:
+    config = json.dumps({"cpu_bytes_to_use": "1GiB", "blocks_per_chunk": blocks_per_chunk})
+    args = ["plan", "tiny_qwen3_next", "--block-size", "128", "--extra-config", config]
+    assert main(args) == 0
+    note = "Note: blocks_per_chunk=2 with recurrent state groups: a hit needs a state taken on"
+    assert (note in capsys.readouterr().out) is (blocks_per_chunk == 2)
