@@ -301,7 +301,7 @@ def test_a_stuck_process_holding_the_index_fails_stores_instead_of_stalling(
 
 #: A writer that stops for good inside a store, at the step named by argv[3]: after its
 #: reservation and half its temp file ("writing"), or after renaming the finished file into
-#: place but before recording it ("renamed"). It uses the tier's private steps on purpose:
+#: place but before recording it ("renamed"). It uses the writer's private steps on purpose:
 #: these are the instants a kill -9 can hit.
 HALF_STORE = """
 import os, sys, time
@@ -311,14 +311,15 @@ from kvoffload.tiers._record import file_bytes
 tier = DiskTier(sys.argv[1], int(sys.argv[2]), bytes.fromhex(sys.argv[4]))
 key = (7).to_bytes(16, "little")
 data = np.frombuffer(np.random.default_rng(7).bytes(50_000), np.uint8)
-temp = tier._owner.temp_name(key.hex(), 99)
-tier._reserve(temp, file_bytes(data.nbytes))
+writer = tier._writer
+temp = writer.owner.temp_name(key.hex(), 99)
+writer._reserve(temp, file_bytes(data.nbytes))
 if sys.argv[3] == "writing":
-    fd = tier._dir.create(temp)
+    fd = writer.directory.create(temp)
     os.write(fd, b"half a chunk")
 else:
-    tier._write_temp(temp, key, data, file_bytes(data.nbytes))
-    tier._dir.rename(temp, key.hex() + ".kv")
+    writer._write_temp(temp, key, data, file_bytes(data.nbytes))
+    writer.directory.rename(temp, key.hex() + ".kv")
 print("stopped", flush=True)
 time.sleep(600)
 """

@@ -56,9 +56,11 @@ def test_scheduler_figures_split_tokens_by_tier_and_index_gauges() -> None:
 
 
 def test_worker_figures_read_each_tiers_stats_record() -> None:
-    cpu, disk, redis = TierCounters("cpu"), TierCounters("disk"), TierCounters("redis", ["queued"])
+    cpu, redis = TierCounters("cpu"), TierCounters("redis", ["queued"])
+    disk = TierCounters("disk", ["read_only_skips"])
     cpu.add(stores=2, store_bytes=200, loads=1, load_bytes=100)
     disk.add(stores=2, store_bytes=200, corrupt=1, load_failures=1, evictions=1, dropped=0)
+    disk.add(read_only_skips=4)
     redis.add(store_failures=1, dropped=2)
     tiers = {
         "cpu": cpu.snapshot(used_bytes=200, chunks=2, capacity_bytes=1000),
@@ -71,6 +73,8 @@ def test_worker_figures_read_each_tiers_stats_record() -> None:
     assert counters[key("failed_loads", "disk")] == 2
     assert counters[key("failed_stores", "redis")] == 3
     assert counters[key("evictions", "disk")] == 1 and key("evictions", "cpu") not in counters
+    assert counters[key("skipped_stores", "disk")] == 4
+    assert key("skipped_stores", "redis") not in counters  # a tier that never skips
     assert counters[key("load_jobs")] == 1
     assert gauges == {
         "usage_bytes|cpu|1": 200,
@@ -93,7 +97,7 @@ def test_the_log_line_names_tiers_ranks_and_job_latency() -> None:
 
 def test_every_series_has_a_producer() -> None:
     """Each exported series is filled by one side's figures (a typo would be a dead series)."""
-    tiers = {"disk": TierCounters("disk").snapshot(capacity_bytes=1)}
+    tiers = {"disk": TierCounters("disk", ["read_only_skips"]).snapshot(capacity_bytes=1)}
     redis = {"redis": TierCounters("redis").snapshot(gauges={"queue_bytes": 0})}
     scheduler = scheduler_figures(
         {"hit_tokens_by_tier": {"cpu": 1}, "loaded_tokens_by_tier": {"cpu": 1},

@@ -13,6 +13,11 @@ loads replaced by zeros, every prompt's tokens differ from the first one on
 
 from __future__ import annotations
 
+import contextlib
+import os
+import random
+import subprocess
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -87,6 +92,56 @@ def test_qwen3_next_round_trip(
     assert delta(result, 0, "scheduler", "stored_chunks") == hit // chunk + 3
 
 
+def issue_29_prompts(prefix_len: int, tails: tuple[int, ...]) -> list[list[int]]:
+    """Three prompts sharing ``prefix_len`` tokens, then ``tails``, and one unrelated
+    prompt, in one ``generate`` (issue 29: 1300 tokens, tails of 70, 93 and 116)."""
+    rng = random.Random(29)
+    prefix = [rng.randrange(1, 512) for _ in range(prefix_len)]
+    shared = [prefix + [rng.randrange(1, 512) for _ in range(tail)] for tail in tails]
+    return [*shared, [rng.randrange(1, 512) for _ in range(prefix_len)]]
+
+
+def test_qwen3_next_issue_29_prompts_hit_as_vllm_does_at_one_block_per_chunk(
+    engine: Engine, reference: Reference, qwen3_next: str
+) -> None:
+    """Each prompt's state sits at its last block boundary (1280 or 1152 tokens), which is
+    a chunk end at one block per chunk: every prompt gets vLLM's own hit from the tiers."""
+    prompts = issue_29_prompts(1300, (70, 93, 116))
+    expected = reference(qwen3_next, QWEN_ENGINE, prompts)
+    result = engine(model=qwen3_next, engine=QWEN_ENGINE, prompts=prompts, passes=TWO_PASSES,
+                    connector={"cpu_bytes_to_use": "256MiB"})  # fmt: skip
+    assert result["error"] is None, result["error"]
+    assert [p["tokens"] for p in result["passes"]] == [expected["passes"][0]["tokens"]] * 2
+    hit = 1299 // block_size(result) * block_size(result)
+    assert result["passes"][1]["cached"] == expected["passes"][1]["cached"] == [hit] * 4
+    assert_loaded_tokens_match(result, 1)
+    assert result["figures"]["scheduler"]["failed_loads"] == 0
+
+
+def test_qwen3_next_two_blocks_per_chunk_hits_where_a_state_ends_a_chunk(
+    engine: Engine, reference: Reference, qwen3_next: str
+) -> None:
+    """At 2 blocks per chunk a state serves only on a chunk end (issue 29: the prompts above
+    get none; the connector warns at start). Here the shared prefix's state is at 1536
+    tokens, two chunks of 768 or three of 512 on either CPU block size; the third prompt's
+    own last boundary (1792 or 1920) lies on an odd block, past the prefix."""
+    prompts = issue_29_prompts(1596, (70, 193, 330))
+    expected = reference(qwen3_next, QWEN_ENGINE, prompts)
+    # vLLM's own prefix cache: 1536 for the first two, the third its own later state too.
+    assert expected["passes"][1]["cached"][:2] == [1536] * 2
+    result = engine(model=qwen3_next, engine=QWEN_ENGINE, prompts=prompts, passes=TWO_PASSES,
+                    connector={"blocks_per_chunk": 2, "cpu_bytes_to_use": "256MiB"})  # fmt: skip
+    assert result["error"] is None, result["error"]
+    assert [p["tokens"] for p in result["passes"]] == [expected["passes"][0]["tokens"]] * 2
+    # Hits on chunk ends only (the third's own state is not on one); the unrelated
+    # prompt its own.
+    assert result["passes"][1]["cached"] == [1536] * 4
+    assert_loaded_tokens_match(result, 1)
+    assert result["figures"]["scheduler"]["failed_loads"] == 0
+    log = Path(result["log"]).read_text()
+    assert log.count("blocks_per_chunk=2 with recurrent state groups") == 1
+
+
 def test_qwen3_next_next_turn_hits_the_output_end(engine: Engine, qwen3_next: str) -> None:
     """A second turn (prompt, 200 generated tokens, 40 more) resumes at the output's end.
 
@@ -153,6 +208,47 @@ def test_qwen3_next_disk_restart_and_corrupt_states(
     scheduler, worker = third["figures"]["scheduler"], third["figures"]["worker"]
     assert scheduler["failed_loads"] > 0 and worker["failed_load_jobs"] > 0
     assert worker["tiers"]["disk"]["corrupt"] == len(damaged) == 3
+
+
+@contextlib.contextmanager
+def read_only(directory: Path) -> Iterator[None]:
+    """``directory`` bind-mounted read-only onto itself (root with CAP_SYS_ADMIN; skipped
+    elsewhere, a failure where ``KVOFFLOAD_REQUIRE_MOUNT`` is set, as in CI)."""
+    done = subprocess.run(["mount", "--bind", str(directory), str(directory)],
+                          capture_output=True, text=True, check=False)  # fmt: skip
+    if done.returncode:
+        reason = f"cannot bind-mount {directory} ({done.stderr.strip()}): needs root"
+        if os.environ.get("KVOFFLOAD_REQUIRE_MOUNT"):
+            pytest.fail(reason)
+        pytest.skip(reason)
+    try:
+        subprocess.run(["mount", "-o", "remount,ro,bind", str(directory)], check=True)
+        yield
+    finally:
+        subprocess.run(["umount", str(directory)], check=True)
+
+
+def test_qwen3_next_read_only_disk_cache_is_served(
+    engine: Engine, reference: Reference, qwen3_next: str, tmp_path: Path
+) -> None:
+    """A cache one engine filled, shipped read-only to a fresh one: served, stores skipped."""
+    expected = reference(qwen3_next, QWEN_ENGINE, QWEN_PROMPTS)
+    connector = with_disk(tmp_path / "kv", "256MiB", cpu_bytes_to_use="256MiB")
+    first = engine(model=qwen3_next, engine=QWEN_ENGINE, prompts=QWEN_PROMPTS, connector=connector)
+    assert first["error"] is None and first["figures"]["scheduler"]["stored_chunks"] > 0
+    new = shared_prefix_prompts(1, prefix_len=1100, suffix_len=20, vocab=512, seed=7)
+    with read_only(tmp_path / "kv"):  # the same prompts, then one it has not seen
+        second = engine(model=qwen3_next, engine=QWEN_ENGINE, prompts=QWEN_PROMPTS,
+                        passes=[{}, {"prompts": new}], connector=connector)  # fmt: skip
+    assert second["error"] is None, second["error"]
+    assert second["passes"][0]["tokens"] == expected["passes"][0]["tokens"]
+    assert second["passes"][0]["cached"] == expected["passes"][1]["cached"]  # vLLM's own cache
+    assert_loaded_tokens_match(second, 0)
+    disk = second["figures"]["worker"]["tiers"]["disk"]
+    assert disk["read_only"] == 1 and disk["loads"] > 0 and disk["read_only_skips"] > 0
+    assert disk["store_failures"] == 0 and disk["load_failures"] == 0
+    log = Path(second["log"]).read_text()
+    assert log.count(f"disk_path {str(tmp_path / 'kv')!r} is read-only (it is on a read-only") == 1
 
 
 def test_qwen3_next_without_boundary_states_is_refused(engine: Engine, qwen3_next: str) -> None:

@@ -17,7 +17,7 @@ from kvoffload.config.hf_layout import layout_from_hf_config
 from kvoffload.config.keys import KEYS
 from kvoffload.config.layout import CacheGroup, Reuse
 from kvoffload.config.values import format_bytes, safe_repr
-from kvoffload.connector._hits import needed_chunks
+from kvoffload.connector._hits import coarse_state_hits, needed_chunks
 from kvoffload.errors import ConfigError
 
 __all__ = ["EXAMPLES", "example_path", "register", "run"]
@@ -237,4 +237,6 @@ def run(args: argparse.Namespace) -> int:
         f"retention step ({_retention_note(config)}). Per group:\n"
     )
     print("\n".join(_group_table(config, summary)))
+    if (coarse := coarse_state_hits(config.layout, config.tokens_per_chunk)) is not None:
+        print(f"\nNote: {coarse}.")
     return 0

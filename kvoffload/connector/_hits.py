@@ -32,6 +32,7 @@ they need. A hint that proves wrong is a failed load, which vLLM recomputes
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from enum import Enum
 from typing import NamedTuple
@@ -41,7 +42,16 @@ from kvoffload.errors import ConfigError
 from kvoffload.manager.offload_manager import OffloadManager
 from kvoffload.tiers.base import TierProbe
 
-__all__ = ["Availability", "Hit", "HitFinder", "needed_chunks", "needed_tokens"]
+__all__ = [
+    "Availability",
+    "Hit",
+    "HitFinder",
+    "coarse_state_hits",
+    "needed_chunks",
+    "needed_tokens",
+]
+
+logger = logging.getLogger("kvoffload")
 
 #: Candidates (beyond the CPU tier's best) whose whole needs a lookup asks lower tiers about.
 PROBE_ROUNDS = 4
@@ -91,6 +101,32 @@ def needed_chunks(group: CacheGroup, span: int, local_hit: int, hit: int) -> ran
     """Indices of the chunks (``span`` tokens each) of ``group`` a hit at ``hit`` needs."""
     first, stop = needed_tokens(group, local_hit, hit)
     return range(first // span, -(-stop // span)) if first < stop else range(0)
+
+
+def coarse_state_hits(layout: KVLayout, tokens_per_chunk: Sequence[int]) -> str | None:
+    """Why recurrent state groups at several blocks per chunk miss hits vLLM's own cache has.
+
+    A hit at ``H`` needs the state taken at ``H`` and ``H`` on a chunk end. vLLM
+    (align mode) keeps a state only where a prefill step ended: for a prompt
+    computed in one step, its last block boundary before the last token. At
+    ``blocks_per_chunk`` 2 that boundary is a chunk end for half the prompts
+    only; for the others no state sits on a chunk end below it, so nothing is
+    servable (issue 29: 1280 tokens shared, 256-token blocks, 512-token
+    chunks). Serving them would need the attention chunk that ``H`` cuts in
+    two, which is never complete. ``None`` where every state is servable.
+    """
+    for group, span in zip(layout.groups, tokens_per_chunk, strict=True):
+        if group.reuse is Reuse.STATE and span > group.tokens_per_block:
+            return (
+                f"blocks_per_chunk={span // group.tokens_per_block} with recurrent state "
+                f"groups: a hit needs a state taken on a multiple of {span} tokens, but vLLM "
+                f"keeps one only where a prefill step ends (at its {group.tokens_per_block}-"
+                "token blocks, for a prompt computed in one step the last block boundary "
+                "before its last token), so a prompt whose boundary falls inside a chunk "
+                "gets no hit from kvoffload where vLLM's own cache has one; set "
+                "blocks_per_chunk to 1 to serve every state vLLM keeps"
+            )
+    return None
 
 
 def _availability(ready: bool, storing: bool) -> Availability:
@@ -188,6 +224,9 @@ class HitFinder:
         states = [g for g in self._sparse if groups[g].reuse is Reuse.STATE]
         telling = states or self._sparse
         self._telling: int | None = telling[0] if telling else None
+        coarse = coarse_state_hits(layout, self.tokens_per_chunk)
+        if coarse is not None:
+            logger.warning(coarse)
 
     def find(self, keys: Sequence[Sequence[bytes]], local_hit: int, top: int, step: int) -> Hit:
         """The longest hit ``H <= top`` on a multiple of ``step``; ``H <= local_hit`` if none.

@@ -66,6 +66,8 @@ SERIES: tuple[Series, ...] = (
     Series("failed_loads", "counter", "Chunk loads that failed (corrupt, I/O, server down)"),
     Series("failed_stores", "counter",
            "Chunk stores a tier failed, or the remote queue dropped"),
+    Series("skipped_stores", "counter",
+           "Chunk stores a tier skipped: a read-only disk_path serves loads only"),
     Series("evictions", "counter", "Chunks evicted to make room, by tier"),
     Series("usage_bytes", "gauge",
            "Bytes a tier holds now (tiers kvoffload bounds: cpu, disk)"),
@@ -125,6 +127,8 @@ def worker_figures(
         counters[key("loaded_bytes", tier)] = s.load_bytes
         counters[key("failed_loads", tier)] = s.corrupt + s.load_failures
         counters[key("failed_stores", tier)] = s.store_failures + s.dropped
+        if "read_only_skips" in s.counters:
+            counters[key("skipped_stores", tier)] = s.counters["read_only_skips"]
         if tier != "cpu":  # the CPU tier's evictions are the index's (scheduler side)
             counters[key("evictions", tier)] = s.evictions
         if s.capacity_bytes:  # a remote server's own usage is not known here

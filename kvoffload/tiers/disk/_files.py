@@ -42,18 +42,21 @@ import os
 import re
 import secrets
 import stat
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from enum import Enum
+from functools import partial
 from pathlib import Path
 from typing import NamedTuple
 
-from kvoffload.errors import ConfigError
+from kvoffload.errors import ConfigError, TierError
 from kvoffload.tiers._record import MAX_KEY_BYTES
 
 __all__ = [
     "FRESH_OWNER",
     "NOT_REGULAR",
+    "READ_ONLY",
     "Found",
+    "ReadOnly",
     "NamespaceDir",
     "NotRegular",
     "OwnerLock",
@@ -62,6 +65,7 @@ __all__ = [
     "chunk_name",
     "dead_owner",
     "is_regular",
+    "os_errors",
     "owner_of_temp",
     "owner_tokens",
     "parse_chunk_name",
@@ -79,6 +83,19 @@ _CHUNK = re.compile(rf"((?:[0-9a-f]{{2}}){{1,{MAX_KEY_BYTES}}})\.kv")
 FRESH_OWNER = ".owner-new"
 #: ``errno`` of an open that met a link (``O_NOFOLLOW``) or a directory.
 NOT_REGULAR = (errno.ELOOP, errno.EISDIR, errno.ENXIO)
+#: ``errno`` of a write refused for good: a read-only mount, an immutable directory
+#: (``chattr +i``), no write permission.
+READ_ONLY = (errno.EROFS, errno.EPERM, errno.EACCES)
+
+
+@contextlib.contextmanager
+def os_errors(what: str, error: type[TierError | ConfigError] = TierError) -> Iterator[None]:
+    """The disk tier's one translation of ``OSError``: ``TierError`` for a call (that call
+    fails, the tier serves on), ``ConfigError`` at start-up (the directory is unusable)."""
+    try:
+        yield
+    except OSError as exc:
+        raise error(f"{what} failed: {exc}") from exc
 
 
 class NotRegular(Exception):
@@ -125,12 +142,28 @@ def owner_of_temp(name: str) -> str | None:
     return match[1] if match else None
 
 
+class ReadOnly(OSError):
+    """A directory the tier must create lies where writes are refused for good
+    (:data:`READ_ONLY`): a read-only ``disk_path`` that holds nothing to serve."""
+
+
+def _mkdir(make: Callable[[], None]) -> None:
+    try:
+        make()
+    except OSError as exc:
+        if exc.errno in READ_ONLY:
+            raise ReadOnly(exc.errno, exc.strerror, exc.filename) from exc
+        raise
+
+
 def _open_root(root: Path) -> int:
     missing = [p for p in (root, *root.parents) if not os.path.lexists(p)]
     try:
         for directory in reversed(missing):  # missing parents 0700 too (mkdir -p uses the umask)
-            directory.mkdir(mode=0o700, exist_ok=True)
+            _mkdir(partial(directory.mkdir, mode=0o700, exist_ok=True))
         return os.open(root, _DIR_FLAGS)
+    except ReadOnly:
+        raise
     except NotADirectoryError as exc:
         raise ConfigError(
             f"disk_path {str(root)!r} is not a directory; point it at a directory"
@@ -143,7 +176,7 @@ def _open_below(root_fd: int, name: str, where: Path, *, create: bool) -> int:
     """Open directory ``name`` under ``root_fd`` without following a link (create it 0700)."""
     if create:
         with contextlib.suppress(FileExistsError):
-            os.mkdir(name, 0o700, dir_fd=root_fd)
+            _mkdir(partial(os.mkdir, name, 0o700, dir_fd=root_fd))
     st = os.stat(name, dir_fd=root_fd, follow_symlinks=False)
     if stat.S_ISLNK(st.st_mode):
         target = os.readlink(name, dir_fd=root_fd)
@@ -159,13 +192,19 @@ def _open_below(root_fd: int, name: str, where: Path, *, create: bool) -> int:
 
 
 class NamespaceDir:
-    """One namespace directory under ``root``, held open; every call is relative to it."""
+    """One namespace directory under ``root``, held open; every call is relative to it.
+
+    :class:`ReadOnly` if it (or ``root``) is missing and cannot be created for good.
+    """
 
     def __init__(self, root: Path, name: str) -> None:
         self.path = root / name
         self.root_fd = _open_root(root)
         try:
             self.fd = _open_below(self.root_fd, name, root, create=True)
+        except ReadOnly:
+            os.close(self.root_fd)
+            raise
         except OSError as exc:
             os.close(self.root_fd)
             raise ConfigError(f"disk tier directory {str(self.path)!r}: {exc.strerror}") from exc

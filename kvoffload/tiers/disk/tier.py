@@ -23,12 +23,19 @@ Why it is built this way:
 * **Nothing outside ``disk_path``, nothing that blocks**: regular files only,
   opened relative to the namespace directory (``not_regular_files`` counts
   what is skipped); see :mod:`~kvoffload.tiers.disk._files`.
-* **A full disk makes room.** ``ENOSPC``, ``EDQUOT`` or a full index evicts
-  the oldest chunks (what the file system lacks) and retries once
-  (``full_retries``); what still fails is a failed store.
+* **A full disk makes room.** Every step of a store that writes (the
+  reservation, the data file, the index commit) meets ``ENOSPC``, ``EDQUOT``
+  and a full index alike: it evicts the oldest chunks (what the file system
+  lacks) and retries once (``full_retries``); what still fails is a failed
+  store (:mod:`~kvoffload.tiers.disk._writer`).
+* **A read-only directory is served.** On a ``disk_path`` it may not write
+  (a read-only mount, ``chattr +i``, another user's directory) that holds
+  chunks of its model, the tier loads them and skips stores
+  (``read_only_skips``); one with none is a ``ConfigError``
+  (:mod:`~kvoffload.tiers.disk._readonly`).
 * **Degrades, never crashes.** An ``OSError`` or SQLite error fails that one
-  call with ``TierError`` (counted; translated in :func:`_os_errors` and the
-  index); a checksum mismatch drops the chunk (``CorruptChunkError``); a
+  call with ``TierError`` (counted; translated in :func:`~._files.os_errors` and
+  the index); a checksum mismatch drops the chunk (``CorruptChunkError``); a
   vanished file is a miss; an index held by a stuck process fails calls
   after a bounded wait instead of stalling the engine.
 """
@@ -36,12 +43,10 @@ Why it is built this way:
 from __future__ import annotations
 
 import contextlib
-import errno
-import itertools
+import logging
 import os
 import threading
 from collections.abc import Iterator, Sequence
-from functools import partial
 from pathlib import Path
 
 from kvoffload.errors import ConfigError, CorruptChunkError, TierError
@@ -56,38 +61,34 @@ from kvoffload.tiers.base import ChunkBuffer, Tier
 from kvoffload.tiers.disk._chunk_io import ChunkFileIO
 from kvoffload.tiers.disk._direct_io import probe_direct_io
 from kvoffload.tiers.disk._files import (
-    NamespaceDir,
     NotRegular,
     OwnerLock,
     Removal,
     chunk_name,
+    os_errors,
 )
-from kvoffload.tiers.disk._index import Full, NoSpace, SharedIndex
+from kvoffload.tiers.disk._index import SharedIndex, Totals
 from kvoffload.tiers.disk._probe import DiskProbe
+from kvoffload.tiers.disk._readonly import namespace_dir, nothing_to_serve, read_only_cause, served
 from kvoffload.tiers.disk._repair import audit, reap_dead_writers, reconcile
+from kvoffload.tiers.disk._writer import ChunkWriter, count_evictions
 from kvoffload.tiers.stats import TierCounters, TierStats
 
 __all__ = ["DiskProbe", "DiskTier"]  # DiskProbe lives apart (no SQLite on the scheduler side)
 
 #: The disk tier's own counters, beside the shared ones of :class:`TierStats`.
-COUNTERS = ("temp_files_cleaned", "unlink_failures", "not_regular_files", "full_retries")
-_FULL = (errno.ENOSPC, errno.EDQUOT)
-#: Bytes a full disk must also free for the index's log to record the store.
-_INDEX_ROOM = 1 << 20
+COUNTERS = (
+    "temp_files_cleaned",
+    "unlink_failures",
+    "not_regular_files",
+    "full_retries",
+    "read_only_skips",
+)
+logger = logging.getLogger("kvoffload")
 
 
 class _Closed(TierError):
     """A call after ``close()``."""
-
-
-@contextlib.contextmanager
-def _os_errors(what: str, error: type[TierError | ConfigError] = TierError) -> Iterator[None]:
-    """The disk tier's one translation of ``OSError``: ``TierError`` for a call (that call
-    fails, the tier serves on), ``ConfigError`` at start-up (the directory is unusable)."""
-    try:
-        yield
-    except OSError as exc:
-        raise error(f"{what} failed: {exc}") from exc
 
 
 class DiskTier(Tier):
@@ -95,10 +96,11 @@ class DiskTier(Tier):
 
     ``namespace`` is the layout fingerprint (``kvoffload.keys.namespace_of``).
     ``direct`` forces O_DIRECT on (``ConfigError`` if refused) or off; ``None``
-    probes the directory once. Each store and load is one vectored syscall in
-    the calling thread: the engine's thread pool supplies the parallelism.
-    ``stats()`` reports this process's events and the whole path's bytes and
-    chunks (what the budget bounds).
+    probes the directory once (a read-only one reads buffered). Each store and
+    load is one vectored syscall in the calling thread: the engine's thread
+    pool supplies the parallelism. ``stats()`` reports this process's events
+    and the whole path's bytes and chunks (what the budget bounds); read-only,
+    what its namespace directory held at start.
     """
 
     name = "disk"
@@ -116,39 +118,69 @@ class DiskTier(Tier):
         self._capacity = check_budget(bytes_to_use)
         self._namespace = namespace_fingerprint(namespace)
         self._counters = TierCounters(self.name, COUNTERS)
-        self._dir = NamespaceDir(Path(path), self._namespace.hex())
+        self._dir = namespace_dir(Path(path), self._namespace.hex())
         self._lock = threading.Lock()
         self._calls = 0
         self._closed: bool = False
-        self._temps = itertools.count()
+        self._writer: ChunkWriter | None = None
+        self._index: SharedIndex | None = None
         try:
-            with _os_errors(f"opening disk_path {str(path)!r}", ConfigError):
-                self._owner = OwnerLock(self._dir)
-                probed = probe_direct_io(self._dir.fd, self._owner.temp_name("probe", 0))
-            if direct and not probed:
-                raise ConfigError(f"disk_path {str(path)!r} refuses O_DIRECT; leave direct unset")
-            self._io = ChunkFileIO(probed if direct is None else direct)
-            self._index = SharedIndex(Path(path))
-            self._recover()
+            cause = read_only_cause(self._dir.root_fd) or read_only_cause(self._dir.fd)
+            if cause is None:
+                self._open_writable(direct)
+            else:
+                self._open_read_only(cause, direct)
         except BaseException:
-            if hasattr(self, "_owner"):
-                self._owner.release()
             self._dir.close()
             raise
-        self._last = self._index.totals()
 
-    def _recover(self) -> None:
+    def _open_writable(self, direct: bool | None) -> None:
+        with os_errors(f"opening disk_path {str(self._dir.path.parent)!r}", ConfigError):
+            owner = OwnerLock(self._dir)
+        try:
+            with os_errors(f"opening disk_path {str(self._dir.path.parent)!r}", ConfigError):
+                probed = probe_direct_io(self._dir.fd, owner.temp_name("probe", 0))
+            if direct and not probed:
+                raise ConfigError(
+                    f"disk_path {str(self._dir.path.parent)!r} refuses O_DIRECT; leave direct unset"
+                )
+            self._io = ChunkFileIO(probed if direct is None else direct)
+            index = SharedIndex(self._dir.path.parent)
+            self._recover(index, owner)
+        except BaseException:
+            owner.release()
+            raise
+        self._index, self._owner = index, owner
+        self._writer = ChunkWriter(self._dir, index, owner, self._io, self._counters,
+                                   self._namespace, self._capacity, self._remove)  # fmt: skip
+        self._last = index.totals()
+
+    def _recover(self, index: SharedIndex, owner: OwnerLock) -> None:
         """Clean up after crashed processes and index what the directory holds (at start)."""
         try:
-            with _os_errors(f"reading {self._dir.path}", ConfigError):
-                token = self._owner.token
-                reap_dead_writers(self._dir, self._index, token, self._counters)
-                reconcile(self._dir, self._index, self._namespace, token, self._counters)
-            self._count_evictions(self._index.fit(self._capacity, self._remove))
-            self._index.serve()
+            with os_errors(f"reading {self._dir.path}", ConfigError):
+                reap_dead_writers(self._dir, index, owner.token, self._counters)
+                reconcile(self._dir, index, self._namespace, owner.token, self._counters)
+            count_evictions(self._counters, index.fit(self._capacity, self._remove))
+            index.serve()
         except BaseException:
-            self._index.close()
+            index.close()
             raise
+
+    def _open_read_only(self, cause: str, direct: bool | None) -> None:
+        """Serve what the directory holds; see :mod:`~kvoffload.tiers.disk._readonly`."""
+        root = str(self._dir.path.parent)
+        with os_errors(f"reading {self._dir.path}", ConfigError):
+            held = served(self._dir)
+        if not held.chunks:
+            raise nothing_to_serve(root, cause)
+        self._io = ChunkFileIO(bool(direct))
+        self._last = Totals(held.used_bytes, 0, held.chunks)
+        logger.warning(
+            "disk_path %r is read-only (%s): serving its %d chunks of this model, skipping "
+            "stores to the disk tier (counted as read_only_skips)",
+            root, cause, held.chunks,
+        )  # fmt: skip
 
     @property
     def directory(self) -> Path:
@@ -160,6 +192,11 @@ class DiskTier(Tier):
         """Whether chunks move with O_DIRECT (else buffered I/O)."""
         return self._io.direct
 
+    @property
+    def read_only(self) -> bool:
+        """Whether the tier serves a directory it may not write (stores are skipped)."""
+        return self._writer is None
+
     # -- the Tier contract --------------------------------------------------
 
     def put(self, key: bytes, data: ChunkBuffer) -> None:
@@ -167,14 +204,19 @@ class DiskTier(Tier):
 
         Raises ``TierError`` (counted) for a bad key, a chunk bigger than the
         budget, a budget held entirely by stores in flight, or an ``OSError``.
+        A read-only tier skips it (counted as ``read_only_skips``, not a failure).
         """
+        if self._writer is None:
+            self._counters.add(read_only_skips=1)
+            return
         self._counters.store(lambda: self._store(key, data))
 
     def get_into(self, key: bytes, out: ChunkBuffer) -> bool:
         """Fill ``out`` with the verified chunk; ``False`` if not held (or not a regular file).
 
-        A corrupt chunk is dropped and raises ``CorruptChunkError``; a size
-        mismatch raises ``TierError`` and leaves the chunk in place.
+        A corrupt chunk is dropped (a read-only tier leaves it) and raises
+        ``CorruptChunkError``; a size mismatch raises ``TierError`` and leaves
+        the chunk in place.
         """
         return self._counters.load(out.nbytes, lambda: self._load(key, out))
 
@@ -188,33 +230,40 @@ class DiskTier(Tier):
             return [False] * len(keys)
 
     def discard(self, key: bytes) -> None:
-        """Delete ``key``'s file; not an eviction (the caller asked)."""
+        """Delete ``key``'s file; not an eviction (the caller asked). Read-only: nothing."""
 
         def remove() -> bool:
             self._remove(self._namespace, key)
             return True
 
-        if valid_key(key):
+        if valid_key(key) and self._index is not None:
             with self._call():
                 self._index.forget(self._namespace, key, remove)
 
     def stats(self) -> TierStats:
         """Counters of this process; used/capacity bytes and chunks of the whole path."""
-        with contextlib.suppress(TierError):  # an index busy for long: the last figures
-            self._last = self._index.totals()
+        if self._index is not None:
+            with contextlib.suppress(TierError):  # an index busy for long: the last figures
+                self._last = self._index.totals()
         totals = self._last
         return self._counters.snapshot(
             used_bytes=totals.used,
             chunks=totals.chunks,
             capacity_bytes=self._capacity,
-            gauges={"reserved_bytes": totals.reserved, "direct_io": int(self._io.direct)},
+            gauges={
+                "reserved_bytes": totals.reserved,
+                "direct_io": int(self._io.direct),
+                "read_only": int(self.read_only),
+            },
         )
 
     def check_integrity(self) -> None:
         """Compare the index's totals with its rows, and this namespace's rows with its
-        directory (read in one index transaction); raise with numbers."""
-        with self._call():
-            audit(self._dir, self._index, self._namespace, self._capacity)
+        directory (read in one index transaction); raise with numbers. A read-only tier
+        keeps no books to compare."""
+        if self._index is not None:
+            with self._call():
+                audit(self._dir, self._index, self._namespace, self._capacity)
 
     def close(self) -> None:
         """Refuse further calls; files stay for a warm restart. Calls in flight finish
@@ -246,12 +295,13 @@ class DiskTier(Tier):
                 self._release()
 
     def _release(self) -> None:
-        self._index.close()
-        self._owner.release()
+        if self._index is not None:
+            self._index.close()
+            self._owner.release()
         self._dir.close()
 
     def _store(self, key: bytes, data: ChunkBuffer) -> int:
-        """Reserve room, write a temp file, rename it into place; the payload bytes stored."""
+        """Check the key and the buffer, then store (:class:`ChunkWriter`); the payload bytes."""
         with self._call():
             payload = checked_buffer("data", data)
             if not valid_key(key):
@@ -263,84 +313,9 @@ class DiskTier(Tier):
                 raise TierError(
                     f"chunk needs {need} B on disk, more than disk_bytes_to_use {self._capacity} B"
                 )
-            temp = self._owner.temp_name(key.hex(), next(self._temps))
-            self._reserve(temp, need)
-            stored = False
-            try:
-                with _os_errors(f"disk store of {key.hex()}"):
-                    inode = self._write_temp(temp, key, payload, need)
-                    self._commit(key, temp, need, inode)
-                stored = True
-            finally:
-                if not stored:
-                    self._dir.remove(temp)
-                    # The store's own error is the one to report; a reservation the index
-                    # could not drop now is released when this process exits.
-                    with contextlib.suppress(TierError):
-                        self._index.release(self._namespace, temp)
+            assert self._writer is not None  # put() skipped the store otherwise
+            self._writer.store(key, payload)
             return payload.nbytes
-
-    def _reserve(self, temp: str, need: int) -> None:
-        """Hold ``need`` bytes of the shared budget. If stores in flight hold too much, first
-        release what crashed processes reserved; if the index's disk is full, make room;
-        then try once more."""
-        write = (self._namespace, temp, self._owner.token)
-        for attempt in (1, 2):
-            try:
-                evicted = self._index.reserve(write, need, self._capacity, self._remove)
-                self._count_evictions(evicted)
-                return
-            except Full as exc:
-                if attempt == 2 or not exc.totals.reserved:
-                    raise
-                if not reap_dead_writers(self._dir, self._index, self._owner.token, self._counters):
-                    raise
-            except NoSpace:
-                if attempt == 2 or not self._make_room(need, errno.ENOSPC):
-                    raise
-                self._counters.add(full_retries=1)
-
-    def _write_temp(self, temp: str, key: bytes, payload: ChunkBuffer, need: int) -> int:
-        """Write the chunk to ``temp``; on ENOSPC/EDQUOT make room and retry once. Its inode."""
-        for attempt in (1, 2):
-            try:
-                fd = self._dir.create(temp, self._io.open_flags)
-                try:
-                    self._io.write(fd, (self._namespace, key), payload)
-                    return os.fstat(fd).st_ino
-                finally:
-                    os.close(fd)
-            except OSError as exc:
-                self._dir.remove(temp)
-                if attempt == 2 or exc.errno not in _FULL or not self._make_room(need, exc.errno):
-                    raise
-                self._counters.add(full_retries=1)
-        raise AssertionError("unreachable")  # pragma: no cover
-
-    def _make_room(self, need: int, error: int) -> bool:
-        """Evict the oldest chunks for what the file system lacks (and room for the index to
-        record the store); ``False`` if they cannot free that much (the store then fails
-        without emptying the tier for nothing)."""
-        need += _INDEX_ROOM
-        fs = os.fstatvfs(self._dir.fd)
-        lacking = need if error == errno.EDQUOT else need - fs.f_bavail * fs.f_frsize
-        evicted = self._index.evict(max(lacking, 1), self._remove)
-        if evicted is None:
-            return False
-        self._count_evictions(evicted)
-        return True
-
-    def _commit(self, key: bytes, temp: str, need: int, inode: int) -> None:
-        """Rename the temp file into place and record it, in one index transaction. If the
-        transaction fails after the rename, the renamed file goes too (it is not counted):
-        only that file, by its inode, never one another store put there."""
-        final = chunk_name(key)
-        try:
-            rename = partial(self._dir.rename, temp, final)
-            self._index.commit(self._namespace, key, temp, need, rename)
-        except TierError:
-            self._dir.remove(final, inode)
-            raise
 
     def _load(self, key: bytes, out: ChunkBuffer) -> bool:
         """Load ``key`` into ``out``; ``False`` if its file is missing or not a regular file."""
@@ -349,7 +324,7 @@ class DiskTier(Tier):
             if not valid_key(key):
                 return False
             try:
-                with _os_errors(f"disk load of {key.hex()}"):
+                with os_errors(f"disk load of {key.hex()}"):
                     fd = self._dir.open_regular(chunk_name(key), self._io.open_flags)
             except NotRegular:
                 self._counters.add(not_regular_files=1)
@@ -359,24 +334,27 @@ class DiskTier(Tier):
                 return False
             try:
                 inode = os.fstat(fd).st_ino
-                with _os_errors(f"disk load of {key.hex()}"):
+                with os_errors(f"disk load of {key.hex()}"):
                     self._io.read_into(fd, (self._namespace, key), buf)
             except CorruptChunkError:
                 self._drop(key, inode)
                 raise
             finally:
                 os.close(fd)
-            self._index.touch(self._namespace, key)
+            if self._index is not None:  # read-only: last use is not recorded
+                self._index.touch(self._namespace, key)
             return True
 
     def _vanished(self, key: bytes) -> None:
         """A file that is gone no longer holds budget (unless a store just put it back)."""
-        if self._index.holds(self._namespace, key):
+        if self._index is not None and self._index.holds(self._namespace, key):
             name = chunk_name(key)
             self._index.forget(self._namespace, key, lambda: self._dir.lstat(name) is None)
 
     def _drop(self, key: bytes, inode: int) -> None:
         """Drop a chunk that failed verification, unless a store replaced it meanwhile."""
+        if self._index is None:
+            return  # read-only: it stays, and fails each load (counted as corrupt)
         with contextlib.suppress(TierError):
             self._index.forget(
                 self._namespace,
@@ -394,6 +372,3 @@ class DiskTier(Tier):
             return
         if removal is Removal.NOT_REGULAR:
             self._counters.add(not_regular_files=1)
-
-    def _count_evictions(self, evicted: tuple[int, int]) -> None:
-        self._counters.add(evictions=evicted[0], evicted_bytes=evicted[1])
