@@ -20,6 +20,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 from kvoffload import CacheGroup, KVLayout, build_offloading_config
 from kvoffload.errors import ConfigError, KVOffloadError
 from kvoffload.manager import AdmissionFilter, EventKind, OffloadManager
+from kvoffload.manager.results import StoreResult
 from kvoffload.registry import POLICIES
 
 POLICY_NAMES = POLICIES.names()
@@ -135,7 +136,7 @@ def test_admission_filters_and_promotions_obey_the_cap() -> None:
     manager = OffloadManager(8, AdmissionFilter(POLICIES.create("lru", 8), sightings=2),
                              tenant_share=0.25)  # fmt: skip
     keys = keys_of("alice", 2)
-    assert manager.prepare_store(keys, tenant="alice") == ((), (), ())  # first sighting
+    assert manager.prepare_store(keys, tenant="alice") == StoreResult((), (), ())  # first sight
     store(manager, keys, "alice")
     evicted = store(manager, keys_of("alice", 1, 9), "alice")  # admitted? needs a second sight
     assert evicted == []
