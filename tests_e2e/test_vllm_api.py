@@ -21,7 +21,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1
 from kvoffload.vllm.connector import KVOffloadConnector
 
 #: vLLM versions this suite is run against (DEVELOPERS.md says how).
-TESTED = ("0.32.0", "0.33.0")
+TESTED = ("0.32.0", "0.33.0", "0.34.0")
 #: Methods vLLM 0.33 added to the connector API, all implemented here.
 ADDED_IN_033 = ("supports_sleep_mode", "unregister_kv_caches", "restore_kv_caches")
 
