@@ -89,8 +89,8 @@ def refuse_draft_kv(vllm_config: Any) -> None:
     chunk's key does not name (vLLM drops that block from every prefix-cache
     hit for them, or from 0.34 hashes the tokens after it). ``extract_hidden_states``
     keeps hidden states, not KV a later request's prefill recomputes. Both are
-    refused; methods without drafter KV (ngram, suffix, medusa, mlp_speculator)
-    are served.
+    refused; methods without drafter KV (ngram, suffix; medusa and
+    mlp_speculator before 0.34) are served.
     """
     spec = vllm_config.speculative_config
     if spec is None or not spec.uses_draft_kv_cache() or spec.method in SERVED_DRAFTERS:
@@ -104,5 +104,5 @@ def refuse_draft_kv(vllm_config: Any) -> None:
     raise ConfigError(
         f"KVOffloadConnector: speculative decoding with method {spec.method!r} is not offloaded "
         f"yet: {why}; use a separate draft model (method 'draft_model') or a method without "
-        "drafter KV (ngram, suffix, medusa, mlp_speculator), or run without the connector"
+        "drafter KV (ngram, suffix), or run without the connector"
     )
