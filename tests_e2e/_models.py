@@ -129,9 +129,12 @@ def build_draft(target: dict[str, Any], path: Path, *, same_weights: bool) -> Pa
     ``same_weights``: the target's own config and seed, so the drafter agrees
     with the target and nearly every draft is accepted; a drafter whose KV
     were wrong after a hit would then show in vLLM's accepted-token count.
-    Otherwise ``DRAFT_LLAMA``, a smaller random model of another seed.
+    Otherwise ``DRAFT_LLAMA`` with the target's vocabulary, a smaller random
+    model of another seed.
     """
-    return build(target, path) if same_weights else build(DRAFT_LLAMA, path, seed=1)
+    if same_weights:
+        return build(target, path)
+    return build({**DRAFT_LLAMA, "vocab_size": target["vocab_size"]}, path, seed=1)
 
 
 #: A Llama big enough that prefill costs real time on a CPU, for the TTFT benchmark.

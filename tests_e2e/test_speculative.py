@@ -61,11 +61,20 @@ def vllm_cache_reference(engine: Engine, llama: str, args: dict[str, Any]) -> di
     return result
 
 
-@pytest.mark.parametrize(("draft", "bpc"), [("agreeing", 1), ("agreeing", 2), ("small", 1)])
+#: Prefill in steps of 128 tokens: the drafter runs on each step's part of the prompt too.
+CHUNKED = {"max_num_batched_tokens": 128}
+
+
+#: (drafter, blocks_per_chunk, more engine arguments).
+CASES = [("agreeing", 1, {}), ("agreeing", 2, {}), ("small", 1, {}), ("agreeing", 1, CHUNKED)]
+
+
+@pytest.mark.parametrize("case", CASES, ids=["bpc1", "bpc2", "small", "chunked-prefill"])
 def test_draft_model_kv_is_offloaded_with_the_targets(
-    engine: Engine, llama: str, drafts: dict[str, str], draft: str, bpc: int
+    engine: Engine, llama: str, drafts: dict[str, str], case: tuple[str, int, dict[str, Any]]
 ) -> None:
-    args = draft_engine(drafts[draft])
+    draft, bpc, more = case
+    args = {**draft_engine(drafts[draft]), **more}
     expected = vllm_cache_reference(engine, llama, args)
     connector = {"blocks_per_chunk": bpc, "cpu_bytes_to_use": "64MiB"}
     result = engine(model=llama, engine=args, prompts=LLAMA_PROMPTS,
