@@ -386,3 +386,27 @@ def test_page_fields_are_served_and_name_the_namespace() -> None:
     engine = SimpleNamespace(model_config=SimpleNamespace(model="m"), speculative_config=None)
     names = {kv_identity(engine, g) for g in (plain, major, aligned)}
     assert len(names) == 3 and kv_identity(engine, plain) == "m"  # 0.32's namespace kept
+
+
+# -- a draft model's layers (method: draft_model) ------------------------------------------
+@pytest.mark.parametrize("draft_heads", [2, 1])
+def test_plan_of_a_draft_model_is_vllms_grouping(draft_heads: int) -> None:
+    """The target's and the drafter's layers as vLLM's grouping code forms them."""
+    from kvoffload.config.hf_drafter import with_draft_model
+    from kvoffload.config.hf_layout import layout_from_hf_config
+
+    config = {"model_type": "llama", "num_hidden_layers": 2, "num_attention_heads": 2,
+              "num_key_value_heads": 2, "hidden_size": 64}  # fmt: skip
+    draft = {**config, "num_hidden_layers": 1, "num_key_value_heads": draft_heads}
+    spec = {"block_size": 32, "head_size": 32, "dtype": BF16}
+    specs: dict[str, KVCacheSpec] = {
+        f"model.layers.{i}.self_attn.attn": FullAttentionSpec(num_kv_heads=2, **spec)
+        for i in range(2)
+    }
+    specs["draft_model.model.layers.0.self_attn.attn"] = FullAttentionSpec(
+        num_kv_heads=draft_heads, **spec
+    )
+    vllm_layout = group_map(build(specs, KVCacheLayout.LBHNC).scheduler).layout
+    target = layout_from_hf_config(config, block_size=32)
+    assert with_draft_model(target, draft, block_size=32) == vllm_layout
+    assert len(vllm_layout.groups) == 1  # the drafter's layer in the target's group
