@@ -1,4 +1,4 @@
-"""A draft model's layers in ``kvoffload plan``'s layout, where vLLM 0.32 puts them.
+"""A draft model's layers in ``kvoffload plan``'s layout, where vLLM 0.32 puts them, and served.
 
 The expected groups are those vLLM 0.32's CPU build formed for the same
 models (the engines of ``tests_e2e/test_speculative.py``; the one-group case
@@ -8,15 +8,19 @@ is also held to vLLM's grouping code in ``tests_e2e/test_spec_kinds.py``).
 from __future__ import annotations
 
 import json
+import random
 from pathlib import Path
 
 import pytest
 
-from kvoffload import ConfigError
+from kvoffload import ConfigError, build_offloading_config
 from kvoffload.cli import main
 from kvoffload.cli.plan import example_path
 from kvoffload.config.hf_drafter import DRAFT_PREFIX, with_draft_model
 from kvoffload.config.hf_layout import layout_from_hf_config
+from kvoffload.keys import namespace_of
+from kvoffload.standin import KVOffloadSide, KVPages, StandIn
+from kvoffload.transfer import allocate_kv_caches
 
 LLAMA = {"model_type": "llama", "num_hidden_layers": 2, "num_attention_heads": 2,
          "num_key_value_heads": 2, "hidden_size": 64}  # fmt: skip
@@ -64,3 +68,24 @@ def test_plan_shows_the_drafters_group_and_refuses_in_one_line(
     assert main([*args, str(tmp_path / "llama")]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "draft model of 2 layers" in err
+
+
+@pytest.mark.parametrize("target", ["llama", "gemma4"])
+def test_the_stand_in_serves_a_drafters_layers_bit_exact(target: str) -> None:
+    """Prompts evicted from the stand-in's GPU cache come back with the drafter's KV too."""
+    base = LLAMA if target == "llama" else json.loads(example_path("tiny_gemma4").read_text())
+    layout = with_draft_model(layout_from_hf_config(base, block_size=4), SMALL, block_size=4)
+    assert any(name.startswith(DRAFT_PREFIX) for name in layout.layer_names)
+    slot = max(g.chunk_bytes(1) for g in layout.groups)
+    config = build_offloading_config({"cpu_bytes_to_use": 400 * slot}, layout)
+    kv = allocate_kv_caches(layout, 120)
+    side = KVOffloadSide(config, namespace_of("drafter", "bfloat16", layout), kv)
+    try:
+        engine = StandIn(layout, side, gpu_blocks=120, step_tokens=256, kv=KVPages(layout, kv))
+        rng = random.Random(3)
+        prompts = [[rng.randrange(1, 500) for _ in range(260)] for _ in range(4)]
+        stats = engine.run([(f"{r}{i}", p) for r in "ab" for i, p in enumerate(prompts)])
+    finally:
+        side.close()
+    assert stats.loaded_tokens > 0 and stats.verified_blocks > 0
+    assert stats.mismatched_blocks == 0
