@@ -13,9 +13,10 @@ VLLM_VENV  ?= .venv-vllm
 VLLM_PY     = $(VLLM_VENV)/bin/python
 VLLM_STAMP  = $(VLLM_VENV)/.installed-stamp
 
-VLLM033    ?= .vllm033
+# vLLM releases whose Python modules the connector is checked against (make vllm-api-check).
+VERSIONS   ?= 0.33.0 0.34.0
 
-.PHONY: setup demo demo-vllm plan test lint typecheck bench replay e2e vllm-setup vllm033-check bench-vllm bench-serve clean
+.PHONY: setup demo demo-vllm plan test lint typecheck bench replay e2e vllm-setup vllm-api-check vllm033-check bench-vllm bench-serve clean
 
 setup: $(STAMP)
 
@@ -67,13 +68,22 @@ $(VLLM_STAMP): pyproject.toml
 e2e: vllm-setup
 	cd tests_e2e && ../$(VLLM_PY) -m pytest
 
-# vLLM 0.33 pins a newer torch than the CPU build, so it is not installed: its wheel's
-# Python modules (no compiled extensions) go in front of the 0.32 environment, and the
-# tests that need no engine run against them (connector API, every spec kind, DeepSeek-V4).
-vllm033-check: vllm-setup
-	test -d $(VLLM033)/vllm || $(VLLM_PY) tests_e2e/_vllm033.py $(VLLM033)
-	cd tests_e2e && PYTHONPATH=$(abspath $(VLLM033)):$(CURDIR) $(abspath $(VLLM_PY)) -m pytest \
-		test_vllm_api.py test_spec_kinds.py
+# vLLM 0.33 and 0.34 pin a newer torch than the CPU build, so they are not installed: each
+# wheel's Python modules (no compiled extensions) go in front of the 0.32 environment, in
+# .vllmXYZ/, and the tests that need no engine run against them (connector API, every spec
+# kind, DeepSeek-V4). VERSIONS="0.34.0" checks one.
+vllm-api-check: vllm-setup
+	set -e; for v in $(VERSIONS); do \
+		dir=.vllm$$(echo $$v | cut -d. -f1,2 | tr -d .); \
+		test -d $$dir/vllm || $(VLLM_PY) tests_e2e/_vllm_wheel.py $$v $$dir; \
+		echo "== vLLM $$v ($$dir)"; \
+		(cd tests_e2e && PYTHONPATH=$(CURDIR)/$$dir:$(CURDIR) $(abspath $(VLLM_PY)) -m pytest \
+			test_vllm_api.py test_spec_kinds.py); \
+	done
+
+# The older name, for 0.33 alone.
+vllm033-check:
+	$(MAKE) --no-print-directory vllm-api-check VERSIONS=0.33.0
 
 # Time to first token on vLLM: kvoffload (CPU tier, disk tier) against recomputation.
 bench-vllm: vllm-setup
@@ -93,4 +103,4 @@ replay: setup
 		--capacities 4000,16000,64000
 
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) $(VLLM033) .pytest_cache .mypy_cache .ruff_cache .hypothesis .coverage
+	rm -rf $(VENV) $(VLLM_VENV) .vllm033 .vllm034 .pytest_cache .mypy_cache .ruff_cache .hypothesis .coverage

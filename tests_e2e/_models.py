@@ -118,6 +118,25 @@ def _state_sensitive(model: Any) -> None:
 #: What ``build`` does to a model's random weights before saving them, by model type.
 ADJUST = {"qwen3_next": _state_sensitive}
 
+#: A 1-layer draft model for LLAMA with one KV head: its layer's pages are half the target's,
+#: and vLLM puts it in the target's KV cache group all the same (pages of two sizes).
+DRAFT_LLAMA: dict[str, Any] = {**LLAMA, "num_hidden_layers": 1, "num_key_value_heads": 1}
+
+
+def build_draft(target: dict[str, Any], path: Path, *, same_weights: bool) -> Path:
+    """A draft model for ``target`` (``method: draft_model``) under ``path`` (once).
+
+    ``same_weights``: the target's own config and seed, so the drafter agrees
+    with the target and nearly every draft is accepted; a drafter whose KV
+    were wrong after a hit would then show in vLLM's accepted-token count.
+    Otherwise ``DRAFT_LLAMA`` with the target's vocabulary, a smaller random
+    model of another seed.
+    """
+    if same_weights:
+        return build(target, path)
+    return build({**DRAFT_LLAMA, "vocab_size": target["vocab_size"]}, path, seed=1)
+
+
 #: A Llama big enough that prefill costs real time on a CPU, for the TTFT benchmark.
 BIG_LLAMA: dict[str, Any] = {
     **LLAMA,
@@ -212,6 +231,7 @@ MODELS = {
     "big_llama": BIG_LLAMA,
     "serve_llama": SERVE_LLAMA,
     "qwen3_next": QWEN3_NEXT,
+    "draft_llama": DRAFT_LLAMA,
 }
 
 if __name__ == "__main__":

@@ -12,6 +12,7 @@ against vLLM 0.33's modules.
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import math
 from dataclasses import replace
@@ -50,6 +51,7 @@ from kvoffload.connector._hits import needed_tokens
 from kvoffload.messages import BlockSpan
 from kvoffload.transfer import KVTransfer
 from kvoffload.vllm._layout import SPEC_TABLE, Action, group_map
+from kvoffload.vllm._startup import kv_identity
 
 BF16 = torch.bfloat16
 ATTN: dict[str, Any] = {"block_size": 16, "num_kv_heads": 2, "head_size": 64, "dtype": BF16}
@@ -360,3 +362,51 @@ def test_plan_of_a_qwen3_next_config_has_vllms_state_bytes() -> None:
     state = sum(2 * math.prod(shape) for shape in shapes)  # bfloat16
     layout = layout_from_hf_config(config, block_size=128)
     assert [g.page_bytes for g in layout.groups if g.kind == "mamba"] == [state] * 3 == [35840] * 3
+
+
+# -- vLLM 0.34's page fields ------------------------------------------------------------------
+@pytest.mark.skipif(
+    "kv_head_major_slots" not in {f.name for f in dataclasses.fields(FullAttentionSpec)},
+    reason="vLLM 0.34's spec fields",
+)
+def test_page_fields_are_served_and_name_the_namespace() -> None:
+    """Fields that reorder a page's bytes change no group, and enter the key namespace."""
+    plain = group_map(with_full(SlidingWindowSpec(**ATTN, sliding_window=64)))
+    major = group_map(with_full(SlidingWindowSpec(**ATTN, sliding_window=64,
+                                                  kv_head_major_slots=True)))  # fmt: skip
+    assert major.layout == plain.layout
+    assert (plain.page_format, major.page_format) == ((), (("kv_head_major_slots", True),))
+    # A 5-byte and a 6-byte state: 16-byte alignment pads the first to 16 within the page.
+    state = MambaSpec(block_size=16, shapes=((5,), (3,)), dtypes=(torch.uint8, BF16),
+                      mamba_cache_mode="align", state_alignment=16)  # fmt: skip
+    aligned = group_map(with_full(state))
+    assert aligned.page_format == (("state_alignment", 16),)
+    assert aligned.layout.groups[1].page_bytes == 16 + 16  # every state, at its offset
+    assert group_map(with_full(replace(state, state_alignment=1))).layout.groups[1].page_bytes == 11
+    engine = SimpleNamespace(model_config=SimpleNamespace(model="m"), speculative_config=None)
+    names = {kv_identity(engine, g) for g in (plain, major, aligned)}
+    assert len(names) == 3 and kv_identity(engine, plain) == "m"  # 0.32's namespace kept
+
+
+# -- a draft model's layers (method: draft_model) ------------------------------------------
+@pytest.mark.parametrize("draft_heads", [2, 1])
+def test_plan_of_a_draft_model_is_vllms_grouping(draft_heads: int) -> None:
+    """The target's and the drafter's layers as vLLM's grouping code forms them."""
+    from kvoffload.config.hf_drafter import with_draft_model
+    from kvoffload.config.hf_layout import layout_from_hf_config
+
+    config = {"model_type": "llama", "num_hidden_layers": 2, "num_attention_heads": 2,
+              "num_key_value_heads": 2, "hidden_size": 64}  # fmt: skip
+    draft = {**config, "num_hidden_layers": 1, "num_key_value_heads": draft_heads}
+    spec = {"block_size": 32, "head_size": 32, "dtype": BF16}
+    specs: dict[str, KVCacheSpec] = {
+        f"model.layers.{i}.self_attn.attn": FullAttentionSpec(num_kv_heads=2, **spec)
+        for i in range(2)
+    }
+    specs["draft_model.model.layers.0.self_attn.attn"] = FullAttentionSpec(
+        num_kv_heads=draft_heads, **spec
+    )
+    vllm_layout = group_map(build(specs, KVCacheLayout.LBHNC).scheduler).layout
+    target = layout_from_hf_config(config, block_size=32)
+    assert with_draft_model(target, draft, block_size=32) == vllm_layout
+    assert len(vllm_layout.groups) == 1  # the drafter's layer in the target's group

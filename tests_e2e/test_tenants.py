@@ -146,37 +146,3 @@ def test_prompt_embeddings_are_offloaded_and_hit_only_the_same_embeddings(
     check_pass(result, 1, expected, [0])  # the token ids' chunks are not the embeddings'
     check_pass(result, 2, expected, [hit])
     check_pass(result, 3, expected, [0, hit])  # other embeddings miss; the token ids hit
-
-
-@pytest.mark.parametrize("method", ["ngram"])
-def test_speculative_decoding_hits_and_generates_the_same_tokens(
-    engine: Engine, llama: str, method: str
-) -> None:
-    """ngram drafting: the same prefix hits and tokens as without speculative decoding."""
-    motif = random_prompts(1, 20, 512, seed=9)[0]
-    prompt = (motif * 15)[:290]  # repetitive: the n-gram drafter finds proposals
-    spec = {"method": method, "num_speculative_tokens": 3, "prompt_lookup_max": 4,
-            "prompt_lookup_min": 2}  # fmt: skip
-    args = {**LLAMA_ENGINE, "speculative_config": spec, "disable_log_stats": False}
-    result = engine(model=llama, engine=args, prompts=[prompt], passes=[{}, {"reset": True}],
-                    connector=CONNECTOR, max_tokens=32)  # fmt: skip
-    assert result["error"] is None, result["error"]
-    base = engine(model=llama, engine=LLAMA_ENGINE, prompts=[prompt], max_tokens=32)
-    assert base["error"] is None, base["error"]  # no connector, no speculative decoding
-    for done in result["passes"]:
-        assert done["tokens"] == base["passes"][0]["tokens"]
-    assert result["passes"][1]["cached"] == [connector_hit(prompt, 32)]
-    assert delta(result, 1, "scheduler", "loaded_tokens") == connector_hit(prompt, 32)
-    drafted = result["metrics"].get("vllm:spec_decode_num_draft_tokens", 0)
-    accepted = result["metrics"].get("vllm:spec_decode_num_accepted_tokens", 0)
-    assert drafted > 0 and accepted > 0, result["metrics"]
-
-
-def test_a_drafter_with_kv_of_its_own_is_refused_at_start(engine: Engine, llama: str) -> None:
-    """A draft model keeps KV beside the target's: refused by name, not served stale."""
-    spec = {"method": "draft_model", "model": llama, "num_speculative_tokens": 2}
-    result = engine(model=llama, engine={**LLAMA_ENGINE, "speculative_config": spec},
-                    prompts=[SYSTEM], connector=CONNECTOR)  # fmt: skip
-    assert result["error"] is not None, "the engine started"
-    assert "ConfigError" in result["error"]
-    assert "method 'draft_model'" in result["error"] and "ngram" in result["error"]

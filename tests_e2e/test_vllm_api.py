@@ -1,29 +1,45 @@
 """The connector against the vLLM it runs in: imports, subclassing, signatures, the factory.
 
 Runs against the installed vLLM 0.32 (``make e2e``) and against vLLM 0.33's
-modules (``make vllm033-check``: its wheel unpacked, without compiled
-extensions, in front of the 0.32 environment on ``PYTHONPATH``). 0.33's
-connector API only added methods; those kvoffload implements are checked to
-override the base's with the same parameters.
+and 0.34's modules (``make vllm-api-check``: each wheel unpacked, without
+compiled extensions, in front of the 0.32 environment on ``PYTHONPATH``).
+Their connector APIs only added methods; those kvoffload implements are
+checked to override the base's with the same parameters, and 0.34's hooks
+for what they answer.
 """
 
 from __future__ import annotations
 
 import importlib
 import inspect
+import typing
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
 
+import numpy as np
 import pytest
+import torch
 import vllm
 from vllm.config.kv_transfer import KVTransferConfig
 from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, SupportsHMA
 
+from kvoffload.errors import ConfigError
+from kvoffload.vllm._startup import refuse_draft_kv
 from kvoffload.vllm.connector import KVOffloadConnector
 
 #: vLLM versions this suite is run against (DEVELOPERS.md says how).
-TESTED = ("0.32.0", "0.33.0")
+TESTED = ("0.32.0", "0.33.0", "0.34.0")
 #: Methods vLLM 0.33 added to the connector API, all implemented here.
 ADDED_IN_033 = ("supports_sleep_mode", "unregister_kv_caches", "restore_kv_caches")
+#: Methods vLLM 0.34 added that kvoffload implements; ``kv_cache_access`` keeps vLLM's default.
+ADDED_IN_034 = ("may_load_async", "supports_lookahead_block_hashes")
+CONFIG = KVTransferConfig(
+    kv_connector="KVOffloadConnector", kv_connector_module_path="kvoffload.vllm", kv_role="kv_both"
+)
+#: Tokens per block of the scheduler-side connector below.
+BLOCK = 16
 
 
 def test_this_vllm_is_one_we_test() -> None:
@@ -66,12 +82,119 @@ def test_the_methods_033_added_are_ours_where_vllm_has_them() -> None:
     assert all(name in KVOffloadConnector.__dict__ for name in ADDED_IN_033)
 
 
+def test_the_methods_034_added_are_ours_where_vllm_has_them() -> None:
+    present = [name for name in ADDED_IN_034 if name in KVConnectorBase_V1.__dict__]
+    assert present == (list(ADDED_IN_034) if vllm.__version__ >= "0.34" else [])
+    assert all(name in KVOffloadConnector.__dict__ for name in ADDED_IN_034)
+
+
 def test_vllms_factory_finds_the_connector_and_its_hybrid_support() -> None:
-    config = KVTransferConfig(
-        kv_connector="KVOffloadConnector",
-        kv_connector_module_path="kvoffload.vllm",
-        kv_role="kv_both",
+    assert KVConnectorFactory.get_connector_class(CONFIG) is KVOffloadConnector
+    assert KVConnectorFactory.supports_hma_config(CONFIG)
+    assert KVOffloadConnector.supports_sleep_mode(CONFIG)
+
+
+# -- vLLM 0.34's hooks ---------------------------------------------------------------------
+def test_the_workers_reach_the_kv_cache_in_process_as_vllm_034_assumes() -> None:
+    """``kv_cache_access``: the workers copy with torch in their process, vLLM's default."""
+    if vllm.__version__ < "0.34":
+        pytest.skip("kv_cache_access is vLLM 0.34's")
+    from vllm.config.kv_transfer import KVCacheAccess
+
+    access = KVOffloadConnector.kv_cache_access(CONFIG)
+    assert access == KVCacheAccess.IN_PROCESS and not access.needs_single_chunk()
+
+
+def test_lookahead_block_hashes_are_declined() -> None:
+    """Only EAGLE-like drafters use them, and those are refused (see the refusal test)."""
+    assert KVOffloadConnector.supports_lookahead_block_hashes(CONFIG) is False
+
+
+def scheduler_side(tmp_path: Path, *, inflight: int | None, disk: bool) -> KVOffloadConnector:
+    """A scheduler-side connector on one full-attention group, built as vLLM builds it."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+
+    extra: dict[str, Any] = {"cpu_bytes_to_use": "1MiB", "key_source": "tokens"}
+    if disk:
+        extra |= {"disk_path": str(tmp_path / "kv"), "disk_bytes_to_use": "16MiB"}
+    transfer = KVTransferConfig(kv_connector="KVOffloadConnector", kv_role="kv_both",
+                                kv_connector_module_path="kvoffload.vllm",
+                                kv_connector_extra_config=extra)  # fmt: skip
+    # The parts of VllmConfig the connector reads (a whole one needs a model).
+    engine = SimpleNamespace(
+        kv_transfer_config=transfer,
+        parallel_config=SimpleNamespace(pipeline_parallel_size=1, tensor_parallel_size=1),
+        model_config=SimpleNamespace(model="tiny", dtype=torch.bfloat16),
+        cache_config=SimpleNamespace(prefix_caching_hash_algo="sha256"),
+        scheduler_config=SimpleNamespace(max_num_inflight_kv_loads=inflight),
+        speculative_config=None,
+        kv_events_config=None,
     )
-    assert KVConnectorFactory.get_connector_class(config) is KVOffloadConnector
-    assert KVConnectorFactory.supports_hma_config(config)
-    assert KVOffloadConnector.supports_sleep_mode(config)
+    spec = FullAttentionSpec(block_size=BLOCK, num_kv_heads=2, head_size=64, dtype=torch.bfloat16)
+    kv = KVCacheConfig(num_blocks=64, kv_cache_tensors=[],
+                       kv_cache_groups=[KVCacheGroupSpec(["layer0"], spec)])  # fmt: skip
+    return KVOffloadConnector(engine, KVConnectorRole.SCHEDULER, kv)  # type: ignore[arg-type]
+
+
+def request(req_id: str, tokens: list[int]) -> Any:
+    from vllm import SamplingParams
+    from vllm.v1.request import Request
+
+    return Request(request_id=req_id, prompt_token_ids=tokens, pooling_params=None,
+                   sampling_params=SamplingParams(max_tokens=1))  # fmt: skip
+
+
+def test_may_load_async_is_true_for_a_hit_from_the_disk_tier(tmp_path: Path) -> None:
+    """With ``max_num_inflight_kv_loads`` the connector looks up on arrival; only a hit whose
+    chunks wait on disk may load asynchronously, one in host memory or none may not."""
+    from kvoffload.tiers.disk import DiskTier
+
+    connector = scheduler_side(tmp_path, inflight=4, disk=True)
+    stored, other = list(range(1, 6 * BLOCK + 2)), list(range(500, 500 + 6 * BLOCK + 1))
+    disk = DiskTier(tmp_path / "kv", 16 << 20, connector.namespace(0))
+    chunk = np.zeros(connector.config.chunk_bytes[0], dtype=np.uint8)
+    for key in connector._scheduler_side().keys_for(stored)[0][:4]:
+        disk.put(key, chunk)
+    disk.close()
+    hit, miss = request("hit", stored), request("miss", other)
+    for req in (hit, miss):
+        connector.on_new_request(req)
+    assert connector.may_load_async(hit) and not connector.may_load_async(miss)
+    assert connector.get_num_new_matched_tokens(hit, 0) == (4 * BLOCK, True)
+    connector.request_finished(hit, [])
+    assert not connector.may_load_async(hit)  # a finished request is forgotten
+    unlimited = scheduler_side(tmp_path, inflight=None, disk=True)
+    unlimited.on_new_request(hit)  # vLLM never asks without the limit: no lookup on arrival
+    assert not unlimited.may_load_async(hit)
+    cpu_only = scheduler_side(tmp_path, inflight=4, disk=False)
+    cpu_only.on_new_request(hit)
+    assert not cpu_only.may_load_async(hit)
+    for side in (connector, unlimited, cpu_only):
+        side.shutdown()
+
+
+def _literal_values(kind: Any) -> list[str]:
+    args = typing.get_args(kind)
+    return [v for a in args for v in (_literal_values(a) if typing.get_args(a) else [a])]
+
+
+def test_every_speculative_method_is_served_or_refused_by_name() -> None:
+    """vLLM's own classification of each method: a separate draft model's KV is offloaded,
+    EAGLE-like drafters (their KV reads the token after a chunk) are refused by name."""
+    from vllm.config.speculative import SpeculativeConfig, SpeculativeMethod
+
+    served, refused = set(), set()
+    for method in _literal_values(SpeculativeMethod):
+        spec = object.__new__(SpeculativeConfig)  # what the refusal reads: the method
+        object.__setattr__(spec, "method", method)
+        try:
+            refuse_draft_kv(SimpleNamespace(speculative_config=spec))
+        except ConfigError as exc:
+            assert f"method {method!r}" in str(exc) and "'draft_model'" in str(exc), str(exc)
+            assert spec.uses_draft_kv_cache()
+            refused.add(method)
+        else:
+            served.add(method)
+    assert {"draft_model", "ngram", "suffix"} <= served
+    assert {"eagle", "eagle3", "mtp", "dflash", "extract_hidden_states"} <= refused

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from kvoffload.config import OffloadConfig, build_offloading_config
+from kvoffload.config.hf_drafter import with_draft_model
 from kvoffload.config.hf_layout import layout_from_hf_config
 from kvoffload.config.keys import KEYS
 from kvoffload.config.layout import CacheGroup, Reuse
@@ -70,6 +71,10 @@ def register(subparsers: Any) -> None:
         default="auto",
         help="vLLM's hybrid KV cache allocator (auto: vLLM's default, off for chunked local "
         "attention unless VLLM_ALLOW_CHUNKED_LOCAL_ATTN_WITH_HYBRID_KV_CACHE=1)",
+    )
+    parser.add_argument(
+        "--draft-model",
+        help="a draft model (speculative method draft_model): its layers where vLLM puts them",
     )
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
     parser.set_defaults(func=run)
@@ -222,6 +227,9 @@ def run(args: argparse.Namespace) -> int:
         block_size=args.block_size,
         hybrid=_HYBRID[args.hybrid],
     )
+    if args.draft_model:
+        layout = with_draft_model(layout, _model_source(args.draft_model), args.dtype,
+                                  args.block_size)  # fmt: skip
     config = build_offloading_config(
         _extra_config(args.extra_config), layout, world_size=args.world_size
     )

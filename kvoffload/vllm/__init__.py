@@ -1,6 +1,6 @@
 """The vLLM adapter: ``"kv_connector": "KVOffloadConnector"`` from ``kvoffload.vllm``.
 
-Only :mod:`kvoffload.vllm.connector` and the modules it alone uses (``_layout``,
+Only :mod:`kvoffload.vllm.connector` and the modules it alone uses (``_layout``, ``_messages``,
 ``_events``, ``_prom``) import vLLM, and only when the connector is first asked
 for, so the plain logic (:mod:`~kvoffload.connector.scheduler`,
 :mod:`~kvoffload.connector.worker`, ``_extras``, ``_metrics``) imports and is tested

@@ -18,9 +18,6 @@
 * **Prompt embeddings**: the tensor's bytes and dtype, and the mixed-prompt
   mask; chunks hash the rows they cover.
 
-Speculative decoding with a drafter that keeps KV of its own is refused at
-start (:func:`refuse_draft_kv`).
-
 What cannot be keyed is refused by name (:class:`Unkeyable`): the connector
 serves such a request without offloading and logs the reason once. Today
 that is an adapter whose files this process cannot read (a hub id vLLM would
@@ -37,7 +34,7 @@ from typing import Any
 from kvoffload.errors import ConfigError
 from kvoffload.keys import KeyExtras, MMItem, PromptEmbeds
 
-__all__ = ["ExtrasReader", "Unkeyable", "adapter_digest", "refuse_draft_kv"]
+__all__ = ["ExtrasReader", "Unkeyable", "adapter_digest"]
 
 logger = logging.getLogger("kvoffload")
 
@@ -147,23 +144,3 @@ class ExtrasReader:
         if isinstance(known, str):
             raise Unkeyable(known)
         return known
-
-
-def refuse_draft_kv(vllm_config: Any) -> None:
-    """Speculative methods whose drafter keeps KV of its own are refused at start, by name.
-
-    An EAGLE, MTP or draft-model drafter writes KV beside the target's, and
-    its KV at a chunk's last position depends on the token after the chunk
-    (which the chunk's key does not name) and is written after the step's
-    stores. Offloading it would hand the drafter stale KV; outputs would stay
-    exact (the target verifies every draft), but acceptance would drop in a
-    way nothing here measures. Methods without drafter KV (ngram, suffix,
-    medusa, mlp_speculator) are served.
-    """
-    spec = vllm_config.speculative_config
-    if spec is not None and spec.uses_draft_kv_cache():
-        raise ConfigError(
-            f"KVOffloadConnector: speculative decoding with method {spec.method!r} keeps a "
-            "drafter's KV cache, which the connector cannot offload yet; use a method without "
-            "one (ngram, suffix, medusa, mlp_speculator) or run without the connector"
-        )

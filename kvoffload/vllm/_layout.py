@@ -1,14 +1,15 @@
 """kvoffload's :class:`KVLayout` from vLLM's ``KVCacheConfig``: the one place that decides.
 
-:data:`SPEC_TABLE` holds one row per KV cache spec class of vLLM 0.32 and
-0.33 (``vllm/v1/kv_cache_interface.py``; DeepSeek-V4's layers use these
+:data:`SPEC_TABLE` holds one row per KV cache spec class of vLLM 0.32,
+0.33 and 0.34 (``vllm/v1/kv_cache_interface.py``; DeepSeek-V4's layers use these
 classes too): what a prefix hit needs from a group of that class, and so
 whether kvoffload *serves* it (as a group of some kind, see
 :data:`kvoffload.config.layout.GROUP_KINDS`), *skips* it (it holds nothing a
 hit could reuse, and vLLM lets a hit go without it: its blocks are neither
 stored nor loaded), or *refuses* the model at engine start, naming the group
 and the reason. A class without a row (a class a later vLLM adds) is
-refused: nothing is served by accident.
+refused: nothing is served by accident. :data:`SPEC_FIELDS` holds the spec
+fields that reorder a page's bytes (0.34's), each with its reason.
 
 vLLM hands the scheduler-side connector a different ``KVCacheConfig`` than
 the workers for models whose groups mix page sizes (DeepSeek-V4): a worker's
@@ -34,12 +35,15 @@ if TYPE_CHECKING:
     from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheGroupSpec, KVCacheSpec
 
 __all__ = [
+    "SPEC_FIELDS",
     "SPEC_TABLE",
     "Action",
+    "FieldRow",
     "GroupMap",
     "SpecRow",
     "boundary_states",
     "group_map",
+    "page_format",
     "spec_row",
     "state_refusal",
 ]
@@ -113,6 +117,36 @@ SPEC_TABLE: Mapping[str, SpecRow] = MappingProxyType({
 })  # fmt: skip
 
 
+class FieldRow(NamedTuple):
+    #: The field's value that leaves a page as vLLM versions without the field lay it out.
+    default: object
+    #: Why, in one line: what the field does to the bytes kvoffload copies.
+    reason: str
+
+
+#: Spec fields (vLLM 0.34) that change how a page's bytes are ordered but not which
+#: pages a hit needs, or their size: kvoffload copies whole pages byte for byte, so
+#: they are served; a value other than the default goes into the key namespace
+#: (``GroupMap.page_format``), so an engine that orders its pages otherwise never
+#: loads the chunk. A field that changed what a page holds would be a variant row above.
+SPEC_FIELDS: Mapping[str, FieldRow] = MappingProxyType({
+    "kv_head_major_slots": FieldRow(False, "attention: a page's head slots grouped by KV "
+        "head (H2ND) instead of K before V; the same bytes and page size, in another order"),
+    "state_alignment": FieldRow(1, "Mamba: each state starts at a multiple of this many "
+        "bytes; real_page_size_bytes counts the padding between states, so a chunk copies "
+        "every state at its offset, and the offsets differ between alignments"),
+})  # fmt: skip
+
+
+def page_format(spec: KVCacheSpec) -> tuple[tuple[str, object], ...]:
+    """The :data:`SPEC_FIELDS` of ``spec`` that are not at their default, by name."""
+    return tuple(
+        (name, value)
+        for name, row in SPEC_FIELDS.items()
+        if (value := getattr(spec, name, row.default)) != row.default
+    )
+
+
 def spec_row(spec: KVCacheSpec) -> tuple[str, SpecRow]:
     """The table's row for one (per-layer) spec, and the row's name."""
     cls = type(spec)
@@ -142,6 +176,8 @@ class GroupMap(NamedTuple):
     skipped: tuple[tuple[int, str], ...]
     #: vLLM's group count: its block id lists have one entry per group.
     num_vllm_groups: int
+    #: Served groups' page fields off their defaults (``SPEC_FIELDS``), for the namespace.
+    page_format: tuple[tuple[str, object], ...] = ()
 
     def served_block_ids(self, block_ids: Sequence[Sequence[int]]) -> tuple[Sequence[int], ...]:
         """vLLM's per-group block ids of a request, for the layout's groups only."""
@@ -283,6 +319,7 @@ def group_map(kv_cache_config: KVCacheConfig) -> GroupMap:
     Raises ``ConfigError`` naming the first refused group and the reason.
     """
     groups, ids, skipped = [], [], []
+    fields: dict[str, object] = {}
     for g, group in enumerate(kv_cache_config.kv_cache_groups):
         row, first = _decide(g, group)
         where = f"KV cache group {g} ({type(first).__name__}, {len(group.layer_names)} layers)"
@@ -307,6 +344,7 @@ def group_map(kv_cache_config: KVCacheConfig) -> GroupMap:
             )
         )
         ids.append(g)
+        fields.update(page_format(first))
     if not groups:
         raise ConfigError(
             "KVOffloadConnector: the model has no KV cache group a prefix hit can reuse "
@@ -317,4 +355,5 @@ def group_map(kv_cache_config: KVCacheConfig) -> GroupMap:
         tuple(ids),
         tuple(skipped),
         len(kv_cache_config.kv_cache_groups),
+        tuple(sorted(fields.items())),
     )

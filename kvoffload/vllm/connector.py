@@ -1,7 +1,10 @@
 """``KVOffloadConnector``: vLLM's ``KVConnectorBase_V1`` and ``SupportsHMA`` over kvoffload.
 
-Written against vLLM 0.32's connector API and checked against 0.33's, which
-only added methods (the sleep mode's, implemented below).
+Written against vLLM 0.32's connector API and checked against 0.33's and
+0.34's, which only added methods: 0.33 the sleep mode's, 0.34
+``may_load_async``, ``supports_lookahead_block_hashes`` (both below) and
+``kv_cache_access``, whose default (``IN_PROCESS``: torch copies in the
+worker's process) is what the workers do.
 
 This module is only glue: it reads vLLM's objects (requests, block tables,
 scheduler outputs, KV tensors) and hands plain values to
@@ -20,7 +23,6 @@ from __future__ import annotations
 import logging
 import weakref
 from collections.abc import Iterable
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -41,20 +43,19 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from kvoffload.config import OffloadConfig, build_offloading_config
 from kvoffload.config.layout import KVLayout
-from kvoffload.connector.key_source import choose_engine_hashes
 from kvoffload.connector.scheduler import OffloadScheduler, StepRequest
 from kvoffload.connector.worker import OffloadWorker
 from kvoffload.engine import JobKind, OffloadEngine
 from kvoffload.errors import ConfigError, ProtocolError
-from kvoffload.keys import EngineHashes, namespace_of
-from kvoffload.messages import JobReport, TransferOrder, merge_reports
-from kvoffload.tiers.from_config import rank_probes
+from kvoffload.keys import namespace_of
+from kvoffload.messages import TransferOrder
 from kvoffload.vllm._events import ChunkEvents
-from kvoffload.vllm._extras import ExtrasReader, Unkeyable, refuse_draft_kv
-from kvoffload.vllm._key_source import vllm_hashes_reproducible
+from kvoffload.vllm._extras import ExtrasReader, Unkeyable
 from kvoffload.vllm._layout import GroupMap, boundary_states, group_map
+from kvoffload.vllm._messages import KVOffloadMetadata, KVOffloadWorkerMetadata
 from kvoffload.vllm._metrics import Deltas, scheduler_figures, worker_payload
 from kvoffload.vllm._prom import KVOffloadPromMetrics, KVOffloadStats
+from kvoffload.vllm._startup import build_scheduler, check_engine, kv_identity
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -78,35 +79,6 @@ def active_connectors() -> list[KVOffloadConnector]:
     return sorted(_LIVE, key=lambda c: c.role.value)
 
 
-@dataclass
-class KVOffloadMetadata(KVConnectorMetadata):
-    """Scheduler -> worker, once per step: the orders to run.
-
-    ``idle``: the step runs no forward pass (every request waits for a load
-    or a chunk in flight), so the worker may wait for its jobs instead of
-    returning at once (see :meth:`kvoffload.connector.worker.OffloadWorker.poll`).
-    """
-
-    orders: tuple[TransferOrder, ...] = ()
-    idle: bool = False
-
-
-@dataclass
-class KVOffloadWorkerMetadata(KVConnectorWorkerMetadata):
-    """Worker -> scheduler, once per step: job reports, merged across ranks by job id."""
-
-    reports: dict[int, JobReport] = field(default_factory=dict)
-
-    def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
-        if not isinstance(other, KVOffloadWorkerMetadata):
-            raise TypeError(f"cannot merge {type(other).__name__} into KVOffloadWorkerMetadata")
-        merged = dict(self.reports)
-        for job_id, report in other.reports.items():
-            mine = merged.get(job_id)
-            merged[job_id] = report if mine is None else merge_reports(mine, report)
-        return KVOffloadWorkerMetadata(merged)
-
-
 class KVOffloadConnector(KVConnectorBase_V1, SupportsHMA):
     """Offloads KV chunks of every cache group to CPU, disk and lower tiers, and loads them back.
 
@@ -128,22 +100,16 @@ class KVOffloadConnector(KVConnectorBase_V1, SupportsHMA):
                 "KVOffloadConnector needs vLLM's KVCacheConfig (vLLM 0.32 or newer passes it)"
             )
         super().__init__(vllm_config, role, kv_cache_config)
-        parallel = vllm_config.parallel_config
-        refuse_draft_kv(vllm_config)
-        if parallel.pipeline_parallel_size != 1:
-            raise ConfigError(
-                f"KVOffloadConnector: pipeline_parallel_size={parallel.pipeline_parallel_size} "
-                "is not supported yet; run with pipeline_parallel_size=1"
-            )
+        check_engine(vllm_config)
         #: vLLM's groups as served (the layout) or skipped; see ``kvoffload.vllm._layout``.
         self.groups: GroupMap = group_map(kv_cache_config)
         self.layout: KVLayout = self.groups.layout
         extra = dict(vllm_config.kv_transfer_config.kv_connector_extra_config or {})
-        self.world_size = parallel.tensor_parallel_size
+        self.world_size = vllm_config.parallel_config.tensor_parallel_size
         self.config: OffloadConfig = build_offloading_config(
             extra, self.layout, world_size=self.world_size
         )
-        self._model_id = str(vllm_config.model_config.model)
+        self._model_id = kv_identity(vllm_config, self.groups)
         self._dtype = str(vllm_config.model_config.dtype)
         self._scheduler: OffloadScheduler | None = None
         self._worker: OffloadWorker | None = None
@@ -152,21 +118,14 @@ class KVOffloadConnector(KVConnectorBase_V1, SupportsHMA):
         self._deltas = Deltas()
         self._rank = 0
         self._events: ChunkEvents | None = None
+        #: Requests whose last lookup found chunks in a lower tier (see may_load_async).
+        self._from_lower: set[str] = set()
+        self._lookup_on_arrival = False
         if role is KVConnectorRole.SCHEDULER:
             namespaces = [self.namespace(rank) for rank in range(self.world_size)]
-            algorithm = str(vllm_config.cache_config.prefix_caching_hash_algo)
-            hashed_every = int(kv_cache_config.hash_block_size or self.layout.tokens_per_block[0])
-            self._scheduler = OffloadScheduler(
-                self.config,
-                namespaces[0],
-                rank_probes(self.config, namespaces),
-                world_size=self.world_size,
-                engine_hashes=choose_engine_hashes(
-                    self.config,
-                    EngineHashes(hashed_every, algorithm),
-                    reproducible=vllm_hashes_reproducible(algorithm),
-                ),
-            )
+            self._scheduler = build_scheduler(vllm_config, kv_cache_config, self.config, namespaces)
+            inflight = getattr(vllm_config.scheduler_config, "max_num_inflight_kv_loads", None)
+            self._lookup_on_arrival = bool(inflight) and bool(self._scheduler.probes)
             events = vllm_config.kv_events_config
             if events is not None and events.enable_kv_cache_events:
                 self._events = ChunkEvents(
@@ -207,7 +166,34 @@ class KVOffloadConnector(KVConnectorBase_V1, SupportsHMA):
             self._requests[req_id] = request
         hit = scheduler.lookup(req_id, request.all_token_ids, num_computed_tokens, extras,
                                request.block_hashes)  # fmt: skip
+        if hit and scheduler.hits.found_in:  # some of its chunks wait in a lower tier
+            self._from_lower.add(req_id)
+        else:
+            self._from_lower.discard(req_id)
         return hit, bool(hit)
+
+    def on_new_request(self, request: Request) -> None:
+        """With a lower tier and vLLM 0.34's ``max_num_inflight_kv_loads``: look up on arrival,
+        when vLLM asks :meth:`may_load_async`, as the first ``get_num_new_matched_tokens`` would."""
+        if self._lookup_on_arrival:
+            self.get_num_new_matched_tokens(request, 0)
+
+    def may_load_async(self, request: Request) -> bool:
+        """Whether the last lookup's hit needs chunks from the disk or remote tier (vLLM 0.34).
+
+        Such a load takes steps, so vLLM may start it while its running batch
+        is full; a hit in host memory is served in the step that asks
+        (DESIGN.md, invariant 8). A lower-tier chunk found past the hit makes
+        a false positive, which only holds back other loads until a slot frees.
+        """
+        return request.request_id in self._from_lower
+
+    @classmethod
+    def supports_lookahead_block_hashes(cls, kv_transfer_config: Any) -> bool:
+        """False: vLLM 0.34 hashes the tokens after a block for EAGLE-like drafters only, which
+        kvoffload refuses (:func:`~kvoffload.vllm._startup.refuse_draft_kv`); its keys end at a
+        chunk's last token."""
+        return False
 
     def update_state_after_alloc(
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
@@ -269,6 +255,7 @@ class KVOffloadConnector(KVConnectorBase_V1, SupportsHMA):
         self, request: Request, block_ids: tuple[list[int], ...]
     ) -> tuple[bool, dict[str, Any] | None]:
         self._requests.pop(request.request_id, None)
+        self._from_lower.discard(request.request_id)
         self._scheduler_side().request_finished(request.request_id)
         return False, None  # the worker finished reading its blocks before vLLM frees them
 
