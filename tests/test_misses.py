@@ -46,7 +46,7 @@ def test_chunks_evicted_before_reuse_name_the_reuse_distance() -> None:
     assert tokens_lost["evicted"] == TOP
     # Evicted while B was stored, so at least the rest of B and all of C came after it:
     # a tier that much larger would have kept it.
-    distance = rig.scheduler.figures()["miss_reuse_distance"]
+    distance = rig.scheduler.figures()["reuse_distance_chunks"]
     assert 7 < distance <= 14 + 7  # type: ignore[operator]
 
 

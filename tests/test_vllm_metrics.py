@@ -55,6 +55,21 @@ def test_scheduler_figures_split_tokens_by_tier_and_index_gauges() -> None:
     assert gauges == {"index_used|": 7, "index_capacity|": 10, "jobs_in_flight|": 1}
 
 
+def test_misses_travel_by_reason_and_the_reuse_distance_as_a_gauge() -> None:
+    figures = {"miss_lookups_by_reason": {"never_stored": 3, "evicted": 1},
+               "miss_tokens_by_reason": {"never_stored": 168, "evicted": 56},
+               "reuse_distance_chunks": 16}  # fmt: skip
+    counters, gauges = scheduler_figures(figures)
+    assert counters == {key("lookup_misses", "never_stored"): 3,
+                        key("lookup_misses", "evicted"): 1,
+                        key("lookup_miss_tokens", "never_stored"): 168,
+                        key("lookup_miss_tokens", "evicted"): 56,
+                        key("evictions", "cpu"): 0}  # fmt: skip
+    assert gauges == {key("reuse_distance_chunks"): 16}
+    reasons = {s.name: s.label for s in SERIES if s.name.startswith("lookup_miss")}
+    assert reasons == {"lookup_misses": "reason", "lookup_miss_tokens": "reason"}
+
+
 def test_worker_figures_read_each_tiers_stats_record() -> None:
     cpu, redis = TierCounters("cpu"), TierCounters("redis", ["queued"])
     disk = TierCounters("disk", ["read_only_skips"])
@@ -101,7 +116,8 @@ def test_every_series_has_a_producer() -> None:
     redis = {"redis": TierCounters("redis").snapshot(gauges={"queue_bytes": 0})}
     scheduler = scheduler_figures(
         {"hit_tokens_by_tier": {"cpu": 1}, "loaded_tokens_by_tier": {"cpu": 1},
-         "unkeyable_requests": 0}
+         "unkeyable_requests": 0, "miss_lookups_by_reason": {"evicted": 1},
+         "miss_tokens_by_reason": {"evicted": 8}, "reuse_distance_chunks": 3}
     )  # fmt: skip
     names = {k.split("|")[0] for part in scheduler for k in part}
     for part in (*worker_figures(tiers, {}, 0), *worker_figures(redis, {}, 0)):

@@ -48,14 +48,16 @@ def http(url: str, body: dict[str, Any] | None = None, method: str = "GET") -> s
 
 
 def scrape(base: str) -> dict[tuple[str, str], float]:
-    """``vllm:kvoffload_*`` samples of ``/metrics``: (name, tier label or "") -> value."""
+    """``vllm:kvoffload_*`` samples of ``/metrics``: (name, tier or reason label, or "") ->
+    value."""
     out: dict[tuple[str, str], float] = {}
     for line in http(f"{base}/metrics").splitlines():
         match = SAMPLE.match(line)
         if match:
             labels = dict(re.findall(r'(\w+)="([^"]*)"', match.group(2)))
             assert labels["engine"] == "0" and labels["model_name"], line
-            out[(match.group(1), labels.get("tier", ""))] = float(match.group(3))
+            label = labels.get("tier", labels.get("reason", ""))
+            out[(match.group(1), label)] = float(match.group(3))
     return out
 
 
@@ -134,6 +136,12 @@ def test_metrics_have_the_connector_series_and_they_move(server: str, llama: str
         assert stored[(f"vllm:kvoffload_{name}_total", "disk")] == 0
     assert stored[("vllm:kvoffload_evictions_total", "cpu")] == 0
     assert stored.get(("vllm:kvoffload_hit_tokens_total", "cpu"), 0) == 0
+    # The first sight of a prompt is a miss with a reason an operator can read.
+    never = ("vllm:kvoffload_lookup_misses_total", "never_stored")
+    missed = scrape_until(server, lambda s: s.get(never, 0) > 0)
+    assert missed[never] >= 1
+    tokens_missed = missed[("vllm:kvoffload_lookup_miss_tokens_total", "never_stored")]
+    assert tokens_missed == connector_hit(prompt, 32) * missed[never]
 
     http(f"{server}/reset_prefix_cache", {})  # vLLM's own cache only: the connector keeps its own
     again = complete(server, llama, prompt)
@@ -144,6 +152,7 @@ def test_metrics_have_the_connector_series_and_they_move(server: str, llama: str
     assert moved[("vllm:kvoffload_loaded_tokens_total", "cpu")] == hit
     assert moved[("vllm:kvoffload_loaded_bytes_total", "cpu")] > 0
     assert moved[("vllm:kvoffload_load_seconds_count", "")] >= 1
+    assert moved[never] == missed[never]  # the full hit missed nothing
     assert (
         moved[("vllm:kvoffload_stored_bytes_total", "cpu")]
         >= stored[("vllm:kvoffload_stored_bytes_total", "cpu")]

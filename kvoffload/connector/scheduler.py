@@ -290,7 +290,7 @@ class OffloadScheduler:
         out.update(by_tier)
         out["miss_lookups_by_reason"] = dict(self.misses.lookups)
         out["miss_tokens_by_reason"] = dict(self.misses.tokens)
-        out["miss_reuse_distance"] = self.misses.reuse_distance() or 0
+        out["reuse_distance_chunks"] = self.misses.reuse_distance() or 0
         out["jobs_in_flight"] = len(self.jobs)
         out["requests_tracked"] = len(self.requests)
         return out

@@ -47,12 +47,16 @@ Payload = dict[str, dict[str, Any]]
 
 @dataclass(frozen=True, slots=True)
 class Series:
-    """One Prometheus series, ``vllm:kvoffload_<name>``, with vLLM's labels (+ ``tier``)."""
+    """One Prometheus series, ``vllm:kvoffload_<name>``, with vLLM's labels and ``label``.
+
+    ``label`` names the payload key's second part (``name|value``): ``tier`` for most,
+    ``reason`` for misses, ``""`` for none.
+    """
 
     name: str
     kind: Literal["counter", "gauge", "histogram"]
     help: str
-    tiered: bool = True
+    label: str = "tier"
     #: Gauges: how the tensor-parallel ranks' values combine.
     ranks: Literal["sum", "max"] = "sum"
 
@@ -74,12 +78,21 @@ SERIES: tuple[Series, ...] = (
     Series("usage_chunks", "gauge", "Chunks a tier holds now (cpu, disk)", ranks="max"),
     Series("remote_queue_bytes", "gauge", "Bytes of stores waiting for the remote tier"),
     Series("load_seconds", "histogram",
-           "Load jobs, from submission to result (what a request waits)", tiered=False),
+           "Load jobs, from submission to result (what a request waits)", label=""),
     Series("store_seconds", "histogram",
-           "Store jobs, from submission to result", tiered=False),
+           "Store jobs, from submission to result", label=""),
     Series("unkeyable_requests", "counter",
            "Requests served without offloading: their KV inputs cannot be keyed",
-           tiered=False),
+           label=""),
+    Series("lookup_misses", "counter",
+           "Lookups that served less than the request's prefix, by why they stopped "
+           "(docs/vllm.md: never_stored, evicted, tenant_share, window_or_state, no_room, "
+           "failed_load)", label="reason"),
+    Series("lookup_miss_tokens", "counter",
+           "Prompt tokens those lookups left unserved, by reason", label="reason"),
+    Series("reuse_distance_chunks", "gauge",
+           "Median chunks stored between an eviction and the lookup that missed it (a CPU "
+           "tier that much larger would have kept them)", label="", ranks="max"),
 )  # fmt: skip
 
 #: Buckets of the job histograms, in seconds: a CPU-tier load takes milliseconds, a disk
@@ -101,8 +114,8 @@ def scheduler_figures(figures: Mapping[str, Any]) -> tuple[dict[str, float], dic
     gauges: dict[str, float] = {}
     for name, value in figures.items():
         if isinstance(value, Mapping):
-            base = name.removesuffix("_by_tier")
-            counters.update({key(base, tier): n for tier, n in value.items()})
+            base = _BY_LABEL.get(name, name.removesuffix("_by_tier"))
+            counters.update({key(base, label): n for label, n in value.items()})
         elif name.removeprefix("index_") in _GAUGES:
             gauges[key(name)] = value
         elif name not in ("hit_tokens", "loaded_tokens"):  # by tier above
@@ -113,7 +126,10 @@ def scheduler_figures(figures: Mapping[str, Any]) -> tuple[dict[str, float], dic
 
 #: The scheduler side's figures that are current values (of the index, or in flight).
 _GAUGES = frozenset(("capacity", "used", "ready", "storing", "pinned", "free",
-                     "jobs_in_flight", "requests_tracked"))  # fmt: skip
+                     "jobs_in_flight", "requests_tracked", "reuse_distance_chunks"))  # fmt: skip
+#: The scheduler side's figures by a label other than the tier, and their series.
+_BY_LABEL = {"miss_lookups_by_reason": "lookup_misses",
+             "miss_tokens_by_reason": "lookup_miss_tokens"}  # fmt: skip
 
 
 def worker_figures(

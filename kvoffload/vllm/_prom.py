@@ -67,7 +67,7 @@ class KVOffloadPromMetrics(KVConnectorPromMetrics):
         self._ranks: dict[tuple[int, str, str], dict[str, float]] = {}
 
     def _register(self, series: Series, labelnames: list[str]) -> Any:
-        labels = [*labelnames, "tier"] if series.tiered else list(labelnames)
+        labels = [*labelnames, series.label] if series.label else list(labelnames)
         name, doc = PREFIX + series.name, series.help
         if series.kind == "counter":
             return self._counter_cls(name=name, documentation=doc, labelnames=labels)
@@ -81,7 +81,7 @@ class KVOffloadPromMetrics(KVConnectorPromMetrics):
         child = self._children.get((engine, name, tier))
         if child is None:
             values = list(self.per_engine_labelvalues[engine])
-            if self._series[name].tiered:
+            if self._series[name].label:
                 values.append(tier or "none")
             child = self._metrics[name].labels(*values)
             self._children[(engine, name, tier)] = child
