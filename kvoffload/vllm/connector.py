@@ -141,7 +141,7 @@ class KVOffloadConnector(KVConnectorBase_V1, SupportsHMA):
         extra = dict(vllm_config.kv_transfer_config.kv_connector_extra_config or {})
         self.world_size = parallel.tensor_parallel_size
         self.config: OffloadConfig = build_offloading_config(
-            extra, self.layout, world_size=self.world_size
+            extra, self.layout, world_size=self.world_size, warn=logger.warning
         )
         self._model_id = str(vllm_config.model_config.model)
         self._dtype = str(vllm_config.model_config.dtype)
