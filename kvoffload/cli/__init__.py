@@ -74,7 +74,10 @@ def _quiet_stdout() -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exc:  # --help, --version, or a bad flag (one line already printed)
+        return exc.code if isinstance(exc.code, int) else USAGE_ERROR
     try:
         with warnings.catch_warnings():
             _one_line_warnings(args.command)

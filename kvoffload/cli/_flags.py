@@ -10,11 +10,12 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import sys
 from collections.abc import Callable
 from typing import NoReturn
 
-__all__ = ["USAGE_ERROR", "HelpFormatter", "Parser", "int_in", "number_in", "warn_line"]
+__all__ = ["USAGE_ERROR", "HelpFormatter", "Parser", "int_in", "number_in", "physical_memory", "warn_line"]
 
 #: Exit code for an error the user caused (bad flag, bad configuration).
 USAGE_ERROR = 2
@@ -88,3 +89,11 @@ def warn_line(command: str) -> Callable[[str], None]:
         print(f"kvoffload {command}: warning: {' '.join(message.split())}", file=sys.stderr)
 
     return warn
+
+
+def physical_memory() -> int | None:
+    """Bytes of memory this machine has, or ``None`` where the OS does not say."""
+    try:
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError):
+        return None

@@ -30,10 +30,11 @@ import numpy as np
 from kvoffload.config.offload_config import ALIGN
 from kvoffload.errors import ConfigError, CorruptChunkError, TierError
 from kvoffload.tiers._record import CHECKSUMS, check_header, file_bytes
+from kvoffload.tiers._validation import namespace_fingerprint
 from kvoffload.tiers.disk._files import owner_of_temp, parse_chunk_name
 from kvoffload.tiers.disk._schema import INDEX_NAME, LOCK_NAME
 
-__all__ = ["DiskReport", "NamespaceReport", "inspect_disk"]
+__all__ = ["DiskReport", "NamespaceReport", "inspect_disk", "stored_chunks"]
 
 #: Files of the index beside the namespace directories: not chunks, not damage.
 _INDEX_FILES = {INDEX_NAME, f"{INDEX_NAME}-wal", f"{INDEX_NAME}-shm", LOCK_NAME}
@@ -120,6 +121,16 @@ def inspect_disk(path: str | os.PathLike[str], *, verify: bool = False) -> DiskR
         namespaces=sorted(namespaces.values(), key=lambda r: r.namespace),
         foreign=foreign,
     )
+
+
+def stored_chunks(path: str | os.PathLike[str], namespace: bytes) -> int:
+    """Chunk files of ``namespace`` under ``path`` (by name; 0 where there is no directory)."""
+    directory = Path(path) / namespace_fingerprint(namespace).hex()
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return 0
+    return sum(parse_chunk_name(name) is not None for name in names)
 
 
 def _list(directory: Path) -> list[str]:
