@@ -16,10 +16,10 @@ import os
 import sys
 import warnings
 from collections.abc import Sequence
-from typing import TextIO
+from typing import Any
 
 from kvoffload import __version__
-from kvoffload.cli._flags import USAGE_ERROR, HelpFormatter, Parser
+from kvoffload.cli._flags import USAGE_ERROR, HelpFormatter, Parser, warn_line
 from kvoffload.errors import KVOffloadError
 
 __all__ = ["main"]
@@ -49,17 +49,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _one_line_warnings(command: str) -> None:
     """Show every warning as one plain line, not the warnings module's file:line dump."""
+    line = warn_line(command)
 
-    def show(
-        message: Warning | str,
-        category: type[Warning],
-        filename: str,
-        lineno: int,
-        file: TextIO | None = None,
-        line: str | None = None,
-    ) -> None:
-        text = " ".join(str(message).split())
-        print(f"kvoffload {command}: warning: {text}", file=sys.stderr)
+    def show(message: Warning | str, *where: Any, **more: Any) -> None:
+        line(str(message))
 
     warnings.simplefilter("default")
     warnings.showwarning = show

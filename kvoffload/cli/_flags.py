@@ -15,7 +15,15 @@ import sys
 from collections.abc import Callable
 from typing import NoReturn
 
-__all__ = ["USAGE_ERROR", "HelpFormatter", "Parser", "int_in", "number_in", "physical_memory", "warn_line"]
+__all__ = [
+    "USAGE_ERROR",
+    "HelpFormatter",
+    "Parser",
+    "int_in",
+    "number_in",
+    "physical_memory",
+    "warn_line",
+]
 
 #: Exit code for an error the user caused (bad flag, bad configuration).
 USAGE_ERROR = 2
@@ -56,7 +64,9 @@ def int_in(low: int, high: int, why: str = "") -> Callable[[str], int]:
             raise argparse.ArgumentTypeError(f"{text!r} is not a whole number")
         value = int(item)
         if not low <= value <= high:
-            raise argparse.ArgumentTypeError(f"{value:,} is out of range: give {_range_text(low, high, why)}")
+            raise argparse.ArgumentTypeError(
+                f"{value:,} is out of range: give {_range_text(low, high, why)}"
+            )
         return value
 
     parse.__name__ = "integer"

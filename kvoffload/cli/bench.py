@@ -18,8 +18,8 @@ import json
 import os
 import sys
 import tempfile
-from pathlib import Path
 from fractions import Fraction
+from pathlib import Path
 from typing import Any
 
 from kvoffload.bench import BENCH_TIERS, LOCAL_TIERS, BenchRow, run_bench

@@ -14,9 +14,9 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
+from kvoffload.cli._flags import HelpFormatter, int_in, warn_line
 from kvoffload.config import OffloadConfig, build_offloading_config
 from kvoffload.config.hf_layout import layout_from_hf_config
-from kvoffload.cli._flags import HelpFormatter, int_in, warn_line
 from kvoffload.config.keys import IGNORED_KEYS, KEYS
 from kvoffload.config.layout import CacheGroup, Reuse
 from kvoffload.config.values import format_bytes, safe_repr

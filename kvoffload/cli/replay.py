@@ -58,7 +58,9 @@ def register(subparsers: Any) -> None:
     )
     parser.add_argument("trace", help="trace file (.jsonl or .jsonl.gz)")
     sizes = parser.add_mutually_exclusive_group()
-    sizes.add_argument("--capacity", help="the CPU tier's capacity in chunks (one trace block each)")
+    sizes.add_argument(
+        "--capacity", help="the CPU tier's capacity in chunks (one trace block each)"
+    )
     sizes.add_argument(
         "--capacities",
         help="comma-separated capacities in chunks (default: "
@@ -103,8 +105,8 @@ def register(subparsers: Any) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from kvoffload.replay import format_table, load_trace, plot_hit_ratio, sweep
-    from kvoffload.replay.plot import check_plot_path
     from kvoffload.replay.engine import EngineSettings, format_engine_table, replay_engine
+    from kvoffload.replay.plot import check_plot_path
 
     if args.capacity is not None:
         capacities = parse_capacities(args.capacity, "--capacity")

@@ -71,8 +71,9 @@ def build_offloading_config(
     _check_password_env(config)
     if config.disk_path is not None:
         check_disk_path(config.disk_path)
-        for note in disk_path_notes(config.disk_path, config.disk_bytes_to_use) if warn else ():
-            warn(note)
+        if warn is not None:
+            for note in disk_path_notes(config.disk_path, config.disk_bytes_to_use):
+                warn(note)
     return config
 
 

@@ -32,7 +32,7 @@ _PSEUDO_FS = frozenset(
 
 def _existing(path: Path) -> tuple[Path, list[Path]]:
     """The deepest part of ``path`` that exists, and the directories below it to create."""
-    missing = []
+    missing: list[Path] = []
     for candidate in (path, *path.parents):
         if os.path.lexists(candidate):
             return candidate, list(reversed(missing))

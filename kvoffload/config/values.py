@@ -56,9 +56,7 @@ _SIZE_UNITS = {
     "eib": 2**60,
 }
 #: The units as an error message lists them.
-_UNITS_TEXT = (
-    "B, KiB, MiB, GiB, TiB, PiB, EiB (powers of 1024) or KB, MB, GB, TB, PB, EB (of 1000)"
-)
+_UNITS_TEXT = "B, KiB, MiB, GiB, TiB, PiB, EiB (powers of 1024) or KB, MB, GB, TB, PB, EB (of 1000)"
 _SIZE_RE = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*([a-zA-Z]*)\s*$")
 _BINARY_UNITS = ("B", "KiB", "MiB", "GiB", "TiB", "PiB", "EiB")
 
