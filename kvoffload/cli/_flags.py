@@ -29,8 +29,14 @@ __all__ = [
 USAGE_ERROR = 2
 
 
-class HelpFormatter(argparse.RawDescriptionHelpFormatter):
-    """Descriptions kept as written; every option with a default says it."""
+class HelpFormatter(argparse.HelpFormatter):
+    """Descriptions wrapped to the terminal, tables (text with line breaks) kept as written;
+    every option with a default says it."""
+
+    def _fill_text(self, text: str, width: int, indent: str) -> str:
+        if "\n" in text:
+            return "".join(indent + line for line in text.splitlines(keepends=True))
+        return super()._fill_text(text, width, indent)
 
     def _get_help_string(self, action: argparse.Action) -> str | None:
         text = action.help or ""

@@ -52,7 +52,13 @@ def register(subparsers: Any) -> None:
         "demo",
         formatter_class=HelpFormatter,
         help="serve a trace through the connector's real path on a hybrid model; verify every byte",
-        description=__doc__.split("\n\n")[1].replace("``", "") if __doc__ else None,
+        description="Serve a trace (by default the bundled one: shared system prompts, "
+        "multi-turn conversations) on a small Gemma-4-like model (three sliding-window groups "
+        "and a full-attention group) through the connector's own scheduler and worker, with a "
+        "stand-in for vLLM in front whose GPU prefix cache is too small to keep everything. "
+        "Loads and stores move real bytes through a CPU tier and a disk tier, and every block "
+        "a load fills is checked bit-exact. Exit code 1 if any block came back wrong or any "
+        "store failed.",
     )
     parser.add_argument(
         "--requests", type=int_in(1, 1 << 40), help="serve only the first N requests of the trace"
