@@ -104,7 +104,10 @@ def serve(args: argparse.Namespace, disk_path: str) -> dict[str, Any]:
         "disk_path": disk_path,
         "disk_bytes_to_use": args.disk_bytes,
     }
-    config = build_offloading_config(extra, layout, warn=warn_line("demo"))
+    try:
+        config = build_offloading_config(extra, layout, warn=warn_line("demo"))
+    except ConfigError as exc:  # name the demo's flags, not the keys they set
+        raise ConfigError(_flag_names(str(exc))) from exc
     trace = load_trace(args.trace or _bundled("demo_trace.jsonl"), limit=args.requests)
     namespace = namespace_of("kvoffload-demo", "bfloat16", layout)
     reused = stored_chunks(disk_path, namespace)
@@ -139,6 +142,17 @@ def serve(args: argparse.Namespace, disk_path: str) -> dict[str, Any]:
         "failed_load_jobs": worker.get("failed_load_jobs", 0), "failed_stores": failed_stores,
         "disk_path": disk_path, "reused_disk_chunks": reused,
     }  # fmt: skip
+
+
+#: The configuration keys the demo's flags set, as its messages name them.
+_FLAGS = {"cpu_bytes_to_use": "--cpu-bytes", "disk_bytes_to_use": "--disk-bytes",
+          "blocks_per_chunk": "--blocks-per-chunk", "disk_path": "--disk-path"}  # fmt: skip
+
+
+def _flag_names(message: str) -> str:
+    for key, flag in _FLAGS.items():
+        message = message.replace(f"'{key}'", flag)
+    return message
 
 
 def _check_memory(cpu_bytes: str) -> None:
