@@ -16,6 +16,9 @@ import pytest
 from _cli import assert_one_line, kvoffload, kvoffload_all
 
 import kvoffload as package
+from kvoffload import ConfigError, IgnoredKeysWarning, build_offloading_config
+from kvoffload.cli.plan import example_path
+from kvoffload.config.hf_layout import layout_from_hf_config
 
 TRACE = Path(__file__).resolve().parents[1] / "kvoffload" / "examples" / "demo_trace.jsonl"
 
@@ -84,23 +87,6 @@ def test_an_ignored_vllm_key_is_one_plain_warning_line() -> None:
     assert_one_line(ran, "ignores these keys of vLLM's OffloadingConnector: spec_name",
                     code=0, kind="warning")  # fmt: skip
     assert "IgnoredKeysWarning" not in ran.err and ".py:" not in ran.err
-
-
-def test_disk_path_plan_refuses_what_the_engine_refuses(tmp_path: Path) -> None:
-    (tmp_path / "file").write_text("")
-
-    def extra(path: str) -> str:
-        return json.dumps({"cpu_bytes_to_use": "1GiB", "disk_path": path,
-                           "disk_bytes_to_use": "1GiB"})  # fmt: skip
-
-    a_file, under_a_file, proc = kvoffload_all([
-        ["plan", "tiny_llama", "--extra-config", extra(str(tmp_path / "file"))],
-        ["plan", "tiny_llama", "--extra-config", extra(str(tmp_path / "file" / "below"))],
-        ["plan", "tiny_llama", "--extra-config", extra("/proc/kvoffload")],
-    ])  # fmt: skip
-    assert_one_line(a_file, "is not a directory")
-    assert_one_line(under_a_file, "which is not a directory")
-    assert_one_line(proc, "is on a proc file system")
 
 
 def test_plan_and_demo_say_which_directories_they_create(tmp_path: Path) -> None:
@@ -231,3 +217,33 @@ def test_demo_says_when_it_reused_chunks_on_its_disk_path(tmp_path: Path) -> Non
     report = json.loads(again.out)
     assert again.code == 0 and report["reused_disk_chunks"] > 0
     assert report["disk_path"] == str(tmp_path)
+
+
+def test_plan_refuses_the_disk_paths_engine_start_refuses(tmp_path: Path) -> None:
+    """A file, a path under a file, /proc: ``plan`` said OK where the engine refused. The
+    engine calls ``build_offloading_config`` too: now the same refusal, word for word."""
+    (tmp_path / "file").write_text("")
+    layout = layout_from_hf_config(example_path("tiny_llama"))
+    paths = (tmp_path / "file", tmp_path / "file" / "below", Path("/proc/kvoffload"))
+    configs = [
+        {"cpu_bytes_to_use": "1GiB", "disk_path": str(path), "disk_bytes_to_use": "1GiB"}
+        for path in paths
+    ]
+    runs = kvoffload_all([["plan", "tiny_llama", "--extra-config", json.dumps(c)] for c in configs])
+    why = ("is not a directory", "which is not a directory", "is on a proc file system")
+    for extra, ran, fragment in zip(configs, runs, why, strict=True):
+        with pytest.raises(ConfigError, match=fragment) as refused:
+            build_offloading_config(extra, layout)
+        assert_one_line(ran, str(refused.value))
+
+
+def test_notes_go_to_the_engines_log_function_not_to_warnings(tmp_path: Path) -> None:
+    layout = layout_from_hf_config(example_path("tiny_llama"))
+    extra = {"cpu_bytes_to_use": "1GiB", "spec_name": "x", "disk_path": str(tmp_path / "new"),
+             "disk_bytes_to_use": "1GiB"}  # fmt: skip
+    lines: list[str] = []
+    build_offloading_config(extra, layout, warn=lines.append)  # no warning: the suite errs on one
+    assert lines[0].endswith("OffloadingConnector: spec_name")
+    assert lines[1].startswith(f"disk_path {str(tmp_path / 'new')!r} does not exist")
+    with pytest.warns(IgnoredKeysWarning):  # a library caller still gets the warning class
+        build_offloading_config(extra, layout)

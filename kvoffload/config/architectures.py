@@ -1,8 +1,10 @@
 """Which model families ``layout_from_hf_config`` knows, refuses, or plans with a warning.
 
 A ``config.json`` says what it is in ``model_type`` (and ``architectures``).
-Families listed in :data:`KNOWN_MODEL_TYPES` are read the way vLLM forms their
-KV cache groups, and the tests hold them to it. Encoder-only and
+Families listed in :data:`KNOWN_MODEL_TYPES` have the fields
+:mod:`kvoffload.config.hf_layout` reads, placed as it expects (``tests_e2e``
+checks Llama, Gemma-4, Llama-4, Qwen3-Next and DeepSeek-V4 against vLLM's own
+grouping code). Encoder-only and
 encoder-decoder models are refused by name: vLLM keeps no reusable prefix KV
 for them (an encoder has no cache; cross-attention KV is per request). Any
 other family is planned from its attention fields as a Llama-style decoder,
