@@ -77,7 +77,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             code: int = args.func(args)
             sys.stdout.flush()
     except KVOffloadError as exc:
-        print(f"kvoffload {args.command}: error: {exc}", file=sys.stderr)
+        print(f"kvoffload {args.command}: error: {' '.join(str(exc).split())}", file=sys.stderr)
         return USAGE_ERROR
     except BrokenPipeError:
         _quiet_stdout()

@@ -31,7 +31,7 @@ from kvoffload.config.offload_config import ALIGN
 from kvoffload.errors import ConfigError, CorruptChunkError, TierError
 from kvoffload.tiers._record import CHECKSUMS, check_header, file_bytes
 from kvoffload.tiers._validation import namespace_fingerprint
-from kvoffload.tiers.disk._files import owner_of_temp, parse_chunk_name
+from kvoffload.tiers.disk._files import FRESH_OWNER, owner_of_temp, parse_chunk_name
 from kvoffload.tiers.disk._schema import INDEX_NAME, LOCK_NAME
 
 __all__ = ["DiskReport", "NamespaceReport", "inspect_disk", "stored_chunks"]
@@ -195,7 +195,7 @@ def _scan_namespace(directory: Path, verify: bool) -> NamespaceReport:
             st = os.lstat(directory / name)
         except FileNotFoundError:  # removed while we listed: an engine evicted it
             continue
-        if owner_of_temp(name) is not None or name.endswith(".owner"):
+        if owner_of_temp(name) is not None or name.endswith((".owner", FRESH_OWNER)):
             report.temp_files += name.endswith(".tmp")
             continue
         key = parse_chunk_name(name)
