@@ -69,7 +69,6 @@ def test_chunk_sizes_parse_to_whole_bytes() -> None:
     ("argv", "match"),
     [
         (["--chunk-mib", "4", "--total-mib", "1"], "--total-mib"),
-        (["--repeat", "0"], "--repeat"),
         (["--tier", "disk", "--total-mib", "16", "--disk-path", "/nonexistent/x"], "--disk-path"),
     ],
 )

@@ -67,10 +67,10 @@ def test_demo_on_a_missing_gpu_says_so(capsys: pytest.CaptureFixture[str]) -> No
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
-        (["--gpu-blocks", "0"], "--gpu-blocks must be positive, got 0"),
-        (["--requests", "-2"], "--requests must be positive, got -2"),
-        (["--device", "tpu"], "--device must be cpu or cuda, got 'tpu'"),
-        (["--blocks-per-chunk", "0"], "'blocks_per_chunk' must be greater than 0"),
+        (["--gpu-blocks", "0"], "--gpu-blocks: 0 is out of range: give a number from 1"),
+        (["--requests", "-2"], "--requests: -2 is out of range: give a number from 1"),
+        (["--device", "tpu"], "--device: invalid choice: 'tpu'"),
+        (["--blocks-per-chunk", "0"], "--blocks-per-chunk: 0 is out of range"),
     ],
 )
 def test_bad_demo_flags_are_one_line_errors(

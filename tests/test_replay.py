@@ -252,7 +252,7 @@ def test_cli_table_and_plot(tmp_path: Path, capsys: pytest.CaptureFixture[str]) 
     ("extra", "fragment"),
     [
         ([], "does not exist"),
-        (["--capacities", "10,zero"], "--capacities: 'zero' is not a positive integer"),
+        (["--capacities", "10,zero"], "--capacities: 'zero' is not a chunk count"),
         (["--capacity", "0"], "--capacity: '0'"),
         (["--limit", "0"], "--limit"),
         (["--gpu-blocks", "0"], "--gpu-blocks"),

@@ -15,38 +15,53 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
+import tempfile
 from fractions import Fraction
+from pathlib import Path
 from typing import Any
 
 from kvoffload.bench import BENCH_TIERS, LOCAL_TIERS, BenchRow, run_bench
+from kvoffload.cli._flags import HelpFormatter, int_in, number_in, physical_memory
 from kvoffload.config.remote_url import RemoteURL, parse_remote_url
 from kvoffload.errors import ConfigError
 
 __all__ = ["parse_chunk_mib", "register", "run"]
 
 _MIB = 1 << 20
+#: Most MiB one measurement moves: its bytes are allocated at once (source and target).
+MAX_TOTAL_MIB = 64 * 1024
+#: Largest chunk: a chunk is one allocation and one call; past 4 GiB no engine's is.
+MAX_CHUNK_MIB = 4096
 
 
 def register(subparsers: Any) -> None:
     parser = subparsers.add_parser(
         "bench",
+        formatter_class=HelpFormatter,
         help="measure tier store/load GB/s against memcpy, sequential O_DIRECT and redis-py",
         description="Measure each tier's store and load GB/s per chunk size, next to a "
         "reference run on the same bytes: memcpy for cpu, sequential O_DIRECT for disk, "
         "plain redis-py SET/GET (and pipelined EXISTS for lookups) for redis.",
     )
-    parser.add_argument("--tier", choices=(*BENCH_TIERS, "all"), default="all")
     parser.add_argument(
-        "--chunk-mib",
-        default="0.25,1,4,16",
-        help="comma-separated chunk sizes in MiB (default 0.25,1,4,16)",
+        "--tier",
+        choices=(*BENCH_TIERS, "all"),
+        default="all",
+        help="the tier to measure; all: cpu and disk, and redis with --remote-url",
     )
     parser.add_argument(
-        "--total-mib", type=float, default=256.0, help="bytes moved per measurement (default 256)"
+        "--chunk-mib", default="0.25,1,4,16", help="comma-separated chunk sizes in MiB"
     )
     parser.add_argument(
-        "--disk-path", default=None, help="directory for the disk rows (default: TMPDIR)"
+        "--total-mib",
+        type=number_in(0, MAX_TOTAL_MIB, "its bytes are allocated in host memory at once"),
+        default=256.0,
+        help="MiB moved per measurement",
+    )
+    parser.add_argument(
+        "--disk-path", default=None, help="directory for the disk rows (default: $TMPDIR)"
     )
     parser.add_argument(
         "--remote-url",
@@ -54,7 +69,9 @@ def register(subparsers: Any) -> None:
         help="server for the redis rows, e.g. redis://127.0.0.1:6379/0; its keys are deleted "
         "afterwards (--tier all includes redis only with it)",
     )
-    parser.add_argument("--repeat", type=int, default=3, help="rounds per row; the best is kept")
+    parser.add_argument(
+        "--repeat", type=int_in(1, 100), default=3, help="rounds per row; the best is kept"
+    )
     parser.add_argument("--json", action="store_true", help="print one JSON list of rows")
     parser.set_defaults(func=run)
 
@@ -69,6 +86,8 @@ def parse_chunk_mib(text: str) -> list[int]:
             raise ConfigError(f"--chunk-mib: {part!r} is not a number; use e.g. 0.25,1,4") from exc
         if size <= 0 or size.denominator != 1:
             raise ConfigError(f"--chunk-mib: {part!r} MiB is not a positive whole number of bytes")
+        if size > MAX_CHUNK_MIB * _MIB:
+            raise ConfigError(f"--chunk-mib: {part!r} MiB is more than {MAX_CHUNK_MIB} MiB a chunk")
         sizes.append(int(size))
     return sizes
 
@@ -90,13 +109,34 @@ def _check_args(args: argparse.Namespace) -> tuple[list[str], list[int], int]:
     total = int(args.total_mib * _MIB)
     if total < max(sizes):
         raise ConfigError(f"--total-mib {args.total_mib} is smaller than the largest chunk")
-    if args.repeat <= 0:
-        raise ConfigError(f"--repeat must be a positive int, got {args.repeat}")
+    memory = physical_memory()
+    if memory is not None and 2 * total > memory:
+        raise ConfigError(
+            f"--total-mib {args.total_mib:g}: a measurement holds its bytes twice (source and "
+            f"target), more than this machine's {memory / _MIB:,.0f} MiB of memory"
+        )
     if args.tier != "all":
         tiers = [args.tier]
     else:
         tiers = list(LOCAL_TIERS) + (["redis"] if args.remote_url is not None else [])
+    if "disk" in tiers:
+        _check_disk_room(args.disk_path or tempfile.gettempdir(), total)
     return tiers, sizes, total
+
+
+def _check_disk_room(folder: str, total: int) -> None:
+    """The disk rows write ``total`` bytes for the tier and as many for the reference."""
+    existing = next(p for p in (Path(folder), *Path(folder).parents) if p.exists())
+    try:
+        fs = os.statvfs(existing)
+    except OSError as exc:
+        raise ConfigError(f"--disk-path {folder!r} cannot be used: {exc.strerror}") from exc
+    free = fs.f_bavail * fs.f_frsize
+    if 2 * total > free:
+        raise ConfigError(
+            f"--total-mib {total / _MIB:g}: the disk rows write it twice (tier and reference), "
+            f"more than the {free / _MIB:,.0f} MiB free under {folder!r}"
+        )
 
 
 #: The reference each tier is measured against, as the table's last column names it.

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import tempfile
 from importlib import resources
 from pathlib import Path
@@ -23,18 +24,23 @@ from typing import Any
 
 import torch
 
+from kvoffload.cli._flags import HelpFormatter, int_in, physical_memory, warn_line
 from kvoffload.config import build_offloading_config
 from kvoffload.config.hf_layout import layout_from_hf_config
-from kvoffload.config.values import format_bytes
+from kvoffload.config.values import Bounds, format_bytes, to_size
 from kvoffload.errors import ConfigError
 from kvoffload.keys import namespace_of
 from kvoffload.replay.engine import engine_requests
 from kvoffload.replay.trace import load_trace
 from kvoffload.standin import KVOffloadSide, KVPages, StandIn
 from kvoffload.tiers.disk import DiskProbe
+from kvoffload.tiers.disk.inspect import stored_chunks
 from kvoffload.transfer import allocate_kv_caches
 
 __all__ = ["register", "run"]
+
+#: Most GPU blocks the demo allocates: 4 GiB of KV tensors at its 256 KiB a block.
+MAX_GPU_BLOCKS = 1 << 14
 
 
 def _bundled(name: str) -> Path:
@@ -44,30 +50,51 @@ def _bundled(name: str) -> Path:
 def register(subparsers: Any) -> None:
     parser = subparsers.add_parser(
         "demo",
+        formatter_class=HelpFormatter,
         help="serve a trace through the connector's real path on a hybrid model; verify every byte",
-        description=__doc__.split("\n\n")[1] if __doc__ else None,
+        description="Serve a trace (by default the bundled one: shared system prompts, "
+        "multi-turn conversations) on a small Gemma-4-like model (three sliding-window groups "
+        "and a full-attention group) through the connector's own scheduler and worker, with a "
+        "stand-in for vLLM in front whose GPU prefix cache is too small to keep everything. "
+        "Loads and stores move real bytes through a CPU tier and a disk tier, and every block "
+        "a load fills is checked bit-exact. Exit code 1 if any block came back wrong or any "
+        "store failed.",
     )
-    parser.add_argument("--requests", type=int, default=None, help="serve only the first N")
-    parser.add_argument("--trace", type=Path, default=None, help="Mooncake-format trace (JSONL)")
-    parser.add_argument("--disk-path", default=None, help="disk tier directory (default: temp)")
-    parser.add_argument("--cpu-bytes", default="16MiB", help="CPU tier budget (default 16MiB)")
-    parser.add_argument("--disk-bytes", default="1GiB", help="disk tier budget (default 1GiB)")
-    parser.add_argument("--blocks-per-chunk", type=int, default=2, help="default 2")
-    parser.add_argument("--gpu-blocks", type=int, default=320, help="GPU cache blocks (320)")
-    parser.add_argument("--device", default="cpu", help="the KV tensors' device: cpu or cuda")
+    parser.add_argument(
+        "--requests", type=int_in(1, 1 << 40), help="serve only the first N requests of the trace"
+    )
+    parser.add_argument(
+        "--trace", type=Path, help="a Mooncake-format trace (JSON lines; default: the bundled one)"
+    )
+    parser.add_argument(
+        "--disk-path", help="the disk tier's directory (default: a temporary one, removed after)"
+    )
+    parser.add_argument("--cpu-bytes", default="16MiB", help="the CPU tier's budget")
+    parser.add_argument("--disk-bytes", default="1GiB", help="the disk tier's budget")
+    parser.add_argument(
+        "--blocks-per-chunk", type=int_in(1, 1024), default=2, help="engine blocks per chunk"
+    )
+    parser.add_argument(
+        "--gpu-blocks",
+        type=int_in(1, MAX_GPU_BLOCKS, "4 GiB of KV tensors"),
+        default=320,
+        help="blocks of the stand-in engine's GPU prefix cache (256 KiB each)",
+    )
+    parser.add_argument(
+        "--device", choices=("cpu", "cuda"), default="cpu", help="where the KV tensors live"
+    )
     parser.add_argument("--json", action="store_true", help="print the report as JSON")
-    parser.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    parser.add_argument(
+        "--no-progress",
+        action="store_true",
+        help="no progress bar (there is none anyway when stderr is not a terminal)",
+    )
     parser.set_defaults(func=run)
 
 
 def serve(args: argparse.Namespace, disk_path: str) -> dict[str, Any]:
     """Serve the trace; return the report (see :func:`render`)."""
-    if args.requests is not None and args.requests <= 0:
-        raise ConfigError(f"--requests must be positive, got {args.requests}")
-    if args.gpu_blocks <= 0:
-        raise ConfigError(f"--gpu-blocks must be positive, got {args.gpu_blocks}")
-    if args.device not in ("cpu", "cuda"):
-        raise ConfigError(f"--device must be cpu or cuda, got {args.device!r}")
+    _check_memory(args.cpu_bytes)
     if args.device == "cuda" and not torch.cuda.is_available():
         raise ConfigError("--device cuda: torch sees no CUDA device here; use --device cpu")
     layout = layout_from_hf_config(_bundled("tiny_gemma4.json"), "bfloat16", 16)
@@ -77,14 +104,19 @@ def serve(args: argparse.Namespace, disk_path: str) -> dict[str, Any]:
         "disk_path": disk_path,
         "disk_bytes_to_use": args.disk_bytes,
     }
-    config = build_offloading_config(extra, layout)
+    try:
+        config = build_offloading_config(extra, layout, warn=warn_line("demo"))
+    except ConfigError as exc:  # name the demo's flags, not the keys they set
+        raise ConfigError(_flag_names(str(exc))) from exc
     trace = load_trace(args.trace or _bundled("demo_trace.jsonl"), limit=args.requests)
     namespace = namespace_of("kvoffload-demo", "bfloat16", layout)
+    reused = stored_chunks(disk_path, namespace)
     kv = allocate_kv_caches(layout, args.gpu_blocks, device=args.device)
     side = KVOffloadSide(config, namespace, kv, [DiskProbe(Path(disk_path), namespace)])
     engine = StandIn(layout, side, gpu_blocks=args.gpu_blocks, kv=KVPages(layout, kv))
     try:
-        stats = engine.run(engine_requests(trace, progress=not args.no_progress, desc="demo"))
+        progress = not args.no_progress and sys.stderr.isatty()
+        stats = engine.run(engine_requests(trace, progress=progress, desc="demo"))
     finally:
         side.close()
     assert side.worker is not None  # a side that moves bytes has one
@@ -108,7 +140,29 @@ def serve(args: argparse.Namespace, disk_path: str) -> dict[str, Any]:
         },
         "verified_blocks": stats.verified_blocks, "mismatched_blocks": stats.mismatched_blocks,
         "failed_load_jobs": worker.get("failed_load_jobs", 0), "failed_stores": failed_stores,
+        "disk_path": disk_path, "reused_disk_chunks": reused,
     }  # fmt: skip
+
+
+#: The configuration keys the demo's flags set, as its messages name them.
+_FLAGS = {"cpu_bytes_to_use": "--cpu-bytes", "disk_bytes_to_use": "--disk-bytes",
+          "blocks_per_chunk": "--blocks-per-chunk", "disk_path": "--disk-path"}  # fmt: skip
+
+
+def _flag_names(message: str) -> str:
+    for key, flag in _FLAGS.items():
+        message = message.replace(f"'{key}'", flag)
+    return message
+
+
+def _check_memory(cpu_bytes: str) -> None:
+    """The CPU tier is allocated at start: refuse a budget past this machine's memory."""
+    budget = to_size("--cpu-bytes", cpu_bytes, Bounds(1, 2**60))
+    memory = physical_memory()
+    if memory is not None and budget > memory:
+        raise ConfigError(
+            f"--cpu-bytes {cpu_bytes} is more than this machine's {format_bytes(memory)} of memory"
+        )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -146,6 +200,13 @@ def render(report: dict[str, Any]) -> str:
             f"{name:<4}  {format_bytes(t['stored_bytes']):>10}  {t['store_gbps']:>5.2f}  "
             f"{format_bytes(t['loaded_bytes']):>10}  {t['load_gbps']:>5.2f}  {t['failures']}"
         )
+    if report.get("reused_disk_chunks"):
+        lines += [
+            "",
+            f"reused: {report['disk_path']} already held {report['reused_disk_chunks']} chunks "
+            "of this demo from an earlier run; loads from disk may use them, so the figures "
+            "can differ from a fresh run's",
+        ]
     verdict = "OK" if report["ok"] else "FAILED"
     lines += [
         "",

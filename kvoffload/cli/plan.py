@@ -7,25 +7,35 @@ It runs the same validation as the engine adapter, so a configuration that
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
+import textwrap
 from importlib import resources
 from pathlib import Path
 from typing import Any
 
+from kvoffload.cli._flags import HelpFormatter, int_in, warn_line
 from kvoffload.config import OffloadConfig, build_offloading_config
 from kvoffload.config.hf_drafter import with_draft_model
 from kvoffload.config.hf_layout import layout_from_hf_config
-from kvoffload.config.keys import KEYS
+from kvoffload.config.keys import IGNORED_KEYS, KEYS
 from kvoffload.config.layout import CacheGroup, Reuse
 from kvoffload.config.values import format_bytes, safe_repr
 from kvoffload.connector._hits import coarse_state_hits, needed_chunks
 from kvoffload.errors import ConfigError
 
-__all__ = ["EXAMPLES", "example_path", "register", "run"]
+__all__ = ["EXAMPLES", "PLAN_SCHEMA", "example_path", "plan_summary", "register", "run"]
 
 #: Model configs shipped in the package, usable by name: ``kvoffload plan tiny_gemma4``.
 EXAMPLES = ("tiny_gemma4", "tiny_llama", "tiny_deepseek_v4", "tiny_qwen3_next", "tiny_llama4")
 _HYBRID = {"auto": None, "on": True, "off": False}
+DEFAULT_EXTRA = '{"cpu_bytes_to_use": "1GiB"}'
+#: The largest --block-size: vLLM's are at most a few thousand tokens (hybrid models raise
+#: theirs to fit a state); past this a chunk outgrows any budget for the wrong reason.
+MAX_BLOCK_SIZE = 1 << 16
+#: Version of ``plan --json``'s layout (docs/cli.md): raised only when a field changes
+#: meaning or goes away, never when one is added.
+PLAN_SCHEMA = 1
 
 
 def example_path(name: str) -> Path:
@@ -33,38 +43,70 @@ def example_path(name: str) -> Path:
     return Path(str(resources.files("kvoffload") / "examples" / f"{name}.json"))
 
 
-def register(subparsers: Any) -> None:
-    keys = "\n".join(
-        f"  {key.name:<20} {key.type.label:<11} {key.default_text().strip('`'):<9} {key.meaning}"
-        + (f" Range: {key.range_text()}." if key.bounds else "")
-        for key in KEYS
-        if not key.ignored
+#: Columns of the key table in ``plan --help``.
+_HELP_WIDTH = 110
+
+
+def _key_help() -> str:
+    """The keys of --extra-config as an aligned table in plain words (no Markdown)."""
+    keys = [key for key in KEYS if not key.ignored]
+    rows = [(key.name, key.type.label, key.default_text().strip("`")) for key in keys]
+    widths = [max(len(row[c]) for row in rows) for c in range(3)]
+    indent = sum(widths) + 8
+    lines = []
+    for key, row in zip(keys, rows, strict=True):
+        meaning = key.meaning.replace("`", "") + (
+            f" Range: {key.range_text()}." if key.bounds else ""
+        )
+        head = "  " + "  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True))
+        body = textwrap.wrap(meaning, width=max(40, _HELP_WIDTH - indent))
+        lines.append(f"{head}  {body[0]}")
+        lines.extend(" " * indent + line for line in body[1:])
+    ignored = "accepted and ignored (vLLM's own connector's keys): " + ", ".join(
+        sorted(IGNORED_KEYS)
     )
+    lines += textwrap.wrap(ignored, _HELP_WIDTH, initial_indent="  ", subsequent_indent="    ")
+    header = "  " + "  ".join(t.ljust(w) for t, w in zip(("key", "type", "default"), widths,
+                                                        strict=True))  # fmt: skip
+    return "keys of --extra-config:\n" + header + "  meaning\n" + "\n".join(lines)
+
+
+def register(subparsers: Any) -> None:
     parser = subparsers.add_parser(
         "plan",
-        help="show a model's KV cache groups and what the CPU budget holds",
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-        description="Validate an offloading configuration against a model's KV cache layout.",
-        epilog=f"keys of --extra-config (name, type, default, meaning):\n{keys}",
+        formatter_class=HelpFormatter,
+        help="check an offloading configuration against a model; show its groups and budget",
+        description="Check an offloading configuration (vLLM's kv_connector_extra_config) "
+        "against a model's KV cache layout with the same rules as engine start, and show "
+        "what each KV cache group needs for a hit and what the CPU budget holds.",
+        epilog=_key_help(),
     )
     parser.add_argument(
         "model",
-        help=f"model directory, config.json, or a bundled example: {', '.join(EXAMPLES)}",
+        help=f"model directory, its config.json, or a bundled example: {', '.join(EXAMPLES)}",
     )
     parser.add_argument(
         "--dtype",
         default="bfloat16",
-        help="KV cache dtype (default bfloat16; fp8_ds_mla for DeepSeek-V4 on FlashMLA)",
+        help="KV cache dtype, as vLLM's --kv-cache-dtype (fp8_ds_mla: DeepSeek-V4 only)",
     )
     parser.add_argument(
-        "--block-size", type=int, default=16, help="engine tokens per block (default 16)"
+        "--block-size",
+        type=int_in(1, MAX_BLOCK_SIZE, "vLLM's block sizes are at most a few thousand tokens"),
+        default=16,
+        help="the engine's tokens per KV cache block (vLLM's --block-size)",
     )
     parser.add_argument(
         "--extra-config",
-        default='{"cpu_bytes_to_use": "1GiB"}',
-        help="kv_connector_extra_config as JSON, or @FILE (default: 1 GiB of CPU memory)",
+        default=DEFAULT_EXTRA,
+        help="kv_connector_extra_config as JSON, or @FILE to read it from a file",
     )
-    parser.add_argument("--world-size", type=int, default=1, help="workers sharing the budget")
+    parser.add_argument(
+        "--world-size",
+        type=int_in(1, 1 << 16),
+        default=1,
+        help="workers (tensor-parallel ranks) sharing the budgets",
+    )
     parser.add_argument(
         "--hybrid",
         choices=list(_HYBRID),
@@ -76,7 +118,9 @@ def register(subparsers: Any) -> None:
         "--draft-model",
         help="a draft model (speculative method draft_model): its layers where vLLM puts them",
     )
-    parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    parser.add_argument(
+        "--json", action="store_true", help="print JSON instead of a table (schema: docs/cli.md)"
+    )
     parser.set_defaults(func=run)
 
 
@@ -166,58 +210,86 @@ def cpu_prefix_tokens(config: OffloadConfig) -> int:
     return low * align
 
 
-def plan_summary(config: OffloadConfig) -> dict[str, Any]:
-    """Machine-readable plan: groups, chunk geometry and what the CPU budget holds."""
-    groups = []
-    for group, span, size in zip(
-        config.layout.groups, config.tokens_per_chunk, config.chunk_bytes, strict=True
-    ):
-        entry: dict[str, Any] = {
-            "kind": group.kind,
-            "reuse": group.reuse.value,
-            "window": group.sliding_window or group.attention_chunk_size,
-            "layers": group.num_layers,
-            "tokens_per_block": group.tokens_per_block,
-            "page_bytes": list(group.layer_pages) if group.layer_page_bytes else group.page_bytes,
-            "tokens_per_chunk": span,
-            "chunk_bytes": size,
-        }
-        if group.reuse is Reuse.STATE:
-            entry["cpu_states_if_alone"] = config.num_cpu_chunks
-        else:
-            entry["cpu_tokens_if_alone"] = config.num_cpu_chunks * span
-        groups.append(entry)
+def _group_entry(config: OffloadConfig, index: int, engine_page: int) -> dict[str, Any]:
+    group = config.layout.groups[index]
+    span, size = config.tokens_per_chunk[index], config.chunk_bytes[index]
+    entry: dict[str, Any] = {
+        "index": index,
+        "kind": group.kind,
+        "reuse": group.reuse.value,
+        "window": group.sliding_window or group.attention_chunk_size,
+        "needs": _needs(group),
+        "layers": group.num_layers,
+        "tokens_per_block": group.tokens_per_block,
+        "page_bytes": list(group.layer_pages) if group.layer_page_bytes else group.page_bytes,
+        "page": _page_text(group, engine_page),
+        "tokens_per_chunk": span,
+        "chunk_bytes": size,
+    }
+    if group.reuse is Reuse.STATE:
+        entry["cpu_states_if_alone"] = config.num_cpu_chunks
+    else:
+        entry["cpu_tokens_if_alone"] = config.num_cpu_chunks * span
+    return entry
+
+
+def plan_summary(config: OffloadConfig, **model: Any) -> dict[str, Any]:
+    """Machine-readable plan: every setting, the groups, what the budgets hold.
+
+    ``model`` names what was planned (``model``, ``dtype``, ``block_size``,
+    ``hybrid``). Every ``OffloadConfig`` field but the layout is a top-level
+    field of its name, so a new key appears here by itself (docs/cli.md).
+    """
+    layout = config.layout
+    engine_page = max((g.page_bytes for g in layout.groups if g.reuse is not Reuse.STATE),
+                      default=0)  # fmt: skip
+    settings = {
+        f.name: getattr(config, f.name) for f in dataclasses.fields(config) if f.name != "layout"
+    }
     return {
-        "groups": groups,
-        "blocks_per_chunk": config.blocks_per_chunk,
-        "eviction_policy": config.eviction_policy,
-        "cpu_bytes_to_use": config.cpu_bytes_to_use,
-        "world_size": config.world_size,
+        "schema": PLAN_SCHEMA,
+        **model,
+        **settings,
+        "groups": [_group_entry(config, i, engine_page) for i in range(len(layout.groups))],
         "cpu_chunks_per_worker": config.num_cpu_chunks,
+        "cpu_slot_bytes": config.max_chunk_bytes,
         "cpu_prefix_tokens": cpu_prefix_tokens(config),
-        "disk_path": config.disk_path,
+        "hit_alignment": config.hit_alignment,
+        "retention_step": config.retention_step,
         "disk_chunks": config.num_disk_chunks,
     }
 
 
-def _group_table(config: OffloadConfig, summary: dict[str, Any]) -> list[str]:
+def _group_table(summary: dict[str, Any]) -> list[str]:
     """One row per group: what a hit needs of it, its page, what the CPU tier holds of it alone."""
-    layout = config.layout
-    engine_page = max((g.page_bytes for g in layout.groups if g.reuse is not Reuse.STATE),
-                      default=0)  # fmt: skip
     rows = [("group", "kind", "a hit at H needs", "page (one layer)", "CPU tier alone")]
-    for i, (group, entry) in enumerate(zip(layout.groups, summary["groups"], strict=True)):
+    for entry in summary["groups"]:
         holds = (
             f"{entry['cpu_states_if_alone']} states"
-            if group.reuse is Reuse.STATE
+            if "cpu_states_if_alone" in entry
             else f"{entry['cpu_tokens_if_alone']} tokens"
         )
-        rows.append((str(i), group.kind, _needs(group), _page_text(group, engine_page), holds))
+        rows.append((str(entry["index"]), entry["kind"], entry["needs"], entry["page"], holds))
     widths = [max(len(row[c]) for row in rows) for c in range(len(rows[0]))]
     lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip()
              for row in rows]  # fmt: skip
     lines.insert(1, "  ".join("-" * w for w in widths))
     return lines
+
+
+def _holds(config: OffloadConfig, summary: dict[str, Any]) -> str:
+    """What the CPU tier holds, in one sentence."""
+    head = (
+        f"The CPU tier holds {config.num_cpu_chunks} chunks per worker "
+        f"({format_bytes(config.max_chunk_bytes)} slots): a shared prefix of "
+        f"{summary['cpu_prefix_tokens']} tokens"
+    )
+    if all(group.reuse is Reuse.PREFIX for group in config.layout.groups):
+        return f"{head}, every chunk of it. Per group:"
+    return (
+        f"{head} with a hit point at its end and every retention step "
+        f"({_retention_note(config)}). Per group:"
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -231,20 +303,20 @@ def run(args: argparse.Namespace) -> int:
         layout = with_draft_model(layout, _model_source(args.draft_model), args.dtype,
                                   args.block_size)  # fmt: skip
     config = build_offloading_config(
-        _extra_config(args.extra_config), layout, world_size=args.world_size
+        _extra_config(args.extra_config),
+        layout,
+        world_size=args.world_size,
+        warn=warn_line("plan"),
     )
-    summary = plan_summary(config)
+    summary = plan_summary(
+        config, model=args.model, dtype=args.dtype, block_size=args.block_size, hybrid=args.hybrid
+    )
     if args.json:
         print(json.dumps(summary, indent=2))
         return 0
     print(config)
-    print(
-        f"\nThe CPU tier holds {config.num_cpu_chunks} chunks per worker "
-        f"({format_bytes(config.max_chunk_bytes)} slots): a shared prefix of "
-        f"{summary['cpu_prefix_tokens']} tokens with a hit point at its end and every "
-        f"retention step ({_retention_note(config)}). Per group:\n"
-    )
-    print("\n".join(_group_table(config, summary)))
+    print(f"\n{_holds(config, summary)}\n")
+    print("\n".join(_group_table(summary)))
     if (coarse := coarse_state_hits(config.layout, config.tokens_per_chunk)) is not None:
         print(f"\nNote: {coarse}.")
     return 0

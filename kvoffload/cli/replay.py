@@ -16,13 +16,18 @@ import json
 import sys
 from typing import Any
 
+from kvoffload.cli._flags import HelpFormatter, int_in
 from kvoffload.errors import ConfigError
 from kvoffload.registry import DEFAULT_POLICY, POLICIES
 
-__all__ = ["parse_capacities", "register", "run"]
+__all__ = ["MAX_CAPACITY", "parse_capacities", "register", "run"]
 
 #: Capacities (chunks) replayed when neither --capacity nor --capacities is given.
 DEFAULT_CAPACITIES = (4000, 16000, 64000)
+#: Most chunks (and GPU blocks) a replay may ask for: the engine replay gives each a 1 KiB
+#: slot, so 2^22 is 4 GiB of host memory, and the index a free-list entry each.
+MAX_CAPACITY = 1 << 22
+_MEMORY = "each chunk or block takes a 1 KiB slot of host memory"
 
 
 def parse_capacities(text: str, flag: str = "--capacities") -> tuple[int, ...]:
@@ -30,9 +35,10 @@ def parse_capacities(text: str, flag: str = "--capacities") -> tuple[int, ...]:
     capacities: list[int] = []
     for raw in text.split(","):
         item = raw.strip().replace("_", "")
-        if not item.isdigit() or int(item) <= 0:
+        if not item.isdigit() or len(item) > 20 or not 0 < int(item) <= MAX_CAPACITY:
             raise ConfigError(
-                f"{flag}: {item!r} is not a positive integer; give chunk counts like 1000,4000"
+                f"{flag}: {item!r} is not a chunk count from 1 to {MAX_CAPACITY:,} ({_MEMORY}); "
+                "give chunk counts like 1000,4000"
             )
         capacities.append(int(item))
     return tuple(dict.fromkeys(capacities))
@@ -41,6 +47,7 @@ def parse_capacities(text: str, flag: str = "--capacities") -> tuple[int, ...]:
 def register(subparsers: Any) -> None:
     parser = subparsers.add_parser(
         "replay",
+        formatter_class=HelpFormatter,
         help="replay a request trace through the connector: hit ratio and scheduler cost",
         description=(
             "Serve a Mooncake-format trace (JSON lines with hash_ids, .gz accepted) through the "
@@ -51,10 +58,12 @@ def register(subparsers: Any) -> None:
     )
     parser.add_argument("trace", help="trace file (.jsonl or .jsonl.gz)")
     sizes = parser.add_mutually_exclusive_group()
-    sizes.add_argument("--capacity", help="CPU capacity in chunks")
+    sizes.add_argument(
+        "--capacity", help="the CPU tier's capacity in chunks (one trace block each)"
+    )
     sizes.add_argument(
         "--capacities",
-        help="comma-separated capacities in chunks (default "
+        help="comma-separated capacities in chunks (default: "
         + ",".join(map(str, DEFAULT_CAPACITIES))
         + ")",
     )
@@ -64,24 +73,40 @@ def register(subparsers: Any) -> None:
         default=None,
         help=f"eviction policy, or all (default: {DEFAULT_POLICY}; all with --index-only)",
     )
-    parser.add_argument("--gpu-blocks", type=int, default=1000, help="GPU cache blocks (1000)")
-    parser.add_argument("--step-tokens", type=int, default=8192, help="tokens per step (8192)")
-    parser.add_argument("--index-only", action="store_true", help="the index alone (policy study)")
-    parser.add_argument("--limit", type=int, help="replay only the first N requests")
+    parser.add_argument(
+        "--gpu-blocks",
+        type=int_in(1, MAX_CAPACITY, _MEMORY),
+        default=1000,
+        help="blocks of the simulated engine's GPU prefix cache",
+    )
+    parser.add_argument(
+        "--step-tokens",
+        type=int_in(1, 1 << 24, "2^24 tokens, past any context window"),
+        default=8192,
+        help="tokens the simulated engine computes per step (vLLM's max_num_batched_tokens)",
+    )
+    parser.add_argument(
+        "--index-only",
+        action="store_true",
+        help="replay the offload index alone, next to the Belady bound (the policy study)",
+    )
+    parser.add_argument(
+        "--limit", type=int_in(1, 1 << 40), help="replay only the first N requests of the trace"
+    )
     parser.add_argument("--no-bound", action="store_true", help="skip the Belady bound")
     parser.add_argument("--json", action="store_true", help="print the rows as a JSON list")
-    parser.add_argument("--plot", metavar="PNG", help="write hit ratio vs capacity to this PNG")
+    parser.add_argument(
+        "--plot",
+        metavar="PNG",
+        help="also write hit ratio against capacity to this PNG (needs matplotlib)",
+    )
     parser.set_defaults(func=run)
-
-
-def _positive(value: int | None, flag: str) -> None:
-    if value is not None and value <= 0:
-        raise ConfigError(f"{flag}: {value} is not a positive number")
 
 
 def run(args: argparse.Namespace) -> int:
     from kvoffload.replay import format_table, load_trace, plot_hit_ratio, sweep
     from kvoffload.replay.engine import EngineSettings, format_engine_table, replay_engine
+    from kvoffload.replay.plot import check_plot_path
 
     if args.capacity is not None:
         capacities = parse_capacities(args.capacity, "--capacity")
@@ -89,9 +114,8 @@ def run(args: argparse.Namespace) -> int:
         capacities = parse_capacities(args.capacities)
     else:
         capacities = DEFAULT_CAPACITIES
-    for value, flag in ((args.limit, "--limit"), (args.gpu_blocks, "--gpu-blocks"),
-                        (args.step_tokens, "--step-tokens")):  # fmt: skip
-        _positive(value, flag)
+    if args.plot:
+        check_plot_path(args.plot)
     policy = args.policy or ("all" if args.index_only else DEFAULT_POLICY)
     policies = POLICIES.names() if policy == "all" else (policy,)
     trace = load_trace(args.trace, limit=args.limit)

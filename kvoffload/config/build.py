@@ -11,9 +11,10 @@ from __future__ import annotations
 import difflib
 import os
 import warnings
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
+from kvoffload.config.disk_path import check_disk_path, disk_path_notes
 from kvoffload.config.keys import EXCLUSIVE, KEYS, KEYS_BY_NAME, REQUIRES, Key, KeyType
 from kvoffload.config.layout import KVLayout
 from kvoffload.config.offload_config import OffloadConfig, disk_footprint
@@ -21,7 +22,7 @@ from kvoffload.config.values import Bounds, format_bytes, safe_repr, to_int
 from kvoffload.errors import ConfigError
 from kvoffload.registry import POLICIES
 
-__all__ = ["IgnoredKeysWarning", "build_offloading_config"]
+__all__ = ["IgnoredKeysWarning", "Warn", "build_offloading_config"]
 
 
 #: Workers sharing the CPU budget (tensor-parallel ranks): 2^16 is past any deployment.
@@ -32,19 +33,34 @@ class IgnoredKeysWarning(UserWarning):
     """Keys of vLLM's own connector were given that kvoffload does not use."""
 
 
+#: Shows one plain line to whoever started the engine (a log's ``warning``, the CLI's stderr).
+Warn = Callable[[str], None]
+
+
 def build_offloading_config(
-    extra_config: Mapping[str, Any] | None, layout: KVLayout, world_size: int = 1
+    extra_config: Mapping[str, Any] | None,
+    layout: KVLayout,
+    world_size: int = 1,
+    *,
+    warn: Warn | None = None,
 ) -> OffloadConfig:
     """Validate vLLM's ``kv_connector_extra_config`` mapping against ``layout``.
 
     ``world_size`` is the number of workers that share ``cpu_bytes_to_use``.
     Raises ``ConfigError`` (a ``ValueError``) naming the key, the value and
     the fix; no other exception escapes.
+
+    What is accepted but worth a word is handed to ``warn`` as one line each:
+    keys of vLLM's own connector that kvoffload ignores, a ``disk_path`` that
+    will be created, a disk budget past the free space. The engine passes its
+    logger's ``warning`` and the CLI its stderr; without ``warn``, a library
+    caller gets the ignored keys as an ``IgnoredKeysWarning`` (to filter or
+    catch) and no notes about the machine it runs on.
     """
     if not isinstance(layout, KVLayout):
         raise ConfigError(f"layout must be a KVLayout, got {safe_repr(layout)}")
     workers = to_int("world_size", world_size, _WORKERS)
-    given = _known_items(extra_config)
+    given = _known_items(extra_config, warn)
     parsed = {name: _coerce(KEYS_BY_NAME[name], raw) for name, raw in given.items()}
     _check_rules(parsed)
     fields = {name: value for name, value in parsed.items() if KEYS_BY_NAME[name].sets_field}
@@ -53,6 +69,11 @@ def build_offloading_config(
     config = OffloadConfig(layout=layout, world_size=workers, **fields)
     _check_budgets(config)
     _check_password_env(config)
+    if config.disk_path is not None:
+        check_disk_path(config.disk_path)
+        if warn is not None:
+            for note in disk_path_notes(config.disk_path, config.disk_bytes_to_use):
+                warn(note)
     return config
 
 
@@ -66,7 +87,7 @@ def _check_password_env(config: OffloadConfig) -> None:
         )
 
 
-def _known_items(extra_config: Mapping[str, Any] | None) -> dict[str, object]:
+def _known_items(extra_config: Mapping[str, Any] | None, warn: Warn | None) -> dict[str, object]:
     """The given keys kvoffload uses; unknown keys raise, vLLM-only keys warn once."""
     if extra_config is None:
         extra_config = {}
@@ -84,11 +105,13 @@ def _known_items(extra_config: Mapping[str, Any] | None) -> dict[str, object]:
             raise ConfigError(_unknown_key_message(name))
     ignored = sorted(name for name, _ in items if KEYS_BY_NAME[name].ignored)
     if ignored:
-        warnings.warn(
-            f"kvoffload ignores these keys of vLLM's OffloadingConnector: {', '.join(ignored)}",
-            IgnoredKeysWarning,
-            stacklevel=3,
+        message = (
+            f"kvoffload ignores these keys of vLLM's OffloadingConnector: {', '.join(ignored)}"
         )
+        if warn is not None:
+            warn(message)
+        else:
+            warnings.warn(message, IgnoredKeysWarning, stacklevel=3)
     return {name: value for name, value in items if not KEYS_BY_NAME[name].ignored}
 
 

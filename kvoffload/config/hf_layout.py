@@ -41,6 +41,7 @@ from typing import Any, NamedTuple
 from kvoffload._checks import checked_int
 from kvoffload.config._hf_deepseek_v4 import deepseek_v4_layout
 from kvoffload.config._hf_fields import int_field, layer_count
+from kvoffload.config.architectures import check_architecture
 from kvoffload.config.layout import CacheGroup, KVLayout
 from kvoffload.errors import ConfigError
 
@@ -93,7 +94,9 @@ def load_hf_config(path_or_dict: str | Path | Mapping[str, Any]) -> dict[str, An
         if not isinstance(config, dict):
             raise ConfigError(f"model config {str(path)!r} must hold a JSON object")
     text = config.get("text_config")
-    return dict(text) if isinstance(text, Mapping) else config
+    text_config = dict(text) if isinstance(text, Mapping) else config
+    check_architecture(config, text_config)
+    return text_config
 
 
 def _layer_types(config: Mapping[str, Any], num_layers: int) -> list[str]:
@@ -243,6 +246,11 @@ def layout_from_hf_config(
     config = load_hf_config(path_or_dict)
     if config.get("model_type") == "deepseek_v4":
         return deepseek_v4_layout(config, dtype)
+    if dtype == "fp8_ds_mla":
+        raise ConfigError(
+            f"KV cache dtype 'fp8_ds_mla' is FlashMLA's packed format, which only DeepSeek-V4 "
+            f"uses; model type {config.get('model_type')!r} takes one of {', '.join(DTYPE_BYTES)}"
+        )
     if dtype not in DTYPE_BYTES:
         raise ConfigError(
             f"unknown KV cache dtype {dtype!r}; choose one of {', '.join(DTYPE_BYTES)}"

@@ -46,11 +46,17 @@ _SIZE_UNITS = {
     "mb": 10**6,
     "gb": 10**9,
     "tb": 10**12,
+    "pb": 10**15,
+    "eb": 10**18,
     "kib": 2**10,
     "mib": 2**20,
     "gib": 2**30,
     "tib": 2**40,
+    "pib": 2**50,
+    "eib": 2**60,
 }
+#: The units as an error message lists them.
+_UNITS_TEXT = "B, KiB, MiB, GiB, TiB, PiB, EiB (powers of 1024) or KB, MB, GB, TB, PB, EB (of 1000)"
 _SIZE_RE = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*([a-zA-Z]*)\s*$")
 _BINARY_UNITS = ("B", "KiB", "MiB", "GiB", "TiB", "PiB", "EiB")
 
@@ -128,7 +134,10 @@ def to_int(key: str, value: object, bounds: Bounds) -> int:
 
 def to_size(key: str, value: object, bounds: Bounds) -> int:
     """Bytes inside ``bounds``: an integer, or a size like '512MiB', '8GiB' (binary), '500MB'."""
-    expected = "a byte count: an integer or a size such as '512MiB', '8GiB', '500MB'"
+    expected = (
+        f"a byte count: an integer or a size such as '512MiB', '8GiB', '500MB' (units: "
+        f"{_UNITS_TEXT}; no exponents)"
+    )
     if not isinstance(value, str):
         return bounds.check(key, _integer(key, value, expected), value, in_bytes=True)
     match = _SIZE_RE.match(value)

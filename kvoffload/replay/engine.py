@@ -194,14 +194,20 @@ def run_side(
 
 
 def format_engine_table(rows: Sequence[EngineRow]) -> str:
-    """A fixed-width table: connector hit ratio, GPU hit ratio, scheduler ms per step."""
-    header = ("connector", "policy", "capacity", "gpu", "hit ratio", "gpu hits", "sched ms/step")
-    lines = ["{:<10} {:<9} {:>8} {:>6} {:>9} {:>8} {:>13}".format(*header)]
+    """A fixed-width table: the connector's hit ratio (tokens it loaded over prompt tokens),
+    the GPU cache's beside it, scheduler ms per step."""
+    header = ("connector", "policy", "capacity", "gpu blocks", "loaded", "gpu cache",
+              "sched ms/step")  # fmt: skip
+    lines = ["{:<10} {:<9} {:>8} {:>10} {:>7} {:>9} {:>13}".format(*header)]
     for r in rows:
         lines.append(
-            f"{r.connector:<10} {r.policy:<9} {r.capacity:>8} {r.gpu_blocks:>6} "
-            f"{r.hit_ratio:>9.4f} {r.gpu_hit_ratio:>8.4f} {r.scheduler_ms_per_step:>13.3f}"
+            f"{r.connector:<10} {r.policy:<9} {r.capacity:>8} {r.gpu_blocks:>10} "
+            f"{r.hit_ratio:>7.4f} {r.gpu_hit_ratio:>9.4f} {r.scheduler_ms_per_step:>13.3f}"
         )
+    lines.append(
+        "loaded: share of prompt tokens the connector loaded; gpu cache: share served by "
+        "the engine's own prefix cache"
+    )
     lines += [line for r in rows if (line := format_misses(r))]
     return "\n".join(lines)
 

@@ -7,6 +7,7 @@ changes no global backend or state of the caller's process.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Protocol
@@ -14,7 +15,7 @@ from typing import Protocol
 from kvoffload.errors import ConfigError
 from kvoffload.replay.report import Row
 
-__all__ = ["plot_hit_ratio"]
+__all__ = ["check_plot_path", "plot_hit_ratio"]
 
 INSTALL_HINT = (
     "plotting needs matplotlib: pip install 'kvoffload[plot]' (or pip install matplotlib)"
@@ -32,6 +33,24 @@ class _Point(Protocol):
     def capacity(self) -> int: ...
     @property
     def hit_ratio(self) -> float: ...
+
+
+def check_plot_path(path: str | Path) -> Path:
+    """Refuse, before a replay that may take minutes, a plot that could not be written:
+    no matplotlib, a missing or unwritable directory, a directory at the path."""
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError as exc:
+        raise ConfigError(INSTALL_HINT) from exc
+    path = Path(path)
+    folder = path.parent
+    if path.is_dir():
+        raise ConfigError(f"--plot {str(path)!r} is a directory; name a .png file")
+    if not folder.is_dir():
+        raise ConfigError(f"--plot {str(path)!r}: directory {str(folder)!r} does not exist")
+    if not os.access(folder, os.W_OK | os.X_OK) or (path.exists() and not os.access(path, os.W_OK)):
+        raise ConfigError(f"--plot {str(path)!r} cannot be written here (permission denied)")
+    return path
 
 
 def plot_hit_ratio(rows: Sequence[_Point], path: str | Path) -> Path:

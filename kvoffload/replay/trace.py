@@ -28,6 +28,7 @@ from typing import IO
 import numpy as np
 import numpy.typing as npt
 
+from kvoffload.config.values import safe_repr
 from kvoffload.errors import ConfigError
 
 __all__ = ["TRACE_BLOCK_TOKENS", "Trace", "block_key", "block_tokens", "load_trace"]
@@ -96,12 +97,17 @@ def _open(path: Path) -> IO[str]:
     return path.open(encoding="utf-8")
 
 
+#: Most hash ids one request may have: 32768 blocks are 16M (2^24) tokens, past any
+#: context window, and past the largest prompt any configuration key accepts.
+MAX_BLOCKS = 1 << 15
+
+
 def _record(line: str, where: str) -> tuple[Sequence[int], int]:
     """``hash_ids`` and the prompt length of one request line."""
     try:
         record = json.loads(line)
-    except json.JSONDecodeError as exc:
-        raise ConfigError(f"{where}: not JSON ({exc.msg}); expected one request per line") from exc
+    except (ValueError, RecursionError) as exc:  # bad JSON, a number over 4300 digits
+        raise ConfigError(f"{where}: not JSON ({exc}); expected one request per line") from exc
     ids = record.get("hash_ids") if isinstance(record, dict) else None
     if not isinstance(ids, list) or not all(
         isinstance(i, int) and not isinstance(i, bool) and 0 <= i < 1 << 64 for i in ids
@@ -110,12 +116,24 @@ def _record(line: str, where: str) -> tuple[Sequence[int], int]:
             f"{where}: 'hash_ids' must be a list of non-negative 64-bit integers "
             "(Mooncake trace format)"
         )
+    if len(ids) > MAX_BLOCKS:
+        raise ConfigError(
+            f"{where}: {len(ids):,} hash_ids are {len(ids) * TRACE_BLOCK_TOKENS:,} tokens, past "
+            f"any context window; a request has at most {MAX_BLOCKS:,} blocks of "
+            f"{TRACE_BLOCK_TOKENS} tokens"
+        )
     assert isinstance(record, dict)
     full = len(ids) * TRACE_BLOCK_TOKENS
     length = record.get("input_length")
+    if length is None:
+        return ids, full
     if isinstance(length, int) and not isinstance(length, bool) and 0 < length <= full:
         return ids, length
-    return ids, full
+    raise ConfigError(
+        f"{where}: 'input_length' {safe_repr(length)} does not fit its {len(ids)} hash_ids: "
+        f"give the prompt's tokens, from 1 to {full:,} ({TRACE_BLOCK_TOKENS} per hash id), "
+        "or leave it out"
+    )
 
 
 def _lines(path: Path) -> Iterator[tuple[int, str]]:

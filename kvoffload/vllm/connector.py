@@ -107,7 +107,7 @@ class KVOffloadConnector(KVConnectorBase_V1, SupportsHMA):
         extra = dict(vllm_config.kv_transfer_config.kv_connector_extra_config or {})
         self.world_size = vllm_config.parallel_config.tensor_parallel_size
         self.config: OffloadConfig = build_offloading_config(
-            extra, self.layout, world_size=self.world_size
+            extra, self.layout, world_size=self.world_size, warn=logger.warning
         )
         self._model_id = kv_identity(vllm_config, self.groups)
         self._dtype = str(vllm_config.model_config.dtype)
