@@ -2,24 +2,17 @@
 
 from __future__ import annotations
 
-import importlib.util
 import random
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import pytest
 from _runner import figure_delta
 
 #: Runs one engine process on a spec (see ``_runner.py``) and returns its result.
 Engine = Callable[..., dict[str, Any]]
 #: The run without the connector of (model, engine arguments, prompts); see conftest.
 Reference = Callable[[str, dict[str, Any], list[list[int]]], dict[str, Any]]
-
-HAVE_CONNECTOR = importlib.util.find_spec("kvoffload.vllm.connector") is not None
-needs_connector = pytest.mark.skipif(
-    not HAVE_CONNECTOR, reason="kvoffload.vllm.KVOffloadConnector is not there yet"
-)
 
 
 def random_prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:

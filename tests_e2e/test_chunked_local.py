@@ -19,13 +19,10 @@ from _harness import (
     Engine,
     Reference,
     connector_hit,
-    needs_connector,
     shared_prefix_prompts,
 )
 from _models import LLAMA4, build
 from test_connector import assert_served_by_connector
-
-pytestmark = needs_connector
 
 ENGINE = {"block_size": 32, "max_model_len": 4096}
 #: Four and a half attention chunks: a hit lands in the fifth, past three freed chunks.

@@ -33,14 +33,11 @@ from _harness import (
     assert_same_tokens,
     connector_hit,
     delta,
-    needs_connector,
     random_prompts,
     run_storing_engine,
     with_disk,
 )
 from _models import LLAMA, kv_bytes_per_token
-
-pytestmark = needs_connector
 
 #: KV bytes of one 32-token block of the Llama (2 layers, 2 KV heads of 32): 16 KiB.
 LLAMA_BLOCK_BYTES = 32 * kv_bytes_per_token(LLAMA)

@@ -11,9 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from _harness import LLAMA_ENGINE, LLAMA_PROMPTS, Engine, needs_connector
-
-pytestmark = needs_connector
+from _harness import LLAMA_ENGINE, LLAMA_PROMPTS, Engine
 
 BLOCK = 32
 

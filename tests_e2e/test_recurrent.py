@@ -24,12 +24,9 @@ from _harness import (
     assert_loaded_tokens_match,
     connector_hit,
     delta,
-    needs_connector,
     shared_prefix_prompts,
     with_disk,
 )
-
-pytestmark = needs_connector
 
 #: vLLM keeps a state at each block boundary only with prefix caching in "align" mode.
 QWEN_ENGINE: dict[str, Any] = {

@@ -22,12 +22,9 @@ from _harness import (
     assert_loaded_tokens_match,
     assert_same_tokens,
     connector_hit,
-    needs_connector,
     run_storing_engine,
 )
 from _redis_servers import RedisServer
-
-pytestmark = needs_connector
 
 LLAMA_HITS = [connector_hit(p, 64) for p in LLAMA_PROMPTS]  # blocks_per_chunk 2 of 32 tokens
 CASES = {
