@@ -204,6 +204,8 @@ class OffloadWorker:
         """
         out: dict[str, Any] = dict(self._figures)
         out["tiers"] = {name: stats.snapshot() for name, stats in self.engine.stats().items()}
+        if self.engine.faults is not None:  # a negative control shows its fault fired
+            out["failpoints_fired"] = dict(self.engine.faults.fired)
         return out
 
     def close(self) -> None:
