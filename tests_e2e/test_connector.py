@@ -30,9 +30,11 @@ from _harness import (
     Engine,
     Reference,
     assert_loaded_tokens_match,
+    assert_same_output,
     assert_same_tokens,
     connector_hit,
     delta,
+    negative_control,
     random_prompts,
     run_storing_engine,
     with_disk,
@@ -44,8 +46,8 @@ LLAMA_BLOCK_BYTES = 32 * kv_bytes_per_token(LLAMA)
 
 
 def assert_served_by_connector(result: dict[str, Any], reference: dict[str, Any]) -> None:
-    """Same tokens as without the connector; pass 1 stored, pass 2 loaded, nothing failed."""
-    assert_same_tokens(result, reference)
+    """Same outputs as without the connector; pass 1 stored, pass 2 loaded, nothing failed."""
+    assert_same_output(result, reference)
     first, second = result["passes"]
     assert delta(result, 0, "scheduler", "loaded_tokens") == 0  # nothing stored yet
     assert first["figures"]["scheduler"]["stored_chunks"] > 0
@@ -62,43 +64,52 @@ def assert_served_by_connector(result: dict[str, Any], reference: dict[str, Any]
 
 
 @pytest.mark.parametrize(
-    ("extra", "chunk_tokens"),
-    [({"blocks_per_chunk": 1}, 32), ({"blocks_per_chunk": 4}, 128), ({"block_size": 64}, 64)],
+    ("extra", "chunk_tokens", "fault"),
+    [
+        ({"blocks_per_chunk": 1}, 32, "load.corrupt_block"),
+        ({"blocks_per_chunk": 4}, 128, "load.wrong_block"),
+        ({"block_size": 64}, 64, None),
+    ],
     ids=["blocks_per_chunk=1", "blocks_per_chunk=4", "block_size=64"],
 )
-def test_llama_round_trip(
-    engine: Engine, reference: Reference, llama: str, extra: dict[str, Any], chunk_tokens: int
+def test_llama_round_trip(  # noqa: PLR0917 - pytest passes fixtures and parameters
+    engine: Engine,
+    reference: Reference,
+    llama: str,
+    extra: dict[str, Any],
+    chunk_tokens: int,
+    fault: str | None,
 ) -> None:
+    """Served exactly; with a fault point that damages one loaded block a prompt, not."""
     expected = reference(llama, LLAMA_ENGINE, LLAMA_PROMPTS)
-    result = engine(
-        model=llama,
-        engine=LLAMA_ENGINE,
-        prompts=LLAMA_PROMPTS,
-        passes=TWO_PASSES,
-        connector={**extra, "cpu_bytes_to_use": "64MiB"},
-    )
+    spec = {"model": llama, "engine": LLAMA_ENGINE, "prompts": LLAMA_PROMPTS,
+            "passes": TWO_PASSES, "connector": {**extra, "cpu_bytes_to_use": "64MiB"}}  # fmt: skip
+    result = engine(**spec)
     assert_served_by_connector(result, expected)
     hits = result["passes"][1]["cached"]
     assert hits == [connector_hit(p, chunk_tokens) for p in LLAMA_PROMPTS]
+    if fault is not None:  # the negative control (block_size=64 is the same path as bpc 2)
+        negative_control(engine, lambda r: assert_same_output(r, expected), fault, **spec)
 
 
 @pytest.mark.parametrize("blocks_per_chunk", [1, 2])
 def test_gemma4_hybrid_round_trip(
     engine: Engine, reference: Reference, gemma4: str, blocks_per_chunk: int
 ) -> None:
+    """Served exactly; with the last loaded block of each group damaged, not."""
     expected = reference(gemma4, GEMMA_ENGINE, GEMMA_PROMPTS)
-    result = engine(
-        model=gemma4,
-        engine=GEMMA_ENGINE,
-        prompts=GEMMA_PROMPTS,
-        passes=TWO_PASSES,
-        connector={"blocks_per_chunk": blocks_per_chunk, "cpu_bytes_to_use": "256MiB"},
-    )
+    connector = {"blocks_per_chunk": blocks_per_chunk, "cpu_bytes_to_use": "256MiB"}
+    spec = {"model": gemma4, "engine": GEMMA_ENGINE, "prompts": GEMMA_PROMPTS,
+            "passes": TWO_PASSES, "connector": connector}  # fmt: skip
+    result = engine(**spec)
     assert result["kv_cache_groups"] == GEMMA_GROUPS
     assert_served_by_connector(result, expected)
     # A hit must end on a chunk boundary of every group: multiples of 512 * blocks_per_chunk
     # (the sliding groups' chunks), 1024 of the 1120 tokens either way.
     assert result["passes"][1]["cached"][0] == 1024
+    negative_control(
+        engine, lambda r: assert_same_output(r, expected), "load.corrupt_block", **spec
+    )
 
 
 def test_gemma4_block_size_key_is_refused_at_start(engine: Engine, gemma4: str) -> None:
@@ -169,14 +180,13 @@ def test_restart_loads_what_the_previous_process_stored(
 ) -> None:
     expected = reference(llama, LLAMA_ENGINE, LLAMA_PROMPTS)
     connector = with_disk(tmp_path / "kv", "64MiB", blocks_per_chunk=2, cpu_bytes_to_use="64MiB")
-    run_storing_engine(
-        engine, expected, model=llama, engine=LLAMA_ENGINE, prompts=LLAMA_PROMPTS,
-        connector=connector,
-    )  # fmt: skip
+    spec = {"model": llama, "engine": LLAMA_ENGINE, "prompts": LLAMA_PROMPTS,
+            "connector": connector}  # fmt: skip
+    run_storing_engine(engine, expected, **spec)
     assert list((tmp_path / "kv").rglob("*.kv")), "nothing was written to disk"
     # A fresh process: vLLM's cache and the CPU tier are empty, only the disk has the chunks.
-    second = engine(model=llama, engine=LLAMA_ENGINE, prompts=LLAMA_PROMPTS, connector=connector)
-    assert_same_tokens(second, expected)
+    second = engine(**spec)
+    assert_same_output(second, expected)
     cached = second["passes"][0]["cached"]
     assert cached == [connector_hit(p, 64) for p in LLAMA_PROMPTS]
     scheduler, worker = second["figures"]["scheduler"], second["figures"]["worker"]
@@ -184,6 +194,10 @@ def test_restart_loads_what_the_previous_process_stored(
     assert scheduler["lower_hit_chunks"] > 0
     assert worker["tiers"]["disk"]["loads"] > 0
     assert scheduler["failed_loads"] == 0
+    # The negative control: a third process loads the same files, a block short each time.
+    negative_control(
+        engine, lambda r: assert_same_output(r, expected), "load.skip_last_chunk", **spec
+    )
 
 
 def assert_recomputed_after_corruption(result: dict[str, Any], expected: dict[str, Any]) -> None:

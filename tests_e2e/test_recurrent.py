@@ -24,6 +24,8 @@ from _harness import (
     assert_loaded_tokens_match,
     connector_hit,
     delta,
+    differences,
+    negative_control,
     shared_prefix_prompts,
     with_disk,
 )
@@ -52,11 +54,12 @@ def block_size(result: dict[str, Any]) -> int:
 
 
 def assert_like_the_oracle(result: dict[str, Any], oracle: dict[str, Any]) -> None:
-    """Pass by pass, the connector run gives the oracle's tokens; its last pass its hits too."""
+    """Pass by pass, the oracle's tokens and logprobs; in the last pass its hits too."""
     assert result["error"] is None, result["error"]
     block_size(result)
     for n, (done, want) in enumerate(zip(result["passes"], oracle["passes"], strict=False)):
-        assert done["tokens"] == want["tokens"], f"pass {n} generated other tokens"
+        found = differences(done, want)
+        assert not found, f"pass {n}: " + "; ".join(found)
     assert result["passes"][-1]["cached"] == oracle["passes"][-1]["cached"]
 
 
@@ -66,13 +69,10 @@ def test_qwen3_next_round_trip(
 ) -> None:
     expected = reference(qwen3_next, QWEN_ENGINE, QWEN_PROMPTS)
     oracle = {"passes": expected["passes"][:2]}  # the second: vLLM's own prefix cache
-    result = engine(
-        model=qwen3_next,
-        engine=QWEN_ENGINE,
-        prompts=QWEN_PROMPTS,
-        passes=TWO_PASSES,
-        connector={"blocks_per_chunk": blocks_per_chunk, "cpu_bytes_to_use": "256MiB"},
-    )
+    connector = {"blocks_per_chunk": blocks_per_chunk, "cpu_bytes_to_use": "256MiB"}
+    spec = {"model": qwen3_next, "engine": QWEN_ENGINE, "prompts": QWEN_PROMPTS,
+            "passes": TWO_PASSES, "connector": connector}  # fmt: skip
+    result = engine(**spec)
     assert_like_the_oracle(result, oracle)
     chunk = block_size(result) * blocks_per_chunk
     hit = connector_hit(QWEN_PROMPTS[0], chunk)
@@ -82,6 +82,9 @@ def test_qwen3_next_round_trip(
     assert scheduler["failed_loads"] == 0 and worker.get("failed_load_chunks", 0) == 0
     # Pass 1 stored the attention chunks up to the hit and one state per group there.
     assert delta(result, 0, "scheduler", "stored_chunks") == hit // chunk + 3
+    if blocks_per_chunk == 1:  # the negative control: every loaded state (and KV block) damaged
+        check = lambda r: assert_like_the_oracle(r, oracle)  # noqa: E731
+        negative_control(engine, check, "load.corrupt_block", **spec)
 
 
 def test_qwen3_next_next_turn_hits_the_output_end(engine: Engine, qwen3_next: str) -> None:

@@ -205,7 +205,7 @@ class OffloadWorker:
         out: dict[str, Any] = dict(self._figures)
         out["tiers"] = {name: stats.snapshot() for name, stats in self.engine.stats().items()}
         if self.engine.faults is not None:  # a negative control shows its fault fired
-            out["failpoints_fired"] = dict(self.engine.faults.fired)
+            out.update(self.engine.faults.figures())
         return out
 
     def close(self) -> None:
