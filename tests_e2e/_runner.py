@@ -27,7 +27,8 @@ The spec (every key but ``model`` and ``prompts`` optional)::
 Each pass may first act: ``reset`` (``llm.reset_prefix_cache()``, vLLM's own
 cache only), ``reset_connector`` (the same with ``reset_connector=True``),
 ``corrupt`` (a directory: overwrite bytes in the middle of every ``*.kv``
-file under it), ``delete`` (a directory: remove every ``*.kv`` file under
+file under it), ``truncate`` (a directory: cut every ``*.kv`` file under it
+to its header), ``delete`` (a directory: remove every ``*.kv`` file under
 it). ``prompts`` in a pass replaces the spec's for that pass; ``follow_up``
 (a number ``n``) makes each prompt the next turn of a conversation: the
 previous pass's prompt, what it generated, and ``n`` new token ids. With
@@ -110,6 +111,15 @@ def corrupt_chunk_files(directory: str | Path, nbytes: int = 64) -> int:
             old = f.read(nbytes)
             f.seek(-len(old), 1)
             f.write(bytes(b ^ 0xA5 for b in old))  # every byte changes
+    return len(files)
+
+
+def truncate_chunk_files(directory: str | Path) -> int:
+    """Cut every ``*.kv`` file under ``directory`` to its 4 KiB header: a load of it fails
+    (its payload is missing), where a deleted file would only be a miss."""
+    files = sorted(Path(directory).rglob("*.kv"))
+    for path in files:
+        os.truncate(path, 4096)
     return len(files)
 
 
@@ -233,6 +243,8 @@ def _act(llm: Any, step: dict[str, Any]) -> dict[str, Any]:
     acted: dict[str, Any] = {}
     if step.get("corrupt"):
         acted["corrupted_files"] = corrupt_chunk_files(step["corrupt"])
+    if step.get("truncate"):
+        acted["truncated_files"] = truncate_chunk_files(step["truncate"])
     if step.get("delete"):
         acted["deleted_files"] = delete_chunk_files(step["delete"])
     if step.get("reset") or step.get("reset_connector"):

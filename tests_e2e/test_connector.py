@@ -16,6 +16,7 @@ so only bounds hold.
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any
 
@@ -200,14 +201,40 @@ def test_restart_loads_what_the_previous_process_stored(
     )
 
 
-def assert_recomputed_after_corruption(result: dict[str, Any], expected: dict[str, Any]) -> None:
-    """Right tokens, no crash, and the connector saw the damage and handed nothing over."""
-    assert_same_tokens(result, expected)
+#: vLLM's scheduler, when a connector reports failed blocks (one KV cache group) and the
+#: policy is "recompute": how many tokens it rescheduled for computing again.
+VLLM_RECOVERED = re.compile(
+    r"Recovered from KV load failure: \d+ request\(s\) rescheduled \((\d+) tokens affected\)"
+)
+
+
+def vllm_recovered_tokens(result: dict[str, Any]) -> int:
+    """The tokens vLLM itself says it rescheduled after failed loads (from the engine's log)."""
+    return sum(int(n) for n in VLLM_RECOVERED.findall(Path(result["log"]).read_text()))
+
+
+def assert_recomputed_after_corruption(
+    result: dict[str, Any], expected: dict[str, Any], *, tier_verdict: str = "corrupt"
+) -> None:
+    """Right outputs, no crash; the connector saw the damage, and so did vLLM.
+
+    The model and the check are sensitive enough to see one wrong block (the negative
+    controls above), so the same outputs mean vLLM computed what failed. vLLM's own
+    signals: with one KV cache group, the tokens its scheduler logs as rescheduled equal
+    the connector's failed tokens; with several (failures reported per request), the
+    prompt vLLM recomputed shows no cached token.
+    """
+    assert_same_output(result, expected)
     scheduler, worker = result["figures"]["scheduler"], result["figures"]["worker"]
     assert scheduler["failed_loads"] > 0
     assert scheduler["failed_load_tokens"] > 0
     assert worker["failed_load_blocks"] > 0
-    assert worker["tiers"]["disk"]["corrupt"] > 0
+    assert worker["tiers"]["disk"][tier_verdict] > 0
+    if len(result["kv_cache_groups"]) == 1:
+        assert vllm_recovered_tokens(result) == scheduler["failed_load_tokens"]
+    else:  # vLLM's failed_recving path logs nothing: its recompute shows in what it counts
+        assert vllm_recovered_tokens(result) == 0
+    assert result["passes"][-1]["cached"][0] == 0, "vLLM counted the failed tokens as cached"
 
 
 @pytest.mark.parametrize("model_name", ["llama", "gemma4"])
@@ -228,10 +255,11 @@ def test_corrupt_chunks_after_restart_are_recomputed(
     run_storing_engine(
         engine, expected, model=model, engine=engine_args, prompts=prompts, connector=connector
     )
-    # The second process damages every chunk file before its (only) pass.
+    # The second process damages every chunk file before its (only) pass; vLLM logs its
+    # statistics, so it counts the tokens it computed itself.
     result = engine(
         model=model,
-        engine=engine_args,
+        engine={**engine_args, "disable_log_stats": False},
         prompts=prompts,
         passes=[{"corrupt": str(tmp_path / "kv")}],
         connector=connector,
@@ -240,12 +268,17 @@ def test_corrupt_chunks_after_restart_are_recomputed(
     assert result["passes"][0]["acted"]["corrupted_files"] > 0
     assert_recomputed_after_corruption(result, expected)
     assert result["figures"]["scheduler"]["loaded_tokens"] == 0  # every file was damaged
+    # vLLM computed the first prompt whole itself (a clean load leaves it one token).
+    computed = result["metrics"]["vllm:request_prefill_kv_computed_tokens_sum"]
+    assert computed >= len(prompts[0]), computed
 
 
-def test_corrupt_chunks_in_one_process_are_recomputed(
-    engine: Engine, reference: Reference, llama: str, tmp_path: Path
+@pytest.mark.parametrize("action", ["corrupt", "truncate"])
+def test_failed_chunks_in_one_process_are_recomputed(
+    engine: Engine, reference: Reference, llama: str, tmp_path: Path, action: str
 ) -> None:
-    """The CPU tier is too small to keep the first prompt, so the damaged disk copy is read."""
+    """The CPU tier is too small to keep the first prompt, so its disk copy is read: damaged
+    (it fails its checksum) or cut short (the load fails; a deleted file is only a miss)."""
     prompts = random_prompts(4, 320, 512, seed=1)
     expected = reference(llama, LLAMA_ENGINE, prompts)
     connector = with_disk(
@@ -255,9 +288,11 @@ def test_corrupt_chunks_in_one_process_are_recomputed(
         model=llama,
         engine=LLAMA_ENGINE,
         prompts=prompts,
-        passes=[{}, {"reset": True, "corrupt": str(tmp_path / "kv")}],
+        passes=[{}, {"reset": True, action: str(tmp_path / "kv")}],
         connector=connector,
         failure_policy="recompute",
     )
-    assert result["passes"][1]["acted"]["corrupted_files"] > 0
-    assert_recomputed_after_corruption(result, expected)
+    acted = result["passes"][1]["acted"]
+    assert acted[{"corrupt": "corrupted_files", "truncate": "truncated_files"}[action]] > 0
+    verdict = {"corrupt": "corrupt", "truncate": "load_failures"}[action]
+    assert_recomputed_after_corruption(result, expected, tier_verdict=verdict)
