@@ -115,8 +115,8 @@ def corrupt_chunk_files(directory: str | Path, nbytes: int = 64) -> int:
 
 
 def truncate_chunk_files(directory: str | Path) -> int:
-    """Cut every ``*.kv`` file under ``directory`` to its 4 KiB header: a load of it fails
-    (its payload is missing), where a deleted file would only be a miss."""
+    """Cut every ``*.kv`` file under ``directory`` to its 4 KiB header: the disk tier finds
+    it short when it loads it (a deleted file is only a miss: the lookup sees it gone)."""
     files = sorted(Path(directory).rglob("*.kv"))
     for path in files:
         os.truncate(path, 4096)
