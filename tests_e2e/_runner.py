@@ -19,13 +19,16 @@ The spec (every key but ``model`` and ``prompts`` optional)::
                                                  #   "cache_salt": "t1", "lora": [name, id, path]}
       "max_tokens": 8,
       "passes": [{}, {"reset": true}],           # one generate() of all prompts each
-      "kv_events": true                          # vLLM's KV events on, published over ZMQ
-    }                                            #   to this process (each pass's "events")
+      "kv_events": true,                         # vLLM's KV events on, published over ZMQ
+                                                 #   to this process (each pass's "events")
+      "env": {"KVOFFLOAD_FAILPOINTS": "..."}     # set in this process before vLLM starts
+    }                                            #   (fault points: docs/failpoints.md)
 
 Each pass may first act: ``reset`` (``llm.reset_prefix_cache()``, vLLM's own
 cache only), ``reset_connector`` (the same with ``reset_connector=True``),
 ``corrupt`` (a directory: overwrite bytes in the middle of every ``*.kv``
-file under it), ``delete`` (a directory: remove every ``*.kv`` file under
+file under it), ``truncate`` (a directory: cut every ``*.kv`` file under it
+to its header), ``delete`` (a directory: remove every ``*.kv`` file under
 it). ``prompts`` in a pass replaces the spec's for that pass; ``follow_up``
 (a number ``n``) makes each prompt the next turn of a conversation: the
 previous pass's prompt, what it generated, and ``n`` new token ids. With
@@ -42,7 +45,8 @@ The result::
       "kv_cache_state_bytes": [0, ...], # per group, the bytes of one recurrent state
                                         #   (a MambaSpec's content; 0 for attention)
       "torch_threads": 2, "cpu_affinity": [0, 1],  # what the engine computes with
-      "passes": [{"tokens": [[...], ...], "cached": [288, ...], "finish": ["length", ...],
+      "passes": [{"tokens": [[...], ...], "logprobs": [[-0.01, ...], ...],
+                  "cached": [288, ...], "finish": ["length", ...],
                   "seconds": 0.4, "prompt_seconds": [...], "ttft": [...] | null,
                   "figures": {"scheduler": {...}, "worker": {...}},
                   "acted": {"corrupted_files": 12, ...}}],
@@ -54,8 +58,11 @@ With ``kv_events`` each pass records the KV events vLLM published during it
 (``"events"``: msgpack maps as routers receive them, GPU and connector
 alike), received on a loopback ZMQ socket this process binds.
 
-``cached`` is ``RequestOutput.num_cached_tokens`` (vLLM's prefix cache and
-the connector together); ``figures`` are ``KVOffloadConnector.figures()`` of
+``logprobs`` holds, per prompt, the log-probability of each token generated
+(vLLM's ``logprobs=0``: the sampled token's only), which a damaged block moves
+even where it leaves the greedy choice alone. ``cached`` is
+``RequestOutput.num_cached_tokens`` (vLLM's prefix cache and the connector
+together); ``figures`` are ``KVOffloadConnector.figures()`` of
 the live connectors of this process, keyed by role (the engine runs in this
 process: ``VLLM_ENABLE_V1_MULTIPROCESSING=0``). ``ttft`` is vLLM's
 ``first_token_latency`` per prompt when the engine logs stats
@@ -104,6 +111,15 @@ def corrupt_chunk_files(directory: str | Path, nbytes: int = 64) -> int:
             old = f.read(nbytes)
             f.seek(-len(old), 1)
             f.write(bytes(b ^ 0xA5 for b in old))  # every byte changes
+    return len(files)
+
+
+def truncate_chunk_files(directory: str | Path) -> int:
+    """Cut every ``*.kv`` file under ``directory`` to its 4 KiB header: the disk tier finds
+    it short when it loads it (a deleted file is only a miss: the lookup sees it gone)."""
+    files = sorted(Path(directory).rglob("*.kv"))
+    for path in files:
+        os.truncate(path, 4096)
     return len(files)
 
 
@@ -227,6 +243,8 @@ def _act(llm: Any, step: dict[str, Any]) -> dict[str, Any]:
     acted: dict[str, Any] = {}
     if step.get("corrupt"):
         acted["corrupted_files"] = corrupt_chunk_files(step["corrupt"])
+    if step.get("truncate"):
+        acted["truncated_files"] = truncate_chunk_files(step["truncate"])
     if step.get("delete"):
         acted["deleted_files"] = delete_chunk_files(step["delete"])
     if step.get("reset") or step.get("reset_connector"):
@@ -278,20 +296,32 @@ def follow_up(prompts: list[list[int]], outputs: list[list[int]], n: int) -> lis
     return turns
 
 
+def _sampled_logprobs(completion: Any) -> list[float]:
+    """The log-probability of each token ``completion`` generated."""
+    return [float(step[token].logprob) for token, step in
+            zip(completion.token_ids, completion.logprobs or [], strict=True)]  # fmt: skip
+
+
 def _record(outputs: list[Any]) -> dict[str, Any]:
     ttft = [getattr(out.metrics, "first_token_latency", None) for out in outputs]
     return {
         "tokens": [list(out.outputs[0].token_ids) for out in outputs],
+        "logprobs": [_sampled_logprobs(out.outputs[0]) for out in outputs],
         "cached": [out.num_cached_tokens or 0 for out in outputs],
         "finish": [out.outputs[0].finish_reason for out in outputs],
         "ttft": None if None in ttft else ttft,
     }
 
 
-def run(spec: dict[str, Any]) -> dict[str, Any]:
-    # Before vLLM is imported: CPU KV cache of 1 GiB, the engine in this process.
+def _environment(spec: dict[str, Any]) -> None:
+    """Before vLLM is imported: CPU KV cache of 1 GiB, the engine in this process, the spec's."""
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    os.environ.update(spec.get("env", {}))
+
+
+def run(spec: dict[str, Any]) -> dict[str, Any]:
+    _environment(spec)
     from vllm import LLM, SamplingParams
 
     engine = {
@@ -332,7 +362,9 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
         "cpu_affinity": sorted(os.sched_getaffinity(0)),
         "passes": [],
     }
-    params = SamplingParams(temperature=0.0, max_tokens=spec.get("max_tokens", 8), ignore_eos=True)
+    params = SamplingParams(
+        temperature=0.0, max_tokens=spec.get("max_tokens", 8), ignore_eos=True, logprobs=0
+    )
     last: tuple[list[list[int]], list[list[int]]] | None = None
     for step in spec.get("passes", [{}]):
         acted = _act(llm, step)

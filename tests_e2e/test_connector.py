@@ -16,6 +16,7 @@ so only bounds hold.
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any
 
@@ -30,25 +31,24 @@ from _harness import (
     Engine,
     Reference,
     assert_loaded_tokens_match,
+    assert_same_output,
     assert_same_tokens,
     connector_hit,
     delta,
-    needs_connector,
+    negative_control,
     random_prompts,
     run_storing_engine,
     with_disk,
 )
 from _models import LLAMA, kv_bytes_per_token
 
-pytestmark = needs_connector
-
 #: KV bytes of one 32-token block of the Llama (2 layers, 2 KV heads of 32): 16 KiB.
 LLAMA_BLOCK_BYTES = 32 * kv_bytes_per_token(LLAMA)
 
 
 def assert_served_by_connector(result: dict[str, Any], reference: dict[str, Any]) -> None:
-    """Same tokens as without the connector; pass 1 stored, pass 2 loaded, nothing failed."""
-    assert_same_tokens(result, reference)
+    """Same outputs as without the connector; pass 1 stored, pass 2 loaded, nothing failed."""
+    assert_same_output(result, reference)
     first, second = result["passes"]
     assert delta(result, 0, "scheduler", "loaded_tokens") == 0  # nothing stored yet
     assert first["figures"]["scheduler"]["stored_chunks"] > 0
@@ -65,43 +65,52 @@ def assert_served_by_connector(result: dict[str, Any], reference: dict[str, Any]
 
 
 @pytest.mark.parametrize(
-    ("extra", "chunk_tokens"),
-    [({"blocks_per_chunk": 1}, 32), ({"blocks_per_chunk": 4}, 128), ({"block_size": 64}, 64)],
+    ("extra", "chunk_tokens", "fault"),
+    [
+        ({"blocks_per_chunk": 1}, 32, "load.corrupt_block"),
+        ({"blocks_per_chunk": 4}, 128, "load.wrong_block"),
+        ({"block_size": 64}, 64, None),
+    ],
     ids=["blocks_per_chunk=1", "blocks_per_chunk=4", "block_size=64"],
 )
-def test_llama_round_trip(
-    engine: Engine, reference: Reference, llama: str, extra: dict[str, Any], chunk_tokens: int
+def test_llama_round_trip(  # noqa: PLR0917 - pytest passes fixtures and parameters
+    engine: Engine,
+    reference: Reference,
+    llama: str,
+    extra: dict[str, Any],
+    chunk_tokens: int,
+    fault: str | None,
 ) -> None:
+    """Served exactly; with a fault point that damages one loaded block a prompt, not."""
     expected = reference(llama, LLAMA_ENGINE, LLAMA_PROMPTS)
-    result = engine(
-        model=llama,
-        engine=LLAMA_ENGINE,
-        prompts=LLAMA_PROMPTS,
-        passes=TWO_PASSES,
-        connector={**extra, "cpu_bytes_to_use": "64MiB"},
-    )
+    spec = {"model": llama, "engine": LLAMA_ENGINE, "prompts": LLAMA_PROMPTS,
+            "passes": TWO_PASSES, "connector": {**extra, "cpu_bytes_to_use": "64MiB"}}  # fmt: skip
+    result = engine(**spec)
     assert_served_by_connector(result, expected)
     hits = result["passes"][1]["cached"]
     assert hits == [connector_hit(p, chunk_tokens) for p in LLAMA_PROMPTS]
+    if fault is not None:  # the negative control (block_size=64 is the same path as bpc 2)
+        negative_control(engine, lambda r: assert_same_output(r, expected), fault, **spec)
 
 
 @pytest.mark.parametrize("blocks_per_chunk", [1, 2])
 def test_gemma4_hybrid_round_trip(
     engine: Engine, reference: Reference, gemma4: str, blocks_per_chunk: int
 ) -> None:
+    """Served exactly; with the last loaded block of each group damaged, not."""
     expected = reference(gemma4, GEMMA_ENGINE, GEMMA_PROMPTS)
-    result = engine(
-        model=gemma4,
-        engine=GEMMA_ENGINE,
-        prompts=GEMMA_PROMPTS,
-        passes=TWO_PASSES,
-        connector={"blocks_per_chunk": blocks_per_chunk, "cpu_bytes_to_use": "256MiB"},
-    )
+    connector = {"blocks_per_chunk": blocks_per_chunk, "cpu_bytes_to_use": "256MiB"}
+    spec = {"model": gemma4, "engine": GEMMA_ENGINE, "prompts": GEMMA_PROMPTS,
+            "passes": TWO_PASSES, "connector": connector}  # fmt: skip
+    result = engine(**spec)
     assert result["kv_cache_groups"] == GEMMA_GROUPS
     assert_served_by_connector(result, expected)
     # A hit must end on a chunk boundary of every group: multiples of 512 * blocks_per_chunk
     # (the sliding groups' chunks), 1024 of the 1120 tokens either way.
     assert result["passes"][1]["cached"][0] == 1024
+    negative_control(
+        engine, lambda r: assert_same_output(r, expected), "load.corrupt_block", **spec
+    )
 
 
 def test_gemma4_block_size_key_is_refused_at_start(engine: Engine, gemma4: str) -> None:
@@ -172,14 +181,13 @@ def test_restart_loads_what_the_previous_process_stored(
 ) -> None:
     expected = reference(llama, LLAMA_ENGINE, LLAMA_PROMPTS)
     connector = with_disk(tmp_path / "kv", "64MiB", blocks_per_chunk=2, cpu_bytes_to_use="64MiB")
-    run_storing_engine(
-        engine, expected, model=llama, engine=LLAMA_ENGINE, prompts=LLAMA_PROMPTS,
-        connector=connector,
-    )  # fmt: skip
+    spec = {"model": llama, "engine": LLAMA_ENGINE, "prompts": LLAMA_PROMPTS,
+            "connector": connector}  # fmt: skip
+    run_storing_engine(engine, expected, **spec)
     assert list((tmp_path / "kv").rglob("*.kv")), "nothing was written to disk"
     # A fresh process: vLLM's cache and the CPU tier are empty, only the disk has the chunks.
-    second = engine(model=llama, engine=LLAMA_ENGINE, prompts=LLAMA_PROMPTS, connector=connector)
-    assert_same_tokens(second, expected)
+    second = engine(**spec)
+    assert_same_output(second, expected)
     cached = second["passes"][0]["cached"]
     assert cached == [connector_hit(p, 64) for p in LLAMA_PROMPTS]
     scheduler, worker = second["figures"]["scheduler"], second["figures"]["worker"]
@@ -187,16 +195,44 @@ def test_restart_loads_what_the_previous_process_stored(
     assert scheduler["lower_hit_chunks"] > 0
     assert worker["tiers"]["disk"]["loads"] > 0
     assert scheduler["failed_loads"] == 0
+    # The negative control: a third process loads the same files, a block short each time.
+    negative_control(
+        engine, lambda r: assert_same_output(r, expected), "load.skip_last_chunk", **spec
+    )
+
+
+#: vLLM's scheduler, when a connector reports failed blocks (one KV cache group) and the
+#: policy is "recompute": how many tokens it rescheduled for computing again.
+VLLM_RECOVERED = re.compile(
+    r"Recovered from KV load failure: \d+ request\(s\) rescheduled \((\d+) tokens affected\)"
+)
+
+
+def vllm_recovered_tokens(result: dict[str, Any]) -> int:
+    """The tokens vLLM itself says it rescheduled after failed loads (from the engine's log)."""
+    return sum(int(n) for n in VLLM_RECOVERED.findall(Path(result["log"]).read_text()))
 
 
 def assert_recomputed_after_corruption(result: dict[str, Any], expected: dict[str, Any]) -> None:
-    """Right tokens, no crash, and the connector saw the damage and handed nothing over."""
-    assert_same_tokens(result, expected)
+    """Right outputs, no crash; the connector saw the damage, and so did vLLM.
+
+    The model and the check are sensitive enough to see one wrong block (the negative
+    controls above), so the same outputs mean vLLM computed what failed. vLLM's own
+    signals: with one KV cache group, the tokens its scheduler logs as rescheduled equal
+    the connector's failed tokens; with several (failures reported per request), the
+    prompt vLLM recomputed shows no cached token.
+    """
+    assert_same_output(result, expected)
     scheduler, worker = result["figures"]["scheduler"], result["figures"]["worker"]
     assert scheduler["failed_loads"] > 0
     assert scheduler["failed_load_tokens"] > 0
     assert worker["failed_load_blocks"] > 0
     assert worker["tiers"]["disk"]["corrupt"] > 0
+    if len(result["kv_cache_groups"]) == 1:
+        assert vllm_recovered_tokens(result) == scheduler["failed_load_tokens"]
+    else:  # vLLM's failed_recving path logs nothing: its recompute shows in what it counts
+        assert vllm_recovered_tokens(result) == 0
+    assert result["passes"][-1]["cached"][0] == 0, "vLLM counted the failed tokens as cached"
 
 
 @pytest.mark.parametrize("model_name", ["llama", "gemma4"])
@@ -217,10 +253,11 @@ def test_corrupt_chunks_after_restart_are_recomputed(
     run_storing_engine(
         engine, expected, model=model, engine=engine_args, prompts=prompts, connector=connector
     )
-    # The second process damages every chunk file before its (only) pass.
+    # The second process damages every chunk file before its (only) pass; vLLM logs its
+    # statistics, so it counts the tokens it computed itself.
     result = engine(
         model=model,
-        engine=engine_args,
+        engine={**engine_args, "disable_log_stats": False},
         prompts=prompts,
         passes=[{"corrupt": str(tmp_path / "kv")}],
         connector=connector,
@@ -229,12 +266,18 @@ def test_corrupt_chunks_after_restart_are_recomputed(
     assert result["passes"][0]["acted"]["corrupted_files"] > 0
     assert_recomputed_after_corruption(result, expected)
     assert result["figures"]["scheduler"]["loaded_tokens"] == 0  # every file was damaged
+    # vLLM computed the first prompt whole itself (a clean load leaves it one token).
+    computed = result["metrics"]["vllm:request_prefill_kv_computed_tokens_sum"]
+    assert computed >= len(prompts[0]), computed
 
 
-def test_corrupt_chunks_in_one_process_are_recomputed(
-    engine: Engine, reference: Reference, llama: str, tmp_path: Path
+@pytest.mark.parametrize("action", ["corrupt", "truncate"])
+def test_failed_chunks_in_one_process_are_recomputed(
+    engine: Engine, reference: Reference, llama: str, tmp_path: Path, action: str
 ) -> None:
-    """The CPU tier is too small to keep the first prompt, so the damaged disk copy is read."""
+    """The CPU tier is too small to keep the first prompt, so its disk copy is read: damaged
+    (it fails its checksum) or cut short (it fails the size check). A deleted file would
+    only be a miss: the lookup sees it gone."""
     prompts = random_prompts(4, 320, 512, seed=1)
     expected = reference(llama, LLAMA_ENGINE, prompts)
     connector = with_disk(
@@ -244,9 +287,10 @@ def test_corrupt_chunks_in_one_process_are_recomputed(
         model=llama,
         engine=LLAMA_ENGINE,
         prompts=prompts,
-        passes=[{}, {"reset": True, "corrupt": str(tmp_path / "kv")}],
+        passes=[{}, {"reset": True, action: str(tmp_path / "kv")}],
         connector=connector,
         failure_policy="recompute",
     )
-    assert result["passes"][1]["acted"]["corrupted_files"] > 0
+    acted = result["passes"][1]["acted"]
+    assert acted[{"corrupt": "corrupted_files", "truncate": "truncated_files"}[action]] > 0
     assert_recomputed_after_corruption(result, expected)

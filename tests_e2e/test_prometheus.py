@@ -23,9 +23,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from _harness import LLAMA_PROMPTS, connector_hit, needs_connector
-
-pytestmark = needs_connector
+from _harness import LLAMA_PROMPTS, connector_hit
 
 START_TIMEOUT_S = float(os.environ.get("KVOFFLOAD_E2E_TIMEOUT", "600"))
 SAMPLE = re.compile(r"^(vllm:kvoffload_\w+)\{([^}]*)\} (\S+)$")

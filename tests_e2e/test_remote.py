@@ -20,14 +20,12 @@ from _harness import (
     Engine,
     Reference,
     assert_loaded_tokens_match,
-    assert_same_tokens,
+    assert_same_output,
     connector_hit,
-    needs_connector,
+    negative_control,
     run_storing_engine,
 )
 from _redis_servers import RedisServer
-
-pytestmark = needs_connector
 
 LLAMA_HITS = [connector_hit(p, 64) for p in LLAMA_PROMPTS]  # blocks_per_chunk 2 of 32 tokens
 CASES = {
@@ -55,16 +53,15 @@ def test_a_second_engine_loads_what_the_first_stored_on_the_server(
         "remote_url": redis_server.url,
         "remote_timeout_ms": 5000,  # two busy cores: no spurious outages
     }
-    first = run_storing_engine(
-        engine, expected, model=model, engine=engine_args, prompts=prompts, connector=connector
-    )
+    spec = {"model": model, "engine": engine_args, "prompts": prompts, "connector": connector}
+    first = run_storing_engine(engine, expected, **spec)
     stored = first["figures"]["scheduler"]["stored_chunks"]
     on_server = redis_server.client().dbsize()
     # Every stored chunk reached the server before the first engine's process ended.
     assert on_server == stored, (on_server, stored)
 
-    second = engine(model=model, engine=engine_args, prompts=prompts, connector=connector)
-    assert_same_tokens(second, expected)
+    second = engine(**spec)
+    assert_same_output(second, expected)
     assert second["passes"][0]["cached"] == hits
     assert_loaded_tokens_match(second, 0)
     scheduler, worker = second["figures"]["scheduler"], second["figures"]["worker"]
@@ -73,3 +70,6 @@ def test_a_second_engine_loads_what_the_first_stored_on_the_server(
     assert worker["tiers"]["redis"]["misses"] == 0
     assert scheduler["failed_loads"] == 0
     assert worker.get("failed_load_chunks", 0) == 0
+    if case == "llama":  # the negative control: a third engine, a damaged block a prompt
+        check = lambda r: assert_same_output(r, expected)  # noqa: E731
+        negative_control(engine, check, "load.corrupt_block", **spec)

@@ -15,12 +15,9 @@ from typing import Any
 
 import pytest
 import torch
-from _harness import needs_connector
 from _models import build_lora_adapter
 
 from kvoffload.keys import EngineHashes, extend_engine_keys, prefix_keys
-
-pytestmark = needs_connector
 
 BLOCK = 16
 TOKENS = list(range(1, 101))  # 6 full blocks

@@ -15,14 +15,10 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from _harness import needs_connector
-
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from _serve import group_alive  # noqa: E402
-
-pytestmark = needs_connector
 
 #: One run of the script starts up to two servers one after the other (~1 min each here).
 TIMEOUT_S = 3 * float(os.environ.get("KVOFFLOAD_E2E_TIMEOUT", "600"))

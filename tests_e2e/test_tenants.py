@@ -21,12 +21,9 @@ from _harness import (
     Reference,
     connector_hit,
     delta,
-    needs_connector,
     random_prompts,
 )
 from _models import build_lora_adapter
-
-pytestmark = needs_connector
 
 CONNECTOR = {"blocks_per_chunk": 1, "cpu_bytes_to_use": "64MiB"}
 SYSTEM = random_prompts(1, 256, 512, seed=7)[0]  # 8 chunks of 32 tokens shared by everyone

@@ -208,6 +208,8 @@ class OffloadWorker:
         """
         out: dict[str, Any] = self._stats.snapshot()
         out["tiers"] = {name: stats.snapshot() for name, stats in self.engine.stats().items()}
+        if self.engine.faults is not None:  # a negative control shows its fault fired
+            out.update(self.engine.faults.figures())
         return out
 
     def close(self) -> None:

@@ -46,11 +46,13 @@ import time
 from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack
+from functools import partial
 
 import torch
 
 from kvoffload.config import OffloadConfig
 from kvoffload.engine._outcome import Outcome
+from kvoffload.engine.failpoints import FailPoints
 from kvoffload.errors import TransferError
 from kvoffload.messages import ChunkSpan, JobKind, JobResult
 from kvoffload.tiers.base import Tier
@@ -73,6 +75,8 @@ class OffloadEngine:
     """
 
     def __init__(self, transfer: KVTransfer, cascade: TierCascade, *, max_workers: int = 2) -> None:
+        #: Fault points (``KVOFFLOAD_FAILPOINTS``), read once here; None, the rule, costs nothing.
+        self.faults = FailPoints.from_env()
         self.transfer = transfer
         self.cascade = cascade
         self._pool = ThreadPoolExecutor(max_workers, thread_name_prefix="kvoffload")
@@ -290,7 +294,8 @@ class OffloadEngine:
         start = time.perf_counter()
         try:
             buffers = [cpu.slot(slot, nbytes) for slot in span.slots]
-            self.transfer.gather(span.group, span.blocks, buffers, after=after)
+            if self.faults is None or not self.faults.drops_store():
+                self.transfer.gather(span.group, span.blocks, buffers, after=after)
         except Exception as exc:  # reported per chunk below; the slots hold nothing
             for slot in span.slots:
                 cpu.release(slot)
@@ -353,7 +358,11 @@ class OffloadEngine:
         begin = time.perf_counter()
         try:
             buffers = [cpu.slot(slot, nbytes) for slot in span.slots[start:stop]]
-            self.transfer.scatter(span.group, sub, buffers, after=after)
+            if self.faults is None:
+                self.transfer.scatter(span.group, sub, buffers, after=after)
+            else:
+                scatter = partial(self.transfer.scatter, after=after)
+                self.faults.scatter(scatter, bpc, span.group, sub, buffers)
         except Exception as exc:  # the engine recomputes these blocks
             cpu.counters.add(load_failures=stop - start)
             outcome.errors.append(f"transfer: group {span.group}: {exc}")

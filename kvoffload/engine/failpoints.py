@@ -1,0 +1,158 @@
+"""Fault points: the worker side damages loads and stores on purpose, when told to.
+
+A check that never failed proves little: "the same tokens as vLLM's own prefix
+cache" passes just as well if a wrong block barely moves a tiny model. Each
+end-to-end exactness test therefore has a negative control, the same run with
+a fault point on, which must fail it. The points are named in the environment
+variable ``KVOFFLOAD_FAILPOINTS`` (comma-separated), read once, when an
+:class:`~kvoffload.engine.OffloadEngine` starts; without it the engine holds
+``None`` and each hook costs one attribute test. When on, the engine logs one
+WARNING naming them. docs/failpoints.md describes them for users.
+
+Every point is silent: the job reports success, the counters agree, and only
+the bytes in the engine's blocks (or in the tiers) are wrong. That is what a
+bug would do; the checksum path, which reports a failed load, is not faked.
+
+``load.corrupt_block``
+    The last block a load fills in a group gets its own bytes with every byte
+    XOR 0x80 (bfloat16, float16 and float32 values change sign and halve or
+    double; nothing becomes infinite).
+``load.wrong_block``
+    That last block gets another block's bytes: the one at the same position
+    of the first chunk the load fills in that group (plausible KV, from the
+    wrong place). Needs two chunks in the group's span; with one it does
+    nothing and does not count as fired.
+``load.skip_last_chunk``
+    The last chunk of the group's span is not copied into the engine at all;
+    its blocks keep whatever they held.
+``store.drop``
+    A store copies nothing out of the engine: the chunk's CPU slot, and what
+    the tiers below are written from it, keep older bytes.
+
+A load point's chance is one run of verified chunks of one group in one load
+job (one scatter: usually the group's whole span); a store point's is one
+group's span of one store job. ``name`` alone fires on every chance;
+``name=N`` (an integer) on the first ``N``; ``name=R`` (a decimal, ``0 < R <= 1``)
+on each with probability ``R``, drawn from a fixed seed so a run repeats.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import random
+import threading
+from collections import Counter
+from collections.abc import Callable, Sequence
+
+import torch
+
+from kvoffload.errors import ConfigError
+from kvoffload.messages import BlockSpan
+
+__all__ = ["ENV", "POINTS", "FailPoints"]
+
+logger = logging.getLogger("kvoffload")
+
+ENV = "KVOFFLOAD_FAILPOINTS"
+POINTS = ("load.corrupt_block", "load.wrong_block", "load.skip_last_chunk", "store.drop")
+#: A scatter as :meth:`kvoffload.transfer.KVTransfer.scatter` does it (the CUDA event bound).
+Scatter = Callable[[int, BlockSpan, Sequence[torch.Tensor]], None]
+
+
+def _parse_value(point: str, text: str) -> tuple[int | None, float]:
+    """``(count, rate)`` of ``point=text``; ``count`` None means no limit."""
+    try:
+        if "." in text:
+            rate = float(text)
+            if 0 < rate <= 1:
+                return None, rate
+        elif int(text) > 0:
+            return int(text), 1.0
+    except ValueError:
+        pass
+    raise ConfigError(
+        f"{ENV}: {point}={text!r} is not a count (an integer > 0) or a rate "
+        f"(a decimal in (0, 1]); write {point}, {point}=3 or {point}=0.5"
+    )
+
+
+class FailPoints:
+    """The points turned on, and how often each has fired (thread-safe: jobs run on a pool)."""
+
+    def __init__(self, spec: str) -> None:
+        self.spec = spec
+        self._limits: dict[str, tuple[int | None, float]] = {}
+        for item in (part.strip() for part in spec.split(",")):
+            if not item:
+                continue
+            name, _, value = item.partition("=")
+            name = name.strip()
+            if name not in POINTS:
+                raise ConfigError(
+                    f"{ENV}: unknown fault point {name!r}; the points are {', '.join(POINTS)}"
+                )
+            self._limits[name] = _parse_value(name, value.strip()) if value else (None, 1.0)
+        self.fired = Counter[str]()
+        self._random = random.Random(0)
+        self._lock = threading.Lock()
+
+    @classmethod
+    def from_env(cls) -> FailPoints | None:
+        """The points ``KVOFFLOAD_FAILPOINTS`` names, logged loudly; ``None`` when none are."""
+        spec = os.environ.get(ENV, "")
+        if not spec.strip():
+            return None
+        points = cls(spec)
+        logger.warning(
+            "kvoffload: fault points ON (%s=%s): loads and stores are DAMAGED ON PURPOSE; "
+            "for negative controls only, never in service",
+            ENV,
+            spec,
+        )
+        return points
+
+    def fires(self, point: str) -> bool:
+        """Whether ``point`` fires at this chance (counted in :attr:`fired` when it does)."""
+        if point not in self._limits:
+            return False
+        count, rate = self._limits[point]
+        with self._lock:
+            if count is not None and self.fired[point] >= count:
+                return False
+            if rate < 1 and self._random.random() >= rate:
+                return False
+            self.fired[point] += 1
+        return True
+
+    def figures(self) -> dict[str, int]:
+        """How often each point turned on fired: flat counters (``failpoint_load_wrong_block``)."""
+        return {f"failpoint_{name.replace('.', '_')}": self.fired[name] for name in self._limits}
+
+    def scatter(
+        self,
+        scatter: Scatter,
+        bpc: int,
+        group: int,
+        span: BlockSpan,
+        chunks: Sequence[torch.Tensor],
+    ) -> None:
+        """``scatter(group, span, chunks)`` with the load points that fire applied."""
+        ranges = span.chunk_ranges(bpc)
+        if self.fires("load.skip_last_chunk"):
+            keep = ranges[-1][0]  # the blocks before the last chunk's
+            if keep == 0:
+                return
+            span, chunks = BlockSpan(span.block_ids[:keep], span.first_offset), chunks[:-1]
+            ranges = ranges[:-1]
+        scatter(group, span, chunks)
+        start, stop, position = ranges[-1]
+        last = BlockSpan((span.block_ids[-1],), position + stop - start - 1)
+        if len(chunks) > 1 and self.fires("load.wrong_block"):
+            scatter(group, last, [chunks[0]])
+        if self.fires("load.corrupt_block"):
+            scatter(group, last, [torch.bitwise_xor(chunks[-1], 0x80)])
+
+    def drops_store(self) -> bool:
+        """Whether this store span copies nothing out of the engine (``store.drop``)."""
+        return self.fires("store.drop")

@@ -1,0 +1,149 @@
+"""Fault points (``KVOFFLOAD_FAILPOINTS``): each damages what it says, silently, and only that.
+
+The stand-in writes every block's KV from its hash and checks every byte a
+load filled, so a damaged block is counted exactly (``mismatched_blocks``)
+while the connector's own figures still report clean loads.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+import pytest
+from test_standin import GEMMA, LLAMA, make, tokens
+
+from kvoffload.config.layout import KVLayout
+from kvoffload.engine.failpoints import ENV, POINTS, FailPoints
+from kvoffload.errors import ConfigError
+
+
+def serve(layout: KVLayout, tmp_path: Path, **extra: object) -> tuple[Any, dict[str, Any]]:
+    """Four prompts, evicted from a small GPU cache, then asked again: loads from the CPU."""
+    engine, side = make(layout, tmp_path, cpu_chunks=200, gpu_blocks=80, **extra)
+    try:
+        first = [(f"a{i}", tokens(100, 10 + i)) for i in range(4)]
+        again = [(f"b{i}", ids) for i, (_, ids) in enumerate(first)]
+        stats = engine.run([*first, *again])
+        assert side.worker is not None
+        return stats, {**side.scheduler.figures(), **side.worker.figures()}
+    finally:
+        side.close()
+
+
+def fired(figures: dict[str, Any]) -> dict[str, int]:
+    """The worker figures' fault counters, by point."""
+    return {
+        point: figures[f"failpoint_{point.replace('.', '_')}"]
+        for point in POINTS
+        if f"failpoint_{point.replace('.', '_')}" in figures
+    }
+
+
+@pytest.fixture(scope="module")
+def clean(tmp_path_factory: pytest.TempPathFactory) -> dict[KVLayout, tuple[Any, dict[str, Any]]]:
+    """The runs without fault points, per layout, for the counters a silent fault keeps."""
+    with pytest.MonkeyPatch.context() as env:
+        env.delenv(ENV, raising=False)
+        return {
+            layout: serve(layout, tmp_path_factory.mktemp("clean")) for layout in (LLAMA, GEMMA)
+        }
+
+
+def test_off_by_default_and_on_only_when_named(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.delenv(ENV, raising=False)
+    assert FailPoints.from_env() is None
+    monkeypatch.setenv(ENV, " ")
+    assert FailPoints.from_env() is None and not caplog.records
+    monkeypatch.setenv(ENV, "load.corrupt_block=2, store.drop=0.5")
+    with caplog.at_level(logging.WARNING, "kvoffload"):
+        points = FailPoints.from_env()
+    assert points is not None and len(caplog.records) == 1
+    assert "fault points ON" in caplog.text and "load.corrupt_block=2" in caplog.text
+
+
+@pytest.mark.parametrize(
+    ("spec", "message"),
+    [
+        ("load.corupt_block", "unknown fault point 'load.corupt_block'; the points are load."),
+        ("store.drop=0", "store.drop='0' is not a count (an integer > 0) or a rate"),
+        ("store.drop=1.5", "store.drop='1.5' is not a count"),
+        ("store.drop=x", "write store.drop, store.drop=3 or store.drop=0.5"),
+    ],
+)
+def test_a_bad_point_is_a_config_error_naming_it(spec: str, message: str) -> None:
+    with pytest.raises(ConfigError, match="KVOFFLOAD_FAILPOINTS") as error:
+        FailPoints(spec)
+    assert message in str(error.value)
+
+
+def test_counts_limit_firing_and_rates_repeat() -> None:
+    counted = FailPoints("load.wrong_block=2")
+    assert [counted.fires("load.wrong_block") for _ in range(4)] == [True, True, False, False]
+    assert not counted.fires("store.drop") and counted.fired == {"load.wrong_block": 2}
+    rated = [FailPoints("store.drop=0.5") for _ in "ab"]
+    runs = [[p.fires("store.drop") for _ in range(200)] for p in rated]
+    assert runs[0] == runs[1] and 60 < sum(runs[0]) < 140  # a fixed seed: runs repeat
+
+
+@pytest.mark.parametrize("layout", [LLAMA, GEMMA], ids=["llama", "gemma"])
+@pytest.mark.parametrize(
+    "point",
+    # Count 1: the first load's last block; blocks_per_chunk 1, so a skipped chunk is a block.
+    ["load.corrupt_block=1", "load.wrong_block=1", "load.skip_last_chunk=1"],
+)
+def test_a_load_point_damages_one_block_and_reports_success(
+    monkeypatch: pytest.MonkeyPatch,
+    tmp_path: Path,
+    clean: dict[KVLayout, tuple[Any, dict[str, Any]]],
+    layout: KVLayout,
+    point: str,
+) -> None:
+    monkeypatch.setenv(ENV, point)
+    stats, figures = serve(layout, tmp_path)
+    clean_stats, clean_figures = clean[layout]
+    assert clean_stats.mismatched_blocks == 0
+    assert fired(figures) == {point.removesuffix("=1"): 1}
+    assert stats.mismatched_blocks == 1
+    # Silent: the same loads, all reported done, as in the clean run.
+    assert stats.loaded_tokens == clean_stats.loaded_tokens > 0
+    assert stats.verified_blocks == clean_stats.verified_blocks - 1
+    for name in ("loaded_tokens", "failed_loads", "load_chunks", "failed_load_chunks"):
+        assert figures[name] == clean_figures[name], name
+
+
+@pytest.mark.parametrize("layout", [LLAMA, GEMMA], ids=["llama", "gemma"])
+def test_every_chance_fires_without_a_count(
+    monkeypatch: pytest.MonkeyPatch,
+    tmp_path: Path,
+    clean: dict[KVLayout, tuple[Any, dict[str, Any]]],
+    layout: KVLayout,
+) -> None:
+    monkeypatch.setenv(ENV, "load.corrupt_block")
+    stats, figures = serve(layout, tmp_path)
+    times = fired(figures)["load.corrupt_block"]
+    assert times > 1 and stats.mismatched_blocks == times  # one block a scatter
+    assert stats.loaded_tokens == clean[layout][0].loaded_tokens
+
+
+def test_a_dropped_store_is_loaded_later_as_wrong_bytes(
+    monkeypatch: pytest.MonkeyPatch,
+    tmp_path: Path,
+    clean: dict[KVLayout, tuple[Any, dict[str, Any]]],
+) -> None:
+    monkeypatch.setenv(ENV, "store.drop=1")
+    stats, figures = serve(LLAMA, tmp_path)
+    clean_stats, clean_figures = clean[LLAMA]
+    assert fired(figures) == {"store.drop": 1}
+    assert stats.mismatched_blocks > 0 and stats.loaded_tokens == clean_stats.loaded_tokens
+    assert stats.verified_blocks + stats.mismatched_blocks == clean_stats.verified_blocks
+    for name in ("stored_chunks", "index_store_failures", "failed_store_chunks", "failed_loads"):
+        assert figures[name] == clean_figures[name], name
+
+
+def test_every_point_is_documented() -> None:
+    docs = (Path(__file__).resolve().parents[1] / "docs" / "failpoints.md").read_text()
+    assert all(f"`{point}`" in docs for point in POINTS)

@@ -1,0 +1,79 @@
+"""Two vLLM engines at once on one ``disk_path``: each loads what the other stored, and the
+two together stay within the one budget the directory has (``disk_bytes_to_use``).
+
+The two store at the same time (two processes, one SQLite index, one LRU order), each
+its own prompts; the budget is smaller than what they store together, so stores evict.
+Then two fresh processes, again at once, each ask for the other's prompts: their CPU
+tiers are empty, so every hit is a chunk the other engine wrote.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+from _harness import (
+    LLAMA_ENGINE,
+    Engine,
+    Reference,
+    assert_same_output,
+    random_prompts,
+    with_disk,
+)
+from _models import LLAMA, kv_bytes_per_token
+
+#: A chunk file of the Llama at blocks_per_chunk 1: a 4 KiB header and 32 tokens of KV.
+FILE_BYTES = 4096 + 32 * kv_bytes_per_token(LLAMA)
+#: Four prompts of 10 full blocks, nothing shared: 40 chunk files stored, 30 fit.
+PROMPTS = random_prompts(4, 320, 512, seed=11)
+BUDGET = 30 * FILE_BYTES
+
+
+def outputs_of(reference: dict[str, Any], indices: range) -> dict[str, Any]:
+    """The reference's first pass restricted to some prompts (each prompt's own outputs)."""
+    first = reference["passes"][0]
+    return {"passes": [{key: [first[key][i] for i in indices] for key in ("tokens", "logprobs")}]}
+
+
+def disk_bytes(directory: Path) -> int:
+    return sum(p.stat().st_size for p in directory.rglob("*.kv"))
+
+
+def test_two_engines_at_once_load_each_others_chunks_within_one_budget(
+    engine: Engine, reference: Reference, llama: str, tmp_path: Path
+) -> None:
+    expected = reference(llama, LLAMA_ENGINE, PROMPTS)
+    halves = [range(0, 2), range(2, 4)]
+    connector = with_disk(tmp_path / "kv", str(BUDGET), blocks_per_chunk=1,
+                          cpu_bytes_to_use="64MiB")  # fmt: skip
+
+    def both(order: list[range], *, one_by_one: bool) -> list[dict[str, Any]]:
+        def one(half: range) -> dict[str, Any]:
+            prompts = [PROMPTS[i] for i in half]
+            return engine(model=llama, engine=LLAMA_ENGINE, prompts=prompts, connector=connector,
+                          passes=[{"one_by_one": one_by_one}])  # fmt: skip
+
+        with ThreadPoolExecutor(2) as pool:  # two engine processes running at once
+            return list(pool.map(one, order))
+
+    # One prompt at a time: the ten chunks the budget evicts are the oldest, of a first
+    # prompt, so each engine's second prompt stays whole for the other to load.
+    stored = both(halves, one_by_one=True)
+    for result, half in zip(stored, halves, strict=True):
+        assert_same_output(result, outputs_of(expected, half))
+        assert result["figures"]["scheduler"]["stored_chunks"] == 20
+    sizes = {p.stat().st_size for p in (tmp_path / "kv").rglob("*.kv")}
+    assert sizes == {FILE_BYTES}, sizes
+    assert disk_bytes(tmp_path / "kv") <= BUDGET  # 40 chunks stored, at most 30 kept
+    assert sum(r["figures"]["worker"]["tiers"]["disk"]["evictions"] for r in stored) == 10
+
+    swapped = both(halves[::-1], one_by_one=False)
+    for result, half in zip(swapped, halves[::-1], strict=True):
+        assert_same_output(result, outputs_of(expected, half))
+        scheduler, worker = result["figures"]["scheduler"], result["figures"]["worker"]
+        assert scheduler["lower_hit_chunks"] > 0  # the other engine's chunks
+        assert worker["tiers"]["disk"]["loads"] == scheduler["lower_hit_chunks"]
+        assert sum(result["passes"][0]["cached"]) == scheduler["loaded_tokens"] > 0
+        assert scheduler["failed_loads"] == 0
+    assert disk_bytes(tmp_path / "kv") <= BUDGET
