@@ -17,7 +17,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from kvoffload.manager import OffloadManager
+from kvoffload.manager import OffloadIndex
 from kvoffload.registry import DEFAULT_POLICY
 from kvoffload.replay import belady_hits, drive
 from kvoffload.replay.trace import Trace
@@ -113,9 +113,7 @@ def measure(trace: Trace, capacities: Sequence[int], repeat: int) -> list[dict[s
         for ours, theirs in PAIRS:
             (hits, secs), other = duel(
                 repeat,
-                lambda c=capacity, p=ours: drive(
-                    OffloadManager(c, p, record_events=False), requests
-                ),
+                lambda c=capacity, p=ours: drive(OffloadIndex(c, p, record_events=False), requests),
                 None if vllm is None else (lambda c=capacity, p=theirs: vllm(c, p)),
             )
             row: dict[str, Any] = {

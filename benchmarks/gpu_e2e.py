@@ -156,12 +156,12 @@ def child(spec: dict[str, Any]) -> dict[str, Any]:
         if name == "control":
             out["scrambled_bytes"] = _scramble_cpu_tier()
         results = llm.generate(prompts, params, use_tqdm=False)
-        figures = {str(c.role): c.figures() for c in active_connectors()}
+        figures = {str(c.role): c.stats() for c in active_connectors()}
         passes.append({
             "name": name,
             "tokens": [list(r.outputs[0].token_ids) for r in results],
             "cached": [r.num_cached_tokens or 0 for r in results],
-            "figures": json.loads(json.dumps(figures, default=str)),
+            "stats": json.loads(json.dumps(figures, default=str)),
         })  # fmt: skip
     out["passes"] = passes
     return out

@@ -25,7 +25,7 @@ Run it in the vLLM environment (``make vllm-setup``)::
 Each timing is the best of ``--repeat`` runs, the two connectors alternating
 (the machine may be shared; the fastest run is the least disturbed one); hit
 ratios must not vary between runs. ``--index-only`` compares the offload
-indexes alone instead (kvoffload's ``OffloadManager`` against vLLM's
+indexes alone instead (kvoffload's ``OffloadIndex`` against vLLM's
 ``CPUOffloadingManager``, the policy study of ``kvoffload replay --index-only``).
 """
 

@@ -203,7 +203,7 @@ def run(turns: list[Turn], interval: int, cpu_chunks: int, step_tokens: int) -> 
     engine, side = serve(turns, interval, cpu_chunks, step_tokens)
     last = {turn.conversation: turn for turn in turns}
     history = sum(servable(side, t.prompt + t.output) for t in last.values())
-    figures, stats = side.scheduler.figures(), engine.stats
+    figures, stats = side.scheduler.stats(), engine.stats
     side.close()
     assert stats.requests == len(turns) and stats.failed_load_tokens == 0, stats
     stored, dropped = figures["stored_chunks"], figures["dropped_chunks"]

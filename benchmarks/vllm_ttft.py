@@ -53,7 +53,7 @@ sys.path.insert(0, str(ROOT / "tests_e2e"))  # the random-weight model builders 
 
 from _launch import EngineFailed, run_spec  # noqa: E402
 from _models import BIG_LLAMA, build  # noqa: E402
-from _runner import figure_delta  # noqa: E402
+from _runner import stat_delta  # noqa: E402
 
 
 def conversations(
@@ -103,11 +103,11 @@ def row(name: str, result: dict[str, Any], n: int) -> dict[str, Any]:
         "tokens": p["tokens"],
         "torch_threads": result["torch_threads"],
     }
-    if p.get("figures"):
-        out["loaded_tokens"] = figure_delta(passes, n, "scheduler", "loaded_tokens")
-        out["cpu_hit_chunks"] = figure_delta(passes, n, "scheduler", "cpu_hit_chunks")
-        out["lower_hit_chunks"] = figure_delta(passes, n, "scheduler", "lower_hit_chunks")
-        out["failed_loads"] = figure_delta(passes, n, "scheduler", "failed_loads")
+    if p.get("stats"):
+        out["loaded_tokens"] = stat_delta(passes, n, "scheduler", "loaded_tokens")
+        out["cpu_hit_chunks"] = stat_delta(passes, n, "scheduler", "cpu_hit_chunks")
+        out["lower_hit_chunks"] = stat_delta(passes, n, "scheduler", "lower_hit_chunks")
+        out["failed_loads"] = stat_delta(passes, n, "scheduler", "failed_loads")
     return out
 
 

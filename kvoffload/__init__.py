@@ -35,7 +35,7 @@ from kvoffload.manager import (
     IndexEvent,
     LoadResult,
     LRUPolicy,
-    OffloadManager,
+    OffloadIndex,
     S3FIFOPolicy,
     StoreResult,
 )
@@ -101,7 +101,7 @@ __all__ = [
     "LRUPolicy",
     "LoadResult",
     "OffloadEngine",
-    "OffloadManager",
+    "OffloadIndex",
     "S3FIFOPolicy",
     "StoreResult",
     "Tier",

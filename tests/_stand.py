@@ -32,7 +32,7 @@ from kvoffload.connector.scheduler import OffloadScheduler
 from kvoffload.connector.worker import OffloadWorker
 from kvoffload.engine import JobKind, OffloadEngine
 from kvoffload.keys import namespace_of, prefix_keys_for_layout
-from kvoffload.manager.offload_manager import OffloadManager
+from kvoffload.manager.index import OffloadIndex
 from kvoffload.messages import JobReport, TransferOrder
 from kvoffload.standin import NULL_BLOCK, KVPages, aligned_stop, state_key
 from kvoffload.tiers.disk import DiskProbe
@@ -226,7 +226,7 @@ class Stand:
         self._down: set[int] = set()
 
     @property
-    def index(self) -> OffloadManager:
+    def index(self) -> OffloadIndex:
         return self.scheduler.index
 
     def close_rank(self, rank: int) -> None:
@@ -449,7 +449,7 @@ class Stand:
     def check_integrity(self) -> None:
         stats = self.index.stats()
         assert (stats.pinned, stats.storing) == (0, 0)
-        assert self.scheduler.figures()["jobs_in_flight"] == 0
+        assert self.scheduler.stats()["jobs_in_flight"] == 0
         self.index.check_integrity()
         for rank, worker in enumerate(self.workers):
             if rank not in self._down:

@@ -15,7 +15,7 @@ from typing import NamedTuple
 import pytest
 
 from kvoffload.errors import ConfigError, IntegrityError
-from kvoffload.manager import OffloadManager
+from kvoffload.manager import OffloadIndex
 from kvoffload.manager.policies._segmented import SegmentedLRU
 from kvoffload.manager.policies.adaptive import GHOST, AdaptivePolicy, _Shadow
 from kvoffload.manager.policies.admission import AdmissionFilter
@@ -95,7 +95,7 @@ def hot_behind_a_stream(rounds: int = 12, hot: int = 120) -> Trace:
 # -- protocol --------------------------------------------------------------------
 def test_it_is_the_registered_default() -> None:
     assert DEFAULT_POLICY == "adaptive"
-    assert isinstance(OffloadManager(8).policy, AdaptivePolicy)
+    assert isinstance(OffloadIndex(8).policy, AdaptivePolicy)
 
 
 @pytest.mark.parametrize("capacity", [0, -1, True, 2.0])
@@ -135,7 +135,7 @@ def test_unknown_keys_are_ignored_and_reset_forgets_everything() -> None:
 def test_random_use_through_the_index_keeps_it_consistent(seed: int) -> None:
     """Pins, failed stores and evictions at every step; integrity checked after each."""
     rng = random.Random(seed)
-    manager = OffloadManager(12, "adaptive")
+    manager = OffloadIndex(12, "adaptive")
     for _ in range(400):
         keys = [block_key(rng.randrange(60)) for _ in range(rng.randrange(1, 6))]
         n = manager.lookup(keys)
@@ -154,7 +154,7 @@ def test_random_use_through_the_index_keeps_it_consistent(seed: int) -> None:
 
 def test_ghosts_and_shadows_stay_bounded() -> None:
     policy = AdaptivePolicy(400)
-    manager = OffloadManager(400, policy, record_events=False)
+    manager = OffloadIndex(400, policy, record_events=False)
     drive(manager, scan_heavy(10).requests)
     assert len(policy) <= 400
     assert len(policy._seen) <= GHOST * 400
@@ -204,9 +204,9 @@ def serve(trace: Trace, capacity: int) -> Served:
     policy = AdaptivePolicy(capacity)
     filtered = AdmissionFilter(LRUPolicy(capacity), window=GHOST * capacity)
     return Served(
-        drive(OffloadManager(capacity, policy, record_events=False), trace.requests),
+        drive(OffloadIndex(capacity, policy, record_events=False), trace.requests),
         replay(trace, capacity, "lru").hit_blocks,
-        drive(OffloadManager(capacity, filtered, record_events=False), trace.requests),
+        drive(OffloadIndex(capacity, filtered, record_events=False), trace.requests),
         policy,
     )
 

@@ -1,6 +1,6 @@
 """CPU + disk as a cascade: write-through, promotion from disk, corrupt and failing disks.
 
-Real ``DiskTier`` files in ``tmp_path``; the index is the real ``OffloadManager``.
+Real ``DiskTier`` files in ``tmp_path``; the index is the real ``OffloadIndex``.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import torch
 from kvoffload.config.layout import CacheGroup, KVLayout
 from kvoffload.engine import ChunkSpan, JobResult, JobStatus, OffloadEngine
 from kvoffload.errors import ConfigError
-from kvoffload.manager.offload_manager import OffloadManager
+from kvoffload.manager.index import OffloadIndex
 from kvoffload.messages import BlockSpan
 from kvoffload.tiers.cascade import TierCascade
 from kvoffload.tiers.cpu import CPUSlab
@@ -168,7 +168,7 @@ def test_index_engine_and_cascade_together(
     engine: OffloadEngine, kv: dict[str, torch.Tensor]
 ) -> None:
     """The scheduler-side protocol: evictions from the index fall back to disk hits."""
-    index = OffloadManager(engine.cascade.cpu.num_slots)
+    index = OffloadIndex(engine.cascade.cpu.num_slots)
     keys = [bytes([i]) * 4 for i in range(6)]
     blocks = {k: (2 * i, 2 * i + 1) for i, k in enumerate(keys)}
     snapshot = {k: as_bytes(kv["f0"][list(b)]).clone() for k, b in blocks.items()}

@@ -27,7 +27,7 @@ def serve(layout: KVLayout, tmp_path: Path, **extra: object) -> tuple[Any, dict[
         again = [(f"b{i}", ids) for i, (_, ids) in enumerate(first)]
         stats = engine.run([*first, *again])
         assert side.worker is not None
-        return stats, {**side.scheduler.figures(), **side.worker.figures()}
+        return stats, {**side.scheduler.stats(), **side.worker.stats()}
     finally:
         side.close()
 

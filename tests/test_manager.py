@@ -1,4 +1,4 @@
-"""Scenario tests of OffloadManager, each run against every registered policy."""
+"""Scenario tests of OffloadIndex, each run against every registered policy."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from kvoffload.manager import (
     IndexEvent,
     LoadResult,
     LRUPolicy,
-    OffloadManager,
+    OffloadIndex,
     StoreResult,
 )
 from kvoffload.registry import DEFAULT_POLICY, POLICIES
@@ -29,9 +29,9 @@ def key(i: int) -> bytes:
 K = [key(i) for i in range(32)]
 
 
-def filled(policy: str, capacity: int, count: int) -> OffloadManager:
+def filled(policy: str, capacity: int, count: int) -> OffloadIndex:
     """A manager holding ``K[:count]`` ready, stored in order."""
-    manager = OffloadManager(capacity, policy)
+    manager = OffloadIndex(capacity, policy)
     result = manager.prepare_store(K[:count])
     assert result is not None
     manager.complete_store(result.keys)
@@ -39,7 +39,7 @@ def filled(policy: str, capacity: int, count: int) -> OffloadManager:
     return manager
 
 
-def snapshot(manager: OffloadManager) -> tuple[object, ...]:
+def snapshot(manager: OffloadIndex) -> tuple[object, ...]:
     """Everything observable without side effects beyond hit counters."""
     return (manager.stats(), list(manager._ready.items()), list(manager._storing.items()))
 
@@ -51,7 +51,7 @@ def policy(request: pytest.FixtureRequest) -> str:
 
 
 def test_empty_index_misses(policy: str) -> None:
-    manager = OffloadManager(4, policy)
+    manager = OffloadIndex(4, policy)
     assert manager.lookup(K[:3]) == 0
     assert manager.lookup([]) == 0
     stats = manager.stats()
@@ -60,7 +60,7 @@ def test_empty_index_misses(policy: str) -> None:
 
 
 def test_store_is_not_ready_until_completed(policy: str) -> None:
-    manager = OffloadManager(8, policy)
+    manager = OffloadIndex(8, policy)
     store = manager.prepare_store(K[:3])
     assert store is not None
     assert store.keys == tuple(K[:3]) and store.evicted == ()
@@ -80,7 +80,7 @@ def test_store_is_not_ready_until_completed(policy: str) -> None:
 
 
 def test_failed_store_frees_slots_and_emits_nothing(policy: str) -> None:
-    manager = OffloadManager(2, policy)
+    manager = OffloadIndex(2, policy)
     store = manager.prepare_store(K[:2])
     assert store is not None
     manager.complete_store(store.keys, success=False)
@@ -121,7 +121,7 @@ def test_batch_never_evicts_its_own_stored_keys(policy: str) -> None:
 
 
 def test_batch_larger_than_capacity_is_refused(policy: str) -> None:
-    manager = OffloadManager(3, policy)
+    manager = OffloadIndex(3, policy)
     assert manager.prepare_store(K[:4]) is None
     assert manager.stats().used == 0
 
@@ -203,8 +203,8 @@ def test_prepare_load_returns_slots_and_pins_each_occurrence(policy: str) -> Non
 )
 def test_protocol_errors_name_the_key_and_change_nothing(
     policy: str,
-    prepare: Callable[[OffloadManager], object] | None,
-    call: Callable[[OffloadManager], object],
+    prepare: Callable[[OffloadIndex], object] | None,
+    call: Callable[[OffloadIndex], object],
     message: str,
 ) -> None:
     manager = filled(policy, 6, 3)
@@ -219,7 +219,7 @@ def test_protocol_errors_name_the_key_and_change_nothing(
 
 
 def test_complete_store_twice_across_calls(policy: str) -> None:
-    manager = OffloadManager(2, policy)
+    manager = OffloadIndex(2, policy)
     store = manager.prepare_store([K[0]])
     assert store is not None
     manager.complete_store(store.keys)
@@ -272,7 +272,7 @@ def test_discard_drops_only_ready_unpinned_chunks(policy: str) -> None:
 
 
 def test_discard_gives_a_tenant_its_share_back() -> None:
-    manager = OffloadManager(4, "lru", tenant_share=0.5)
+    manager = OffloadIndex(4, "lru", tenant_share=0.5)
     for tenant, keys in (("a", K[:2]), ("b", K[2:4])):
         stored = manager.prepare_store(keys, tenant=tenant)
         assert stored is not None
@@ -286,7 +286,7 @@ def test_discard_gives_a_tenant_its_share_back() -> None:
 
 
 def test_record_events_off(policy: str) -> None:
-    manager = OffloadManager(1, policy, record_events=False)
+    manager = OffloadIndex(1, policy, record_events=False)
     for i in range(3):
         store = manager.prepare_store([K[i]])
         assert store is not None
@@ -307,18 +307,18 @@ def test_stats_shape(policy: str) -> None:
 def test_constructor_validation() -> None:
     for bad in (0, -1, 2.0, True, "4"):
         with pytest.raises(ConfigError, match="num_chunks"):
-            OffloadManager(bad)  # type: ignore[arg-type]
+            OffloadIndex(bad)  # type: ignore[arg-type]
     with pytest.raises(ConfigError, match="unknown eviction policy 'nope'"):
-        OffloadManager(4, "nope")
+        OffloadIndex(4, "nope")
     with pytest.raises(ConfigError, match="capacity 3"):
-        OffloadManager(4, LRUPolicy(3))
-    assert OffloadManager(4).policy.name == DEFAULT_POLICY
+        OffloadIndex(4, LRUPolicy(3))
+    assert OffloadIndex(4).policy.name == DEFAULT_POLICY
     instance = LRUPolicy(4)
-    assert OffloadManager(4, instance).policy is instance
+    assert OffloadIndex(4, instance).policy is instance
 
 
 def test_admission_filter_stores_on_second_offer() -> None:
-    manager = OffloadManager(4, AdmissionFilter(LRUPolicy(4)))
+    manager = OffloadIndex(4, AdmissionFilter(LRUPolicy(4)))
     first = manager.prepare_store(K[:2])
     assert first == StoreResult((), (), ())
     assert manager.stats().rejected == 2
@@ -328,7 +328,7 @@ def test_admission_filter_stores_on_second_offer() -> None:
 
 
 def test_refused_store_records_no_sighting() -> None:
-    manager = OffloadManager(2, AdmissionFilter(LRUPolicy(2)))
+    manager = OffloadIndex(2, AdmissionFilter(LRUPolicy(2)))
     for _ in range(2):
         store = manager.prepare_store(K[:2])
         assert store is not None
@@ -360,7 +360,7 @@ class _WrongVictims(LRUPolicy):
 
 
 def test_out_of_sync_policy_is_caught() -> None:
-    manager = OffloadManager(2, _WrongVictims(2))
+    manager = OffloadIndex(2, _WrongVictims(2))
     store = manager.prepare_store(K[:2])
     assert store is not None
     manager.complete_store(store.keys)
@@ -372,11 +372,11 @@ def test_out_of_sync_policy_is_caught() -> None:
 
 def test_from_config_uses_the_policy_and_store_threshold() -> None:
     layout = KVLayout(groups=(CacheGroup("full", 16, ("l0",), 1024),))
-    plain = OffloadManager.from_config(
+    plain = OffloadIndex.from_config(
         build_offloading_config({"cpu_bytes_to_use": 8 * 1024, "eviction_policy": "arc"}, layout)
     )
     assert (plain.capacity, plain.policy.name) == (8, "arc")
-    strict = OffloadManager.from_config(
+    strict = OffloadIndex.from_config(
         build_offloading_config({"cpu_bytes_to_use": 8 * 1024, "store_threshold": 3}, layout)
     )
     key = [bytes([1]) * 16]
@@ -390,7 +390,7 @@ def test_from_config_uses_the_policy_and_store_threshold() -> None:
 
 # -- write-around: what admission turns away still reaches the lower tiers ----------------
 def test_a_turned_away_store_is_made_for_the_lower_tiers_and_leaves_no_chunk_here() -> None:
-    index = OffloadManager(4, AdmissionFilter(LRUPolicy(4)), write_around=True)
+    index = OffloadIndex(4, AdmissionFilter(LRUPolicy(4)), write_around=True)
     first = index.prepare_store(K[:2])  # first sightings: turned away from this tier
     assert first is not None and first.keys == (K[0], K[1]) and len(first.slots) == 2
     assert index.stats().storing == 2 and index.stats().rejected == 2
@@ -409,7 +409,7 @@ def test_a_turned_away_store_is_made_for_the_lower_tiers_and_leaves_no_chunk_her
 
 
 def test_a_failed_store_for_the_lower_tiers_frees_its_slot_like_any_other() -> None:
-    index = OffloadManager(2, AdmissionFilter(LRUPolicy(2)), write_around=True)
+    index = OffloadIndex(2, AdmissionFilter(LRUPolicy(2)), write_around=True)
     store = index.prepare_store([K[0]])
     assert store is not None and store.keys == (K[0],)
     index.complete_store([K[0]], success=False)
@@ -422,7 +422,7 @@ def test_a_failed_store_for_the_lower_tiers_frees_its_slot_like_any_other() -> N
 
 
 def test_without_lower_tiers_a_turned_away_store_is_not_made() -> None:
-    index = OffloadManager(4, AdmissionFilter(LRUPolicy(4)))
+    index = OffloadIndex(4, AdmissionFilter(LRUPolicy(4)))
     store = index.prepare_store(K[:2])
     assert store is not None and store.keys == () and index.stats().storing == 0
 
@@ -437,4 +437,4 @@ def test_the_index_writes_around_when_a_lower_tier_is_configured(
 ) -> None:
     layout = KVLayout(groups=(CacheGroup("full", 16, ("l0",), 1024),))
     config = build_offloading_config({"cpu_bytes_to_use": 8 * 1024, **tiers}, layout)
-    assert OffloadManager.from_config(config).write_around is around
+    assert OffloadIndex.from_config(config).write_around is around

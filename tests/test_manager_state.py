@@ -1,4 +1,4 @@
-"""Stateful property test of OffloadManager against a plain reference model.
+"""Stateful property test of OffloadIndex against a plain reference model.
 
 Hypothesis drives random interleavings of every index operation (correct
 uses and protocol errors) over a small key universe and a small capacity,
@@ -26,7 +26,7 @@ from kvoffload.manager import (
     EvictionPolicy,
     IndexEvent,
     LRUPolicy,
-    OffloadManager,
+    OffloadIndex,
     S3FIFOPolicy,
 )
 from kvoffload.registry import POLICIES
@@ -49,7 +49,7 @@ class IndexMachine(RuleBasedStateMachine):
     def __init__(self) -> None:
         super().__init__()
         policy = self.make_policy(CAPACITY)
-        self.manager = OffloadManager(CAPACITY, policy, write_around=self.write_around)
+        self.manager = OffloadIndex(CAPACITY, policy, write_around=self.write_around)
         self.ready: dict[bytes, int] = {}
         self.storing: dict[bytes, int] = {}
         #: Keys in flight for the lower tiers only: their slots are freed on completion.

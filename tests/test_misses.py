@@ -20,7 +20,7 @@ TOP = (PROMPT - 1) // 8 * 8
 
 
 def misses(rig: Rig) -> tuple[dict[str, int], dict[str, int]]:
-    figures = rig.scheduler.figures()
+    figures = rig.scheduler.stats()
     return figures["miss_lookups_by_reason"], figures["miss_tokens_by_reason"]  # type: ignore[return-value]
 
 
@@ -46,7 +46,7 @@ def test_chunks_evicted_before_reuse_name_the_reuse_distance() -> None:
     assert tokens_lost["evicted"] == TOP
     # Evicted while B was stored, so at least the rest of B and all of C came after it:
     # a tier that much larger would have kept it.
-    distance = rig.scheduler.figures()["reuse_distance_chunks"]
+    distance = rig.scheduler.stats()["reuse_distance_chunks"]
     assert 7 < distance <= 14 + 7  # type: ignore[operator]
 
 
@@ -87,7 +87,7 @@ def test_stores_never_loaded_back_warn_once_with_the_setting_to_change(
     warnings = [r.getMessage() for r in caplog.records if "none loaded back" in r.getMessage()]
     assert len(warnings) == 1, warnings
     assert "raise cpu_bytes_to_use" in warnings[0] and "disk_path" in warnings[0]
-    assert rig.scheduler.figures()["loaded_tokens"] == 0
+    assert rig.scheduler.stats()["loaded_tokens"] == 0
 
 
 def test_a_served_workload_never_warns(caplog: pytest.LogCaptureFixture) -> None:

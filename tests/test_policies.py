@@ -14,7 +14,7 @@ from kvoffload.manager import (
     ARCPolicy,
     EvictionPolicy,
     LRUPolicy,
-    OffloadManager,
+    OffloadIndex,
     S3FIFOPolicy,
 )
 from kvoffload.manager.policies._segmented import SegmentedLRU
@@ -276,7 +276,7 @@ def hot_hit_ratio(policy: EvictionPolicy, rounds: int = 20) -> float:
     Counts hits of each round's first use of a hot chunk: LRU always loses
     them to the scan; a policy that values reuse keeps them.
     """
-    manager = OffloadManager(8, policy)
+    manager = OffloadIndex(8, policy)
     hits, scan = 0, iter(K[4:] * 1000)
 
     def use(key: bytes) -> bool:

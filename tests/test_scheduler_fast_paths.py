@@ -23,7 +23,7 @@ from kvoffload.connector._request import add_range
 from kvoffload.connector._spans import StorePiece, run_spans, store_spans
 from kvoffload.connector.scheduler import OffloadScheduler, StepRequest
 from kvoffload.keys import namespace_of
-from kvoffload.manager import OffloadManager
+from kvoffload.manager import OffloadIndex
 from kvoffload.manager.policies._segmented import SegmentedLRU
 from kvoffload.manager.policies.adaptive import GHOST, AdaptivePolicy
 from kvoffload.manager.policies.admission import AdmissionFilter
@@ -45,9 +45,9 @@ class NoLowerTier:
         return None
 
 
-def index_with(rng: random.Random, keys: list[bytes], capacity: int) -> OffloadManager:
+def index_with(rng: random.Random, keys: list[bytes], capacity: int) -> OffloadIndex:
     """An index holding a random mix of ``keys``: ready, being stored, pinned or absent."""
-    index = OffloadManager(capacity, LRUPolicy(capacity))
+    index = OffloadIndex(capacity, LRUPolicy(capacity))
     for key in keys:
         roll = rng.random()
         stored = roll < 0.6 and index.prepare_store([key]) is not None  # None: no room
@@ -74,7 +74,7 @@ def test_the_full_attention_search_finds_what_the_general_one_finds(seed: int) -
 
 
 def test_available_run_stops_at_the_first_missing_key() -> None:
-    index = OffloadManager(8, LRUPolicy(8))
+    index = OffloadIndex(8, LRUPolicy(8))
     keys = [bytes([i]) * 16 for i in range(5)]
     assert index.prepare_store(keys[:3]) is not None
     index.complete_store(keys[:2])
@@ -124,11 +124,11 @@ def test_admitting_a_store_at_once_answers_as_key_by_key(name: str) -> None:
     capacity = 64
     pool = [os.urandom(16) for _ in range(600)]
     if name == "adaptive":
-        batched = OffloadManager(capacity, AdaptivePolicy(capacity))
-        keyed = OffloadManager(capacity, KeyByKey(capacity))
+        batched = OffloadIndex(capacity, AdaptivePolicy(capacity))
+        keyed = OffloadIndex(capacity, KeyByKey(capacity))
     else:  # the default admit_many, over the filter's own admit
-        batched = OffloadManager(capacity, AdmissionFilter(LRUPolicy(capacity), sightings=2))
-        keyed = OffloadManager(capacity, AdmissionFilter(KeyByKeyLRU(capacity), sightings=2))
+        batched = OffloadIndex(capacity, AdmissionFilter(LRUPolicy(capacity), sightings=2))
+        keyed = OffloadIndex(capacity, AdmissionFilter(KeyByKeyLRU(capacity), sightings=2))
     for _ in range(400):
         store = rng.sample(pool, rng.randint(1, 12))
         results = [index.prepare_store(store) for index in (batched, keyed)]
@@ -214,8 +214,8 @@ def test_a_one_group_step_stores_and_completes_as_the_general_path(seed: int) ->
     report([])
     for order, failed in late:
         both("on_report", JobReport(order.job_id, 1, failed, {}, {}))
-    assert fast.figures() == general.figures()
-    assert fast.figures()["stored_chunks"] > 12 and fast.figures()["loads"] > 0 and short
+    assert fast.stats() == general.stats()
+    assert fast.stats()["stored_chunks"] > 12 and fast.stats()["loads"] > 0 and short
     a, b = fast.index, general.index
     assert list(a._ready) == list(b._ready) and list(a._storing) == list(b._storing)
     assert isinstance(a.policy, AdaptivePolicy) and isinstance(b.policy, AdaptivePolicy)

@@ -165,7 +165,7 @@ def test_a_side_that_moves_no_bytes_has_no_worker_and_finds_the_same_hits(
             stats = StandIn(layout, side, gpu_blocks=48, step_tokens=64).run(requests)
         finally:
             side.close()
-        found.append((stats.gpu_hit_tokens, stats.loaded_tokens, side.scheduler.figures()))
+        found.append((stats.gpu_hit_tokens, stats.loaded_tokens, side.scheduler.stats()))
     assert found[0] == found[1] and found[0][1] > 0
 
 
@@ -182,7 +182,7 @@ def test_prompts_evicted_from_the_gpu_come_back_from_the_cpu_bit_exact(
     assert stats.requests == 8 and stats.loaded_tokens > 0
     assert stats.verified_blocks > 0 and stats.mismatched_blocks == 0
     assert stats.gpu_hit_tokens + stats.loaded_tokens <= 4 * 96
-    figures = side.scheduler.figures()
+    figures = side.scheduler.stats()
     assert figures["loaded_tokens"] == stats.loaded_tokens and figures["failed_loads"] == 0
     assert (figures["index_pinned"], figures["index_storing"], figures["jobs_in_flight"]) == (
         0,
@@ -242,7 +242,7 @@ def test_a_recurrent_prompt_runs_in_aligned_steps_and_keeps_the_state_a_hit_need
     engine.run([("c", ids)])  # only kvoffload holds it now
     assert stats.loaded_tokens == 96 and stats.mismatched_blocks == 0
     assert stats.verified_blocks == 96 // 8 + 2  # every full block, and each group's state
-    figures = side.scheduler.figures()
+    figures = side.scheduler.stats()
     assert figures["failed_loads"] == 0 and figures["unretained_chunks"] > 0
     side.scheduler.index.check_integrity()
 
@@ -274,7 +274,7 @@ def test_output_is_decoded_a_token_a_step_and_the_next_turn_hits_at_its_end(
     stats = engine.run([("b", nxt)], in_flight=1)
     assert stats.gpu_hit_tokens == 0  # no prefix caching: nothing reused on the GPU
     assert stats.loaded_tokens == 160 and stats.mismatched_blocks == 0  # the output's end
-    assert stats.verified_blocks > 0 and side.scheduler.figures()["dropped_chunks"] > 0
+    assert stats.verified_blocks > 0 and side.scheduler.stats()["dropped_chunks"] > 0
 
 
 def test_decode_steps_free_window_blocks_as_vllm_does(
@@ -310,7 +310,7 @@ def test_coarse_decode_steps_store_what_one_token_steps_store(tmp_path: Path) ->
         engine.run(
             [(f"r{t}", ids[: len(ids) - 40 - 7 * t], ids[len(ids) - 40 - 7 * t :])
              for t, ids in enumerate(turns)], in_flight=1)  # fmt: skip
-        figures = side.scheduler.figures()
+        figures = side.scheduler.stats()
         index = side.scheduler.index
         everything = prefix_keys_for_layout(turns[-1], [16, 16, 16, 4], side.scheduler.namespace)
         kept.append(([index.ready_mask(keys) for keys in everything],

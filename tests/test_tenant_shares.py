@@ -19,7 +19,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 
 from kvoffload import CacheGroup, KVLayout, build_offloading_config
 from kvoffload.errors import ConfigError, KVOffloadError
-from kvoffload.manager import AdmissionFilter, EventKind, OffloadManager
+from kvoffload.manager import AdmissionFilter, EventKind, OffloadIndex
 from kvoffload.manager.results import StoreResult
 from kvoffload.registry import POLICIES
 
@@ -33,7 +33,7 @@ def keys_of(tenant: str | None, n: int, start: int = 0) -> list[bytes]:
     return [tag.ljust(8, b".") + i.to_bytes(8, "big") for i in range(start, start + n)]
 
 
-def store(manager: OffloadManager, keys: list[bytes], tenant: str | None) -> list[bytes]:
+def store(manager: OffloadIndex, keys: list[bytes], tenant: str | None) -> list[bytes]:
     """Store ``keys`` for ``tenant``; returns what it evicted."""
     result = manager.prepare_store(keys, tenant=tenant)
     assert result is not None
@@ -49,7 +49,7 @@ def policy(request: pytest.FixtureRequest) -> str:
 
 
 def test_a_flooding_tenant_evicts_only_its_own_chunks(policy: str) -> None:
-    manager = OffloadManager(10, policy, tenant_share=0.5)
+    manager = OffloadIndex(10, policy, tenant_share=0.5)
     bob = keys_of("bob", 4)
     store(manager, bob, "bob")
     for start in range(0, 40, 3):  # alice stores 40 chunks, 3 at a time
@@ -64,7 +64,7 @@ def test_a_flooding_tenant_evicts_only_its_own_chunks(policy: str) -> None:
 
 def test_without_shares_the_flood_takes_everything(policy: str) -> None:
     """The same traffic without the setting: the check above is not vacuous."""
-    manager = OffloadManager(10, policy)
+    manager = OffloadIndex(10, policy)
     bob = keys_of("bob", 4)
     result = manager.prepare_store(bob, tenant="bob")
     assert result is not None
@@ -79,7 +79,7 @@ def test_without_shares_the_flood_takes_everything(policy: str) -> None:
 
 def test_a_tenant_below_its_cap_may_take_free_and_others_room(policy: str) -> None:
     """The cap limits each tenant; it does not reserve room for anyone."""
-    manager = OffloadManager(8, policy, tenant_share=0.5)
+    manager = OffloadIndex(8, policy, tenant_share=0.5)
     store(manager, keys_of("bob", 4), "bob")
     store(manager, keys_of(None, 4), None)  # the unsalted requests are a tenant too
     evicted = store(manager, keys_of("alice", 2), "alice")
@@ -89,7 +89,7 @@ def test_a_tenant_below_its_cap_may_take_free_and_others_room(policy: str) -> No
 
 
 def test_a_store_bigger_than_the_cap_or_pinned_own_chunks_is_refused(policy: str) -> None:
-    manager = OffloadManager(8, policy, tenant_share=0.25)  # cap: 2 chunks
+    manager = OffloadIndex(8, policy, tenant_share=0.25)  # cap: 2 chunks
     assert manager.prepare_store(keys_of("alice", 3), tenant="alice") is None
     alice = keys_of("alice", 2)
     store(manager, alice, "alice")
@@ -106,7 +106,7 @@ def test_a_store_bigger_than_the_cap_or_pinned_own_chunks_is_refused(policy: str
 
 def test_a_store_never_evicts_the_chunks_it_found(policy: str) -> None:
     """The tenant's chunks the store itself asked for are protected, as without shares."""
-    manager = OffloadManager(8, policy, tenant_share=0.25)
+    manager = OffloadIndex(8, policy, tenant_share=0.25)
     alice = keys_of("alice", 2)
     store(manager, alice, "alice")
     assert manager.prepare_store([*alice, *keys_of("alice", 1, 5)], tenant="alice") is None
@@ -115,7 +115,7 @@ def test_a_store_never_evicts_the_chunks_it_found(policy: str) -> None:
 
 
 def test_failed_stores_reset_and_events_keep_the_counts(policy: str) -> None:
-    manager = OffloadManager(8, policy, tenant_share=0.5)
+    manager = OffloadIndex(8, policy, tenant_share=0.5)
     result = manager.prepare_store(keys_of("alice", 3), tenant="alice")
     assert result is not None
     manager.complete_store(result.keys, success=False)
@@ -133,7 +133,7 @@ def test_failed_stores_reset_and_events_keep_the_counts(policy: str) -> None:
 
 
 def test_admission_filters_and_promotions_obey_the_cap() -> None:
-    manager = OffloadManager(8, AdmissionFilter(POLICIES.create("lru", 8), sightings=2),
+    manager = OffloadIndex(8, AdmissionFilter(POLICIES.create("lru", 8), sightings=2),
                              tenant_share=0.25)  # fmt: skip
     keys = keys_of("alice", 2)
     assert manager.prepare_store(keys, tenant="alice") == StoreResult((), (), ())  # first sight
@@ -152,14 +152,14 @@ def test_the_key_table_reads_the_share_and_the_index_uses_it() -> None:
         {"cpu_bytes_to_use": 40 * 4096, "tenant_cpu_share": "0.25"}, layout
     )
     assert config.tenant_cpu_share == 0.25
-    manager = OffloadManager.from_config(config)
+    manager = OffloadIndex.from_config(config)
     assert manager.tenants is not None and manager.tenants.cap == 10
     assert "0.25 of the CPU tier per tenant" in str(config)
     for bad in (0, "0", 1.5, "half", True, float("nan"), -0.1):
         with pytest.raises(ConfigError, match="'tenant_cpu_share' must be a fraction"):
             build_offloading_config({"cpu_bytes_to_use": 4096, "tenant_cpu_share": bad}, layout)
     with pytest.raises(KVOffloadError, match=r"tenant share must be in \(0, 1\]"):
-        OffloadManager(4, tenant_share=2.0)
+        OffloadIndex(4, tenant_share=2.0)
 
 
 CAPACITY = 6
@@ -175,7 +175,7 @@ class SharesMachine(RuleBasedStateMachine):
 
     def __init__(self) -> None:
         super().__init__()
-        self.manager = OffloadManager(CAPACITY, self.policy, tenant_share=SHARE)
+        self.manager = OffloadIndex(CAPACITY, self.policy, tenant_share=SHARE)
         self.pins: Counter[bytes] = Counter()
         self.storing: dict[bytes, str | None] = {}
 

@@ -54,7 +54,7 @@ def test_a_salted_chunk_is_a_hit_for_its_own_salt_only(
     served = reader.serve("alice-2", ids, extras=ALICE)
     assert served.offered == served.loaded == reader.top_hit(70) > 0
     assert served.mismatched == 0 and served.verified > 0
-    figures = sched.figures()
+    figures = sched.stats()
     assert figures["hit_tokens"] == served.offered  # the misses above offered nothing
     assert (
         figures["hit_tokens_by_tier"] == figures["loaded_tokens_by_tier"] == {tier: served.offered}

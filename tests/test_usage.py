@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 
 from kvoffload.errors import ProtocolError
-from kvoffload.manager import ARCPolicy, OffloadManager
+from kvoffload.manager import ARCPolicy, OffloadIndex
 from kvoffload.manager.policies.adaptive import AdaptivePolicy
 from kvoffload.manager.usage import record_stores, record_use
 
@@ -19,13 +19,13 @@ def key(i: int) -> bytes:
     return i.to_bytes(8, "big")
 
 
-def stored(m: OffloadManager, keys: list[bytes]) -> None:
+def stored(m: OffloadIndex, keys: list[bytes]) -> None:
     result = m.prepare_store(keys)
     assert result is not None and result.keys == tuple(keys)
     m.complete_store(keys)
 
 
-def eviction_order(m: OffloadManager) -> list[bytes]:
+def eviction_order(m: OffloadIndex) -> list[bytes]:
     """Every ready key, least recent first, without changing anything that stays."""
     order = m.policy.evict(len(m.policy), lambda _: False)
     for k in order:
@@ -34,7 +34,7 @@ def eviction_order(m: OffloadManager) -> list[bytes]:
 
 
 def test_a_request_ends_head_newest_however_many_steps_its_stores_took() -> None:
-    m = OffloadManager(8, "lru", record_events=False)
+    m = OffloadIndex(8, "lru", record_events=False)
     chain = [key(i) for i in range(6)]
     stored(m, [key(100), key(101)])  # older chunks of another request
     stored(m, chain[:2])  # the request's hit prefix, already there
@@ -51,7 +51,7 @@ def test_a_store_that_knows_its_place_in_the_chain_ranks_alike() -> None:
     # chain for it; the order must be the same, and a wrong place is refused, not used.
     orders = []
     for known in (False, True):
-        m = OffloadManager(8, "lru", record_events=False)
+        m = OffloadIndex(8, "lru", record_events=False)
         chain = [key(i) for i in range(6)]
         stored(m, [key(100), *chain[:2]])
         reserved = m.prepare_store(chain[2:5])
@@ -67,7 +67,7 @@ def test_a_store_that_knows_its_place_in_the_chain_ranks_alike() -> None:
 
 
 def test_failed_stores_free_their_slots_and_change_no_order() -> None:
-    m = OffloadManager(4, "lru", record_events=False)
+    m = OffloadIndex(4, "lru", record_events=False)
     chain = [key(i) for i in range(3)]
     reserved = m.prepare_store(chain)
     assert reserved is not None
@@ -77,7 +77,7 @@ def test_failed_stores_free_their_slots_and_change_no_order() -> None:
 
 def test_the_engines_own_hits_rank_as_recent_but_are_no_hits_of_the_tier() -> None:
     policy = AdaptivePolicy(64)
-    m = OffloadManager(64, policy, record_events=False)
+    m = OffloadIndex(64, policy, record_events=False)
     chain = [key(i) for i in range(8)]  # crc32 samples some of them into the shadows
     stored(m, chain)
     stored(m, [key(50)])

@@ -13,8 +13,8 @@ from kvoffload.vllm._metrics import (
     key,
     log_line,
     merge,
-    scheduler_figures,
-    worker_figures,
+    scheduler_series,
+    worker_series,
 )
 
 
@@ -40,13 +40,13 @@ def test_merge_adds_counters_keeps_each_ranks_gauge_and_extends_samples() -> Non
     assert rank0["h"]["s|"] == [0.1]  # the inputs are not changed
 
 
-def test_scheduler_figures_split_tokens_by_tier_and_index_gauges() -> None:
+def test_scheduler_series_split_tokens_by_tier_and_index_gauges() -> None:
     figures = {"lookups": 4, "hit_tokens": 96, "loaded_tokens": 96,
                "hit_tokens_by_tier": {"cpu": 64, "disk": 32},
                "loaded_tokens_by_tier": {"cpu": 64, "disk": 32},
                "index_evictions": 3, "index_used": 7, "index_capacity": 10,
                "jobs_in_flight": 1, "unkeyable_requests": 2}  # fmt: skip
-    counters, gauges = scheduler_figures(figures)
+    counters, gauges = scheduler_series(figures)
     assert counters[key("hit_tokens", "disk")] == 32
     assert counters[key("loaded_tokens", "cpu")] == 64
     assert counters[key("evictions", "cpu")] == 3
@@ -59,7 +59,7 @@ def test_misses_travel_by_reason_and_the_reuse_distance_as_a_gauge() -> None:
     figures = {"miss_lookups_by_reason": {"never_stored": 3, "evicted": 1},
                "miss_tokens_by_reason": {"never_stored": 168, "evicted": 56},
                "reuse_distance_chunks": 16}  # fmt: skip
-    counters, gauges = scheduler_figures(figures)
+    counters, gauges = scheduler_series(figures)
     assert counters == {key("lookup_misses", "never_stored"): 3,
                         key("lookup_misses", "evicted"): 1,
                         key("lookup_miss_tokens", "never_stored"): 168,
@@ -70,7 +70,7 @@ def test_misses_travel_by_reason_and_the_reuse_distance_as_a_gauge() -> None:
     assert reasons == {"lookup_misses": "reason", "lookup_miss_tokens": "reason"}
 
 
-def test_worker_figures_read_each_tiers_stats_record() -> None:
+def test_worker_series_read_each_tiers_stats_record() -> None:
     cpu, redis = TierCounters("cpu"), TierCounters("redis", ["queued"])
     disk = TierCounters("disk", ["read_only_skips"])
     cpu.add(stores=2, store_bytes=200, loads=1, load_bytes=100)
@@ -82,7 +82,7 @@ def test_worker_figures_read_each_tiers_stats_record() -> None:
         "disk": disk.snapshot(used_bytes=8192, chunks=1, capacity_bytes=10**6),
         "redis": redis.snapshot(gauges={"queue_bytes": 300, "up": 1}),
     }
-    counters, gauges = worker_figures(tiers, {"load_jobs": 1}, rank=1)
+    counters, gauges = worker_series(tiers, {"load_jobs": 1}, rank=1)
     assert counters[key("stored_bytes", "cpu")] == 200
     assert counters[key("loaded_bytes", "cpu")] == 100
     assert counters[key("failed_loads", "disk")] == 2
@@ -114,13 +114,13 @@ def test_every_series_has_a_producer() -> None:
     """Each exported series is filled by one side's figures (a typo would be a dead series)."""
     tiers = {"disk": TierCounters("disk", ["read_only_skips"]).snapshot(capacity_bytes=1)}
     redis = {"redis": TierCounters("redis").snapshot(gauges={"queue_bytes": 0})}
-    scheduler = scheduler_figures(
+    scheduler = scheduler_series(
         {"hit_tokens_by_tier": {"cpu": 1}, "loaded_tokens_by_tier": {"cpu": 1},
          "unkeyable_requests": 0, "miss_lookups_by_reason": {"evicted": 1},
          "miss_tokens_by_reason": {"evicted": 8}, "reuse_distance_chunks": 3}
     )  # fmt: skip
     names = {k.split("|")[0] for part in scheduler for k in part}
-    for part in (*worker_figures(tiers, {}, 0), *worker_figures(redis, {}, 0)):
+    for part in (*worker_series(tiers, {}, 0), *worker_series(redis, {}, 0)):
         names |= {k.split("|")[0] for k in part}
     names |= {"load_seconds", "store_seconds"}  # the worker's job samples
     assert {s.name for s in SERIES} <= names

@@ -95,7 +95,7 @@ def test_a_stored_prefix_is_offered_aligned_and_loads_bit_exact(
     blocks = sum(len(ids) for ids in second.load_ids.values())
     assert blocks > 0 and second.verified == blocks
     assert out.failed_blocks == set() and out.failed_recving == set()
-    fig = s.scheduler.figures()
+    fig = s.scheduler.stats()
     assert fig["loaded_tokens"] == fig["hit_tokens"] == want - local
     assert (fig["loads"], fig["failed_loads"], fig["hit_requests"]) == (1, 0, 1)
     assert fig["cpu_hit_chunks"] == needed_chunks(s, second) and fig["lower_hit_chunks"] == 0
@@ -117,7 +117,7 @@ def test_lookup_is_free_of_side_effects(stand: Callable[..., Stand], model: Mode
     assert answers[0] == answers[1] == reference_hit(model, len(ta), 0, lambda g, c: True) > 0
     assert s.index.stats() == before and before.pinned == 0
     assert s.scheduler.take_events() == [] and s.scheduler.take_orders() == []
-    assert s.scheduler.figures()["jobs_in_flight"] == 0
+    assert s.scheduler.stats()["jobs_in_flight"] == 0
     s.scheduler.request_finished("x")
     # Nor was the policy told: a's chunks are still the least recent, so c evicts them.
     s.serve("c", tc)
@@ -161,7 +161,7 @@ def test_hybrid_hits_need_the_window_before_the_hit_and_every_full_chunk(
     keys = s.keys(tokens)
     for g, group_keys in enumerate(keys):
         assert s.ready(group_keys) == [(g, c) not in nulled for c in range(len(group_keys))]
-    assert s.scheduler.figures()["skipped_store_chunks"] == len(nulled)
+    assert s.scheduler.stats()["skipped_store_chunks"] == len(nulled)
 
     want = reference_hit(GEMMA, len(tokens), 0, lambda g, c: (g, c) not in nulled)
     assert want > 0
@@ -197,7 +197,7 @@ def test_stores_skip_sliding_blocks_a_load_did_not_fill(
         a.blocks[g][lo:hi] = [NULL_BLOCK] * (hi - lo)
     s.step([a])
     s.finish(a)
-    skipped = s.scheduler.figures()["skipped_store_chunks"]
+    skipped = s.scheduler.stats()["skipped_store_chunks"]
     assert skipped == len(early)
 
     b = s.admit("b", tokens, local_hit=local)
@@ -224,7 +224,7 @@ def test_stores_skip_sliding_blocks_a_load_did_not_fill(
         not_valid += len(bad)
         assert not any(s.ready([keys[g][c] for c in bad]))
     assert not_valid > 0
-    assert s.scheduler.figures()["skipped_store_chunks"] - skipped == not_valid
+    assert s.scheduler.stats()["skipped_store_chunks"] - skipped == not_valid
     s.check_integrity()
 
 
@@ -245,7 +245,7 @@ def test_preempted_forgets_what_its_blocks_held(stand: Callable[..., Stand], mod
     s.scheduler.preempted("p")
     s.free(p)
     p.blocks = s.alloc(len(tokens))  # new blocks, nothing recomputed into them
-    skipped = s.scheduler.figures()["skipped_store_chunks"]
+    skipped = s.scheduler.stats()["skipped_store_chunks"]
     nxt = min(-(-cut // (g.tokens_per_block * model.bpc)) * g.tokens_per_block * model.bpc
               for g in groups)  # fmt: skip
     order = s.scheduler.plan_store(
@@ -254,7 +254,7 @@ def test_preempted_forgets_what_its_blocks_held(stand: Callable[..., Stand], mod
     )  # fmt: skip
     assert order is None and s.scheduler.take_orders() == []
     assert not any(s.ready([keys[g][c]])[0] for g, c in straddling)
-    assert s.scheduler.figures()["skipped_store_chunks"] > skipped
+    assert s.scheduler.stats()["skipped_store_chunks"] > skipped
 
     # Recomputed (re-admitted the way vLLM does after a preemption), it is stored again.
     s.scheduler.preempted("p")
@@ -295,13 +295,13 @@ def test_warm_restart_serves_hits_from_disk(
     want = reference_hit(model, len(tokens), 0, lambda g, c: True)
     assert req.offered == want > 0 and out.failed_blocks == set() and not out.failed_recving
     assert req.verified == sum(len(ids) for ids in req.load_ids.values())
-    fig = b.scheduler.figures()
+    fig = b.scheduler.stats()
     n = needed_chunks(b, req)
     assert (fig["lower_hit_chunks"], fig["cpu_hit_chunks"], fig["loaded_tokens"]) == (n, 0, want)
     assert b.workers[0].engine.stats()["disk"].loads == n
     # Promoted into B's CPU tier: the next request is a CPU hit.
     again, _ = b.serve("c", tokens)
-    assert again.offered == want and b.scheduler.figures()["cpu_hit_chunks"] == n
+    assert again.offered == want and b.scheduler.stats()["cpu_hit_chunks"] == n
     b.check_integrity()
 
 
@@ -342,9 +342,9 @@ def test_corrupt_disk_chunks_fail_the_load_and_are_recomputed(
         assert out.failed_blocks == want and out.failed_recving == set()
     else:
         assert out.failed_recving == {"b"} and out.failed_blocks == set()
-    fig = b.scheduler.figures()
+    fig = b.scheduler.stats()
     assert (fig["failed_loads"], fig["failed_load_tokens"], fig["loaded_tokens"]) == (1, hit, 0)
-    disk = b.workers[0].figures()["tiers"]["disk"]
+    disk = b.workers[0].stats()["tiers"]["disk"]
     assert disk["corrupt"] == sum(len(c) for c in corrupted.values())
     b.check_integrity()  # pins released, corrupt files dropped
 
@@ -354,7 +354,7 @@ def test_corrupt_disk_chunks_fail_the_load_and_are_recomputed(
     again, out2 = b.serve("c", tokens)
     assert again.offered == hit and out2.failed_blocks == set() and not out2.failed_recving
     assert again.verified == sum(len(ids) for ids in again.load_ids.values())
-    assert b.scheduler.figures()["failed_loads"] == 1
+    assert b.scheduler.stats()["failed_loads"] == 1
     b.check_integrity()
 
 
@@ -377,7 +377,7 @@ def test_chunks_with_no_promotion_slot_are_unloadable(
     assert r1.load is not None and r2.load is not None
     assert not r1.load.unloadable and r2.load.spans == ()
     assert {g: list(ids) for g, ids in r2.load.unloadable.items()} == r2.load_ids
-    assert b.scheduler.figures()["unloadable_chunks"] == room
+    assert b.scheduler.stats()["unloadable_chunks"] == room
 
     first = b.step(wait=False)  # r2 fails at once, whatever r1's load is doing
     assert "r2" in first.finished
@@ -390,7 +390,7 @@ def test_chunks_with_no_promotion_slot_are_unloadable(
     b.check_load(r1, out)
     assert r1.verified == sum(len(ids) for ids in r1.load_ids.values())
     b.check_load(r2, out)
-    fig = b.scheduler.figures()
+    fig = b.scheduler.stats()
     assert (fig["loads"], fig["failed_loads"]) == (2, 1)
     for req in (r1, r2):
         b.recover(req, out)
@@ -425,7 +425,7 @@ def test_lookup_offers_only_what_the_cpu_tier_can_stage(
     req, out = b.serve("b", tokens)
     assert req.offered == want and not out.failed_blocks and not out.failed_recving
     assert req.verified == sum(len(ids) for ids in req.load_ids.values())
-    assert b.scheduler.figures()["unloadable_chunks"] == 0
+    assert b.scheduler.stats()["unloadable_chunks"] == 0
     b.check_integrity()
 
 
@@ -440,9 +440,9 @@ def test_a_job_completes_once_every_rank_reported(stand: Callable[..., Stand]) -
     assert r0.job_id == r1.job_id and r0.ok and r1.ok
     s.scheduler.on_report(r0)
     assert not any(s.ready(keys)) and s.index.stats().storing == len(keys)
-    assert s.scheduler.figures()["jobs_in_flight"] == 1
+    assert s.scheduler.stats()["jobs_in_flight"] == 1
     s.scheduler.on_report(r1)
-    assert all(s.ready(keys)) and s.scheduler.figures()["stored_chunks"] == len(keys)
+    assert all(s.ready(keys)) and s.scheduler.stats()["stored_chunks"] == len(keys)
     s.finish(a)
     b, _ = s.serve("b", tokens)  # check_load verifies both ranks' tensors
     assert b.verified == sum(len(ids) for ids in b.load_ids.values()) > 0
@@ -461,9 +461,9 @@ def test_a_key_failed_on_one_rank_is_failed(stand: Callable[..., Stand]) -> None
     merged = merge_reports(r0, r1)
     assert merged.workers == 2 and merged.failed_keys == frozenset(keys) and not merged.ok
     s.scheduler.on_report(r0)
-    assert s.scheduler.figures()["jobs_in_flight"] == 1
+    assert s.scheduler.stats()["jobs_in_flight"] == 1
     s.scheduler.on_report(r1)
-    fig = s.scheduler.figures()
+    fig = s.scheduler.stats()
     assert (fig["stored_chunks"], fig["failed_store_chunks"]) == (0, len(keys))
     assert not any(s.ready(keys)) and s.scheduler.lookup("b", tokens, 0) == 0
     s.finish(a)
@@ -496,7 +496,7 @@ def test_a_refused_load_reports_its_blocks(stand: Callable[..., Stand], model: M
         assert out.failed_blocks == set(b.load_ids[0])
     else:
         assert out.failed_recving == {"b"}
-    assert s.scheduler.figures()["failed_loads"] == 1
+    assert s.scheduler.stats()["failed_loads"] == 1
 
 
 # -- lifecycle --------------------------------------------------------------------------------
@@ -550,7 +550,7 @@ def test_lookup_defers_while_a_needed_store_is_in_flight(stand: Callable[..., St
     a = s.admit("a", tokens)
     out = s.step([a], deliver=False)  # stored by the worker, not yet reported
     assert s.scheduler.lookup("b", tokens, 0) is None
-    assert s.scheduler.figures()["deferred_lookups"] == 1
+    assert s.scheduler.stats()["deferred_lookups"] == 1
     s.deliver(out)
     s.finish(a)
     assert s.scheduler.lookup("b", tokens, 0) == reference_hit(LLAMA, 37, 0, lambda g, c: True)

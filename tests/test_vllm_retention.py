@@ -80,7 +80,7 @@ def test_window_chunks_are_kept_only_for_the_ends_of_prompt_and_output(
     for g in SLIDING:
         assert stored(s, a.tokens, g) == window_chunks(prompt_end) | window_chunks(output_end)
     assert stored(s, a.tokens, GEMMA_FULL) == set(range(260 // 8))  # every full chunk
-    fig = s.scheduler.figures()
+    fig = s.scheduler.stats()
     # The trailing point passed 224 on its way: its window chunk was stored, then dropped.
     assert fig["dropped_chunks"] == len(SLIDING) * len(window_chunks(224) - window_chunks(256))
     assert fig["unretained_chunks"] > 0
@@ -97,7 +97,7 @@ def test_every_chunk_is_kept_with_retention_interval_1(stand: Callable[..., Stan
     a = turn(s, "a", make_tokens(1, 200), 61)
     for g in SLIDING:
         assert stored(s, a.tokens, g) == set(range(260 // GEMMA_ALIGN))
-    assert s.scheduler.figures()["dropped_chunks"] == 0
+    assert s.scheduler.stats()["dropped_chunks"] == 0
 
 
 def test_periodic_points_serve_a_prompt_that_diverges(stand: Callable[..., Stand]) -> None:
@@ -138,7 +138,7 @@ def test_a_fresh_process_finds_the_output_end_on_disk(
     follow = first.tokens + make_tokens(9, 100)  # top 352: three candidates have no window
     req = turn(b, "b", follow, 1)
     assert req.offered == 256 and req.verified > 0
-    assert b.scheduler.figures()["lower_hit_chunks"] > 0
+    assert b.scheduler.stats()["lower_hit_chunks"] > 0
 
 
 # -- recurrent states -------------------------------------------------------------------------
@@ -149,7 +149,7 @@ def test_states_are_kept_where_steps_ended_at_hit_points(stand: Callable[..., St
         assert stored(s, a.tokens, g) == {96 // QWEN_ALIGN - 1, 128 // QWEN_ALIGN - 1}
     assert stored(s, a.tokens, 3) == set(range(128 // QWEN_ALIGN))
     # The trailing point's states at 104, 112 and 120 were stored, then dropped.
-    assert s.scheduler.figures()["dropped_chunks"] == 3 * 3
+    assert s.scheduler.stats()["dropped_chunks"] == 3 * 3
 
     b = turn(s, "b", a.tokens + make_tokens(11, 20), 1)
     assert b.offered == 128 and b.verified > 0
@@ -219,7 +219,7 @@ def test_a_missing_state_chunk_fails_the_load_by_request(
     b.check_load(req, out)  # what was loaded is exact, the state block was never written
     state_block = req.blocks[2][96 // 8 - 1]
     assert b.block_state(req, 2, 96 // 8 - 1) == "scrub", state_block
-    fig = b.scheduler.figures()
+    fig = b.scheduler.stats()
     assert (fig["failed_loads"], fig["loaded_tokens"]) == (1, 0)
     # Recomputed by vLLM, stored again; the next request is served whole.
     b.recover(req, out)

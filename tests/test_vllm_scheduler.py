@@ -195,7 +195,7 @@ def test_a_stored_prefix_comes_back_bit_exact(layout: KVLayout, rigs: list[Rig])
     again = r.serve("r2", ids)
     assert again.offered == again.loaded == r.top_hit(70) > 0
     assert again.verified > 0 and again.mismatched == again.failed == 0
-    figures = r.scheduler.figures()
+    figures = r.scheduler.stats()
     assert figures["loaded_tokens"] == figures["hit_tokens"] == again.offered
     assert figures["index_pinned"] == 0 and figures["jobs_in_flight"] == 0
     r.scheduler.index.check_integrity()
@@ -297,7 +297,7 @@ def test_sliding_groups_need_only_the_window_before_the_hit(rigs: list[Rig]) -> 
     r.prime(ids, 3 * span)
     first = r.serve("r1", ids, gpu=True)
     assert first.gpu_hit == 3 * span and first.offered == 0
-    assert r.scheduler.figures()["skipped_store_chunks"] > 0
+    assert r.scheduler.stats()["skipped_store_chunks"] > 0
     second = r.serve("r2", ids)
     assert second.offered == second.loaded == r.top_hit(80)  # early windows absent, no matter
     assert second.mismatched == 0 and second.verified > 0
@@ -311,7 +311,7 @@ def test_chunked_local_groups_need_only_the_current_attention_chunk(rigs: list[R
     r.prime(ids, 32)
     first = r.serve("r1", ids, gpu=True)
     assert first.gpu_hit == 32 and first.offered == 0
-    assert r.scheduler.figures()["skipped_store_chunks"] > 0
+    assert r.scheduler.stats()["skipped_store_chunks"] > 0
     second = r.serve("r2", ids)
     assert second.offered == second.loaded == r.top_hit(80) == 72  # needs [64, 72) of them
     assert second.mismatched == 0 and second.verified > 0
@@ -325,7 +325,7 @@ def test_a_hit_on_an_attention_chunk_boundary_needs_nothing_of_the_chunked_group
     r.prime(ids, 64)
     first = r.serve("r1", ids, gpu=True)  # the chunked groups store nothing at all
     assert first.gpu_hit == 64
-    assert r.scheduler.figures()["stored_chunks"] == 64 // 8  # the full group's
+    assert r.scheduler.stats()["stored_chunks"] == 64 // 8  # the full group's
     second = r.serve("r2", ids)
     assert second.offered == second.loaded == 64 and second.mismatched == 0
 
@@ -342,8 +342,8 @@ def test_a_suspended_worker_fails_orders_and_keeps_the_tiers(rigs: list[Rig]) ->
     r.engine.step()  # r2's load is ordered, refused and reported failed in this step
     stats = r.engine.stats
     assert stats.external_tokens == r.top_hit(70)  # the chunks are still there...
-    assert stats.loaded_tokens == 0 and r.scheduler.figures()["failed_loads"] == 1  # ...not loaded
-    assert r.worker.figures()["suspended_orders"] == 1  # r2's load (its chunks are stored)
+    assert stats.loaded_tokens == 0 and r.scheduler.stats()["failed_loads"] == 1  # ...not loaded
+    assert r.worker.stats()["suspended_orders"] == 1  # r2's load (its chunks are stored)
     r.worker.resume()
     r.engine.run([])  # vLLM starts r2 over: the same hit, loaded this time
     assert stats.failed_load_tokens == stats.loaded_tokens == r.top_hit(70)
@@ -359,7 +359,7 @@ def test_a_lookup_waits_for_a_promotion_in_flight(rigs: list[Rig], tmp_path: Pat
     assert offered
     sched.plan_load("a", reader.table(70, offered), offered)  # promotions reserved, not reported
     assert reader.lookup("b", ids) is None  # ask again later: the chunks are on their way
-    assert sched.figures()["deferred_lookups"] == 1
+    assert sched.stats()["deferred_lookups"] == 1
     reader.worker.submit(sched.take_orders(), JobKind.LOAD)
     reader.drain()
     assert reader.lookup("b", ids) == offered  # now CPU hits
@@ -376,13 +376,13 @@ def test_a_new_process_loads_from_the_disk_the_last_one_wrote(
     second = rig(rigs, layout, tmp_path, probes=True)
     served = second.serve("r1", ids)
     assert served.loaded == second.top_hit(70) and served.mismatched == 0 and served.verified
-    figures = second.scheduler.figures()
+    figures = second.scheduler.stats()
     assert figures["lower_hit_chunks"] > 0 and figures["cpu_hit_chunks"] == 0
     assert second.worker.engine.stats()["disk"].loads == figures["lower_hit_chunks"]
-    worker = second.worker.figures()["tiers"]  # the connector's worker figures: the same record
+    worker = second.worker.stats()["tiers"]  # the connector's worker figures: the same record
     assert worker["disk"]["loads"] == figures["lower_hit_chunks"] == worker["cpu"]["misses"]
     assert second.serve("r2", ids).loaded == served.loaded  # promoted: CPU hits now
-    assert second.scheduler.figures()["cpu_hit_chunks"] > 0
+    assert second.scheduler.stats()["cpu_hit_chunks"] > 0
 
 
 def test_corrupt_chunks_are_reported_and_recomputed(
@@ -402,11 +402,11 @@ def test_corrupt_chunks_are_reported_and_recomputed(
     # block the engine computes from is wrong (the forward pass overwrote the failed ones).
     assert served.offered == served.failed == second.top_hit(70) and served.loaded == 0
     assert served.mismatched == 0
-    figures = second.scheduler.figures()
+    figures = second.scheduler.stats()
     assert figures["failed_loads"] == 1 and figures["loaded_tokens"] == 0
     assert figures["index_pinned"] == 0 and figures["index_storing"] == 0
     assert figures["miss_tokens_by_reason"]["failed_load"] == served.failed  # said why
-    failed_blocks = second.worker.figures()["failed_load_blocks"]
+    failed_blocks = second.worker.stats()["failed_load_blocks"]
     assert failed_blocks > 0
     second.scheduler.index.check_integrity()
     # The recomputed chunks were stored again: the next request loads them, right.
@@ -430,7 +430,7 @@ def test_chunks_that_lost_their_slot_are_failed_at_once(rigs: list[Rig], tmp_pat
     reader.drain()
     failed = reader.worker.take_failed_blocks()
     assert failed == set(order.unloadable[0])
-    assert sched.figures()["unloadable_chunks"] == len(order.unloadable[0]) // 2
+    assert sched.stats()["unloadable_chunks"] == len(order.unloadable[0]) // 2
 
 
 # -- the protocol -----------------------------------------------------------------------------
@@ -445,10 +445,10 @@ def test_an_order_completes_when_every_rank_reported_it() -> None:
     [order] = sched.take_orders()
     first_key = order.keys[0]
     sched.on_report(JobReport(order.job_id, 1, frozenset(), {}, {}))
-    assert sched.figures()["jobs_in_flight"] == 1  # one rank is not enough
+    assert sched.stats()["jobs_in_flight"] == 1  # one rank is not enough
     assert sched.lookup("q", ids, 0) is None  # its chunks are still being stored
     sched.on_report(JobReport(order.job_id, 1, frozenset({first_key}), {}, {}))
-    figures = sched.figures()
+    figures = sched.stats()
     assert figures["jobs_in_flight"] == 0
     assert figures["failed_store_chunks"] == 1  # failed on one rank: failed
     assert figures["stored_chunks"] == len(order.keys) - 1
@@ -477,7 +477,7 @@ def test_chunks_a_finished_request_never_found_room_for_are_counted() -> None:
     busy = OffloadScheduler(config, namespace)
     first_step(busy, "r")
     busy.request_finished("r")  # its two stores are still in flight: 3 chunks never stored
-    assert busy.figures()["no_room_chunks"] == 3
+    assert busy.stats()["no_room_chunks"] == 3
 
     settled = OffloadScheduler(config, namespace)
     table, order = first_step(settled, "r")
@@ -486,7 +486,7 @@ def test_chunks_a_finished_request_never_found_room_for_are_counted() -> None:
     [retried] = settled.take_orders()
     assert len(retried.keys) == 2  # the next two, evicting the first (all ready now)
     settled.request_finished("r")
-    assert settled.figures()["no_room_chunks"] == 1
+    assert settled.stats()["no_room_chunks"] == 1
 
 
 def test_reset_drops_cpu_chunks_and_preemption_forgets_validity(rigs: list[Rig]) -> None:

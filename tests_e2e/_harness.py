@@ -7,7 +7,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from _runner import figure_delta
+from _runner import stat_delta
 
 #: Runs one engine process on a spec (see ``_runner.py``) and returns its result.
 Engine = Callable[..., dict[str, Any]]
@@ -50,7 +50,7 @@ GEMMA_GROUPS = [512, 512, 512, 32]
 
 def delta(result: dict[str, Any], n: int, side: str, name: str) -> int:
     """How much figure ``name`` of ``side`` grew during pass ``n`` of ``result``."""
-    return figure_delta(result["passes"], n, side, name)
+    return stat_delta(result["passes"], n, side, name)
 
 
 def assert_loaded_tokens_match(result: dict[str, Any], n: int) -> None:
@@ -118,7 +118,7 @@ def assert_same_output(result: dict[str, Any], reference: dict[str, Any]) -> Non
 
 def failpoint_fired(result: dict[str, Any], point: str) -> int:
     """How often fault point ``point`` fired in the run's worker (0: not turned on)."""
-    return int(result["figures"]["worker"].get(f"failpoint_{point.replace('.', '_')}", 0))
+    return int(result["stats"]["worker"].get(f"failpoint_{point.replace('.', '_')}", 0))
 
 
 def negative_control(
@@ -132,8 +132,8 @@ def negative_control(
     result = run(**spec, env={"KVOFFLOAD_FAILPOINTS": fault})
     assert result["error"] is None, result["error"]
     assert failpoint_fired(result, fault.split("=", 1)[0]) > 0, f"{fault} never fired"
-    assert result["figures"]["scheduler"]["failed_loads"] == 0
-    assert result["figures"]["worker"].get("failed_load_chunks", 0) == 0
+    assert result["stats"]["scheduler"]["failed_loads"] == 0
+    assert result["stats"]["worker"].get("failed_load_chunks", 0) == 0
     try:
         check(result)
     except AssertionError as failed:
@@ -148,7 +148,7 @@ def run_storing_engine(run: Engine, expected: dict[str, Any], /, **spec: Any) ->
     first = run(**spec)
     assert_same_tokens(first, expected)
     assert first["passes"][0]["cached"][0] == 0
-    assert first["figures"]["scheduler"]["stored_chunks"] > 0
+    assert first["stats"]["scheduler"]["stored_chunks"] > 0
     return first
 
 

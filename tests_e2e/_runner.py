@@ -48,9 +48,9 @@ The result::
       "passes": [{"tokens": [[...], ...], "logprobs": [[-0.01, ...], ...],
                   "cached": [288, ...], "finish": ["length", ...],
                   "seconds": 0.4, "prompt_seconds": [...], "ttft": [...] | null,
-                  "figures": {"scheduler": {...}, "worker": {...}},
+                  "stats": {"scheduler": {...}, "worker": {...}},
                   "acted": {"corrupted_files": 12, ...}}],
-      "figures": {"scheduler": {...}, "worker": {...}},  # after the last pass
+      "stats": {"scheduler": {...}, "worker": {...}},  # after the last pass
       "metrics": {"vllm:prompt_tokens_total": 123.0, ...} # when stats are logged, else {}
     }
 
@@ -62,7 +62,7 @@ alike), received on a loopback ZMQ socket this process binds.
 (vLLM's ``logprobs=0``: the sampled token's only), which a damaged block moves
 even where it leaves the greedy choice alone. ``cached`` is
 ``RequestOutput.num_cached_tokens`` (vLLM's prefix cache and the connector
-together); ``figures`` are ``KVOffloadConnector.figures()`` of
+together); ``stats`` are ``KVOffloadConnector.stats()`` of
 the live connectors of this process, keyed by role (the engine runs in this
 process: ``VLLM_ENABLE_V1_MULTIPROCESSING=0``). ``ttft`` is vLLM's
 ``first_token_latency`` per prompt when the engine logs stats
@@ -130,17 +130,17 @@ def delete_chunk_files(directory: str | Path) -> int:
     return len(files)
 
 
-def figure_delta(passes: list[dict[str, Any]], n: int, side: str, name: str) -> int:
-    """How much connector figure ``name`` of ``side`` grew during pass ``n`` (absent: 0)."""
+def stat_delta(passes: list[dict[str, Any]], n: int, side: str, name: str) -> int:
+    """How much connector stat ``name`` of ``side`` grew during pass ``n`` (absent: 0)."""
 
     def get(p: dict[str, Any]) -> int:
-        return int(p.get("figures", {}).get(side, {}).get(name, 0))
+        return int(p.get("stats", {}).get(side, {}).get(name, 0))
 
     return get(passes[n]) - (get(passes[n - 1]) if n else 0)
 
 
-def _figures() -> dict[str, Any]:
-    """``figures()`` of this process's live connectors, keyed by role (scheduler, worker)."""
+def _connector_stats() -> dict[str, Any]:
+    """``stats()`` of this process's live connectors, keyed by role (scheduler, worker)."""
     try:
         from kvoffload.vllm import active_connectors
     except ImportError:
@@ -148,7 +148,7 @@ def _figures() -> dict[str, Any]:
     out: dict[str, Any] = {}
     for connector in active_connectors():
         role = getattr(connector.role, "name", str(connector.role)).lower()
-        out[role] = _plain(connector.figures())
+        out[role] = _plain(connector.stats())
     return out
 
 
@@ -350,7 +350,7 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
     try:
         llm = LLM(model=spec["model"], **engine)
     except Exception as exc:  # the test reads the message
-        return {"error": "".join(traceback.format_exception(exc)), "passes": [], "figures": {}}
+        return {"error": "".join(traceback.format_exception(exc)), "passes": [], "stats": {}}
     import torch
 
     result: dict[str, Any] = {
@@ -390,11 +390,11 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
         record = _record(outputs)
         last = (entries, record["tokens"])
         record.update(seconds=time.perf_counter() - started, prompt_seconds=seconds, acted=acted)
-        record["figures"] = _figures() if "kv_transfer_config" in engine else {}
+        record["stats"] = _connector_stats() if "kv_transfer_config" in engine else {}
         if sink is not None:
             record["events"] = sink.take()
         result["passes"].append(record)
-    result["figures"] = _figures() if "kv_transfer_config" in engine else {}
+    result["stats"] = _connector_stats() if "kv_transfer_config" in engine else {}
     result["metrics"] = {} if engine.get("disable_log_stats", True) else _metrics(llm)
     return result
 

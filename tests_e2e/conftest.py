@@ -101,7 +101,7 @@ def reference(engine: Engine) -> Reference:
             assert again["cached"][0] > 0, again["cached"]  # the prefix cache works
             assert after_reset["cached"][0] == 0, after_reset["cached"]  # and the reset too
             assert first["tokens"] == again["tokens"] == after_reset["tokens"]
-            assert result["figures"] == {}
+            assert result["stats"] == {}
             done[key] = result
         return done[key]
 

@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from _models import GEMMA4, build
-from _runner import RESULT_MARK, figure_delta
+from _runner import RESULT_MARK, stat_delta
 
 from kvoffload.replay.trace import load_trace
 
@@ -72,7 +72,7 @@ def main(requests: int = 8) -> int:
         theirs = engine({**spec, "passes": REFERENCE})
     second, reference = ours["passes"][1], theirs["passes"][1]
     same = sum(a == b for a, b in zip(second["tokens"], reference["tokens"], strict=True))
-    loaded = figure_delta(ours["passes"], 1, "scheduler", "loaded_tokens")
+    loaded = stat_delta(ours["passes"], 1, "scheduler", "loaded_tokens")
     print(
         f"kvoffload demo on vLLM (CPU): tiny Gemma-4, KV cache groups of "
         f"{ours['kv_cache_groups']} tokens per block, {requests} requests of the demo trace\n"

@@ -51,10 +51,10 @@ def assert_served_by_connector(result: dict[str, Any], reference: dict[str, Any]
     assert_same_output(result, reference)
     first, second = result["passes"]
     assert delta(result, 0, "scheduler", "loaded_tokens") == 0  # nothing stored yet
-    assert first["figures"]["scheduler"]["stored_chunks"] > 0
+    assert first["stats"]["scheduler"]["stored_chunks"] > 0
     assert second["cached"][0] > 0, second["cached"]
     assert_loaded_tokens_match(result, 1)
-    scheduler, worker = result["figures"]["scheduler"], result["figures"]["worker"]
+    scheduler, worker = result["stats"]["scheduler"], result["stats"]["worker"]
     assert scheduler["hit_tokens"] == scheduler["loaded_tokens"]
     assert scheduler["failed_loads"] == 0
     assert scheduler["failed_load_tokens"] == 0
@@ -143,7 +143,7 @@ def test_reset_connector_forgets_the_offloaded_kv(
     )
     assert_same_tokens(result, expected)
     assert result["passes"][1]["cached"][0] == 0
-    assert result["figures"]["scheduler"]["loaded_tokens"] == 0
+    assert result["stats"]["scheduler"]["loaded_tokens"] == 0
 
 
 def test_small_cpu_tier_loads_from_disk(
@@ -168,7 +168,7 @@ def test_small_cpu_tier_loads_from_disk(
     second = result["passes"][1]
     assert second["cached"][0] == connector_hit(prompts[0], 32)
     assert_loaded_tokens_match(result, 1)
-    scheduler, worker = result["figures"]["scheduler"], result["figures"]["worker"]
+    scheduler, worker = result["stats"]["scheduler"], result["stats"]["worker"]
     assert scheduler["index_evictions"] > 0  # the working set did not fit
     assert scheduler["lower_hit_chunks"] >= 9  # at least the first prompt's came from disk
     assert worker["tiers"]["disk"]["loads"] >= 9
@@ -190,7 +190,7 @@ def test_restart_loads_what_the_previous_process_stored(
     assert_same_output(second, expected)
     cached = second["passes"][0]["cached"]
     assert cached == [connector_hit(p, 64) for p in LLAMA_PROMPTS]
-    scheduler, worker = second["figures"]["scheduler"], second["figures"]["worker"]
+    scheduler, worker = second["stats"]["scheduler"], second["stats"]["worker"]
     assert_loaded_tokens_match(second, 0)
     assert scheduler["lower_hit_chunks"] > 0
     assert worker["tiers"]["disk"]["loads"] > 0
@@ -223,7 +223,7 @@ def assert_recomputed_after_corruption(result: dict[str, Any], expected: dict[st
     prompt vLLM recomputed shows no cached token.
     """
     assert_same_output(result, expected)
-    scheduler, worker = result["figures"]["scheduler"], result["figures"]["worker"]
+    scheduler, worker = result["stats"]["scheduler"], result["stats"]["worker"]
     assert scheduler["failed_loads"] > 0
     assert scheduler["failed_load_tokens"] > 0
     assert worker["failed_load_blocks"] > 0
@@ -265,7 +265,7 @@ def test_corrupt_chunks_after_restart_are_recomputed(
     )
     assert result["passes"][0]["acted"]["corrupted_files"] > 0
     assert_recomputed_after_corruption(result, expected)
-    assert result["figures"]["scheduler"]["loaded_tokens"] == 0  # every file was damaged
+    assert result["stats"]["scheduler"]["loaded_tokens"] == 0  # every file was damaged
     # vLLM computed the first prompt whole itself (a clean load leaves it one token).
     computed = result["metrics"]["vllm:request_prefill_kv_computed_tokens_sum"]
     assert computed >= len(prompts[0]), computed

@@ -62,16 +62,16 @@ def test_two_engines_at_once_load_each_others_chunks_within_one_budget(
     stored = both(halves, one_by_one=True)
     for result, half in zip(stored, halves, strict=True):
         assert_same_output(result, outputs_of(expected, half))
-        assert result["figures"]["scheduler"]["stored_chunks"] == 20
+        assert result["stats"]["scheduler"]["stored_chunks"] == 20
     sizes = {p.stat().st_size for p in (tmp_path / "kv").rglob("*.kv")}
     assert sizes == {FILE_BYTES}, sizes
     assert disk_bytes(tmp_path / "kv") <= BUDGET  # 40 chunks stored, at most 30 kept
-    assert sum(r["figures"]["worker"]["tiers"]["disk"]["evictions"] for r in stored) == 10
+    assert sum(r["stats"]["worker"]["tiers"]["disk"]["evictions"] for r in stored) == 10
 
     swapped = both(halves[::-1], one_by_one=False)
     for result, half in zip(swapped, halves[::-1], strict=True):
         assert_same_output(result, outputs_of(expected, half))
-        scheduler, worker = result["figures"]["scheduler"], result["figures"]["worker"]
+        scheduler, worker = result["stats"]["scheduler"], result["stats"]["worker"]
         assert scheduler["lower_hit_chunks"] > 0  # the other engine's chunks
         assert worker["tiers"]["disk"]["loads"] == scheduler["lower_hit_chunks"]
         assert sum(result["passes"][0]["cached"]) == scheduler["loaded_tokens"] > 0

@@ -63,7 +63,7 @@ def test_cpu_chunks_are_announced_as_the_gpu_blocks_they_copy(
     gpu = gpu_blocks(first)
     stored = cpu_events(first, "BlockStored")
     assert gpu and stored
-    chunks = result["passes"][0]["figures"]["scheduler"]["stored_chunks"]
+    chunks = result["passes"][0]["stats"]["scheduler"]["stored_chunks"]
     assert len(stored) == chunks == 15  # one event per chunk, every chunk
     for event in stored:
         hashes = event["block_hashes"]
@@ -99,5 +99,5 @@ def test_cpu_chunks_are_announced_as_the_gpu_blocks_they_copy(
 
 
 def delta_evictions(result: dict[str, Any]) -> int:
-    figures = [p["figures"]["scheduler"]["index_evictions"] for p in result["passes"]]
+    figures = [p["stats"]["scheduler"]["index_evictions"] for p in result["passes"]]
     return int(figures[2] - figures[1])

@@ -83,7 +83,7 @@ def test_qwen3_next_round_trip(
     hit = connector_hit(QWEN_PROMPTS[0], chunk)
     assert hit > 0 and result["passes"][1]["cached"] == [hit] * 3
     assert_loaded_tokens_match(result, 1)
-    scheduler, worker = result["figures"]["scheduler"], result["figures"]["worker"]
+    scheduler, worker = result["stats"]["scheduler"], result["stats"]["worker"]
     assert scheduler["failed_loads"] == 0 and worker.get("failed_load_chunks", 0) == 0
     # Pass 1 stored the attention chunks up to the hit and one state per group there.
     assert delta(result, 0, "scheduler", "stored_chunks") == hit // chunk + 3
@@ -115,7 +115,7 @@ def test_qwen3_next_issue_29_prompts_hit_as_vllm_does_at_one_block_per_chunk(
     hit = 1299 // block_size(result) * block_size(result)
     assert result["passes"][1]["cached"] == expected["passes"][1]["cached"] == [hit] * 4
     assert_loaded_tokens_match(result, 1)
-    assert result["figures"]["scheduler"]["failed_loads"] == 0
+    assert result["stats"]["scheduler"]["failed_loads"] == 0
 
 
 def test_qwen3_next_two_blocks_per_chunk_hits_where_a_state_ends_a_chunk(
@@ -137,7 +137,7 @@ def test_qwen3_next_two_blocks_per_chunk_hits_where_a_state_ends_a_chunk(
     # prompt its own.
     assert result["passes"][1]["cached"] == [1536] * 4
     assert_loaded_tokens_match(result, 1)
-    assert result["figures"]["scheduler"]["failed_loads"] == 0
+    assert result["stats"]["scheduler"]["failed_loads"] == 0
     log = Path(result["log"]).read_text()
     assert log.count("blocks_per_chunk=2 with recurrent state groups") == 1
 
@@ -164,7 +164,7 @@ def test_qwen3_next_next_turn_hits_the_output_end(engine: Engine, qwen3_next: st
     )  # fmt: skip
     assert_like_the_oracle(result, oracle)
     assert_loaded_tokens_match(result, 1)
-    assert result["figures"]["scheduler"]["failed_loads"] == 0
+    assert result["stats"]["scheduler"]["failed_loads"] == 0
 
 
 def state_files(directory: Path, result: dict[str, Any]) -> list[Path]:
@@ -187,13 +187,13 @@ def test_qwen3_next_disk_restart_and_corrupt_states(
     oracle = {"passes": [expected["passes"][1]]}  # vLLM's own prefix cache
     connector = with_disk(tmp_path / "kv", "256MiB", cpu_bytes_to_use="256MiB")
     first = engine(model=qwen3_next, engine=QWEN_ENGINE, prompts=QWEN_PROMPTS, connector=connector)
-    assert first["error"] is None and first["figures"]["scheduler"]["stored_chunks"] > 0
+    assert first["error"] is None and first["stats"]["scheduler"]["stored_chunks"] > 0
     assert len(state_files(tmp_path / "kv", first)) == 3  # one state per group, at the hit
 
     second = engine(model=qwen3_next, engine=QWEN_ENGINE, prompts=QWEN_PROMPTS,
                     connector=connector)  # fmt: skip
     assert_like_the_oracle(second, oracle)
-    assert second["figures"]["scheduler"]["lower_hit_chunks"] > 0
+    assert second["stats"]["scheduler"]["lower_hit_chunks"] > 0
     assert_loaded_tokens_match(second, 0)
 
     damaged = state_files(tmp_path / "kv", first)
@@ -207,7 +207,7 @@ def test_qwen3_next_disk_restart_and_corrupt_states(
     assert third["error"] is None, third["error"]
     found = differences(third["passes"][0], expected["passes"][0])
     assert not found, "; ".join(found)
-    scheduler, worker = third["figures"]["scheduler"], third["figures"]["worker"]
+    scheduler, worker = third["stats"]["scheduler"], third["stats"]["worker"]
     assert scheduler["failed_loads"] > 0 and worker["failed_load_jobs"] > 0
     assert worker["tiers"]["disk"]["corrupt"] == len(damaged) == 3
     # What vLLM saw: it counts no cached token for the first prompt and computed it whole.
@@ -241,7 +241,7 @@ def test_qwen3_next_read_only_disk_cache_is_served(
     expected = reference(qwen3_next, QWEN_ENGINE, QWEN_PROMPTS)
     connector = with_disk(tmp_path / "kv", "256MiB", cpu_bytes_to_use="256MiB")
     first = engine(model=qwen3_next, engine=QWEN_ENGINE, prompts=QWEN_PROMPTS, connector=connector)
-    assert first["error"] is None and first["figures"]["scheduler"]["stored_chunks"] > 0
+    assert first["error"] is None and first["stats"]["scheduler"]["stored_chunks"] > 0
     new = shared_prefix_prompts(1, prefix_len=1100, suffix_len=20, vocab=512, seed=7)
     with read_only(tmp_path / "kv"):  # the same prompts, then one it has not seen
         second = engine(model=qwen3_next, engine=QWEN_ENGINE, prompts=QWEN_PROMPTS,
@@ -250,7 +250,7 @@ def test_qwen3_next_read_only_disk_cache_is_served(
     assert second["passes"][0]["tokens"] == expected["passes"][0]["tokens"]
     assert second["passes"][0]["cached"] == expected["passes"][1]["cached"]  # vLLM's own cache
     assert_loaded_tokens_match(second, 0)
-    disk = second["figures"]["worker"]["tiers"]["disk"]
+    disk = second["stats"]["worker"]["tiers"]["disk"]
     assert disk["read_only"] == 1 and disk["loads"] > 0 and disk["read_only_skips"] > 0
     assert disk["store_failures"] == 0 and disk["load_failures"] == 0
     log = Path(second["log"]).read_text()

@@ -55,7 +55,7 @@ def test_a_second_engine_loads_what_the_first_stored_on_the_server(
     }
     spec = {"model": model, "engine": engine_args, "prompts": prompts, "connector": connector}
     first = run_storing_engine(engine, expected, **spec)
-    stored = first["figures"]["scheduler"]["stored_chunks"]
+    stored = first["stats"]["scheduler"]["stored_chunks"]
     on_server = redis_server.client().dbsize()
     # Every stored chunk reached the server before the first engine's process ended.
     assert on_server == stored, (on_server, stored)
@@ -64,7 +64,7 @@ def test_a_second_engine_loads_what_the_first_stored_on_the_server(
     assert_same_output(second, expected)
     assert second["passes"][0]["cached"] == hits
     assert_loaded_tokens_match(second, 0)
-    scheduler, worker = second["figures"]["scheduler"], second["figures"]["worker"]
+    scheduler, worker = second["stats"]["scheduler"], second["stats"]["worker"]
     assert scheduler["lower_hit_chunks"] > 0
     assert worker["tiers"]["redis"]["loads"] > 0
     assert worker["tiers"]["redis"]["misses"] == 0

@@ -86,7 +86,7 @@ def test_draft_model_kv_is_offloaded_with_the_targets(
     cached = result["passes"][1]["cached"]
     assert cached[0] == connector_hit(LLAMA_PROMPTS[0], 32 * bpc) > 0, cached
     assert delta(result, 1, "scheduler", "loaded_tokens") == sum(cached)
-    assert result["figures"]["scheduler"]["failed_loads"] == 0
+    assert result["stats"]["scheduler"]["failed_loads"] == 0
     drafted, accepted = result["metrics"].get(DRAFTED, 0), result["metrics"].get(ACCEPTED, 0)
     assert drafted > 0
     if draft == "agreeing":  # both passes: the first alike, so the second's are equal
@@ -104,7 +104,7 @@ def test_the_drafter_changes_the_key_namespace(
     first = engine(model=llama, engine=draft_engine(drafts["agreeing"]), prompts=prompts,
                    connector=disk, max_tokens=8)  # fmt: skip
     assert first["error"] is None, first["error"]
-    assert first["figures"]["scheduler"]["stored_chunks"] > 0
+    assert first["stats"]["scheduler"]["stored_chunks"] > 0
     for draft, hit in ((drafts["agreeing"], connector_hit(prompts[0], 32)), (other, 0)):
         again = engine(model=llama, engine=draft_engine(draft), prompts=prompts,
                        connector=disk, max_tokens=8)  # fmt: skip

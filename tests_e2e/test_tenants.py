@@ -58,7 +58,7 @@ def run_passes(
     result = run(passes=steps, prompts=passes[0], connector=connector, **spec)
     assert result["error"] is None, result["error"]
     result["spec_prompts"] = passes
-    scheduler = result["figures"]["scheduler"]
+    scheduler = result["stats"]["scheduler"]
     assert scheduler["failed_loads"] == 0 and scheduler["unkeyable_requests"] == 0
     return result
 
@@ -83,7 +83,7 @@ def test_tenants_hit_their_own_chunks_and_never_another_salts(
     check_pass(result, 1, expected, [0, 0])
     # Each tenant's second request hits its own copy of the system prompt.
     check_pass(result, 2, expected, [shared, shared])
-    stored = result["passes"][1]["figures"]["scheduler"]["stored_chunks"]
+    stored = result["passes"][1]["stats"]["scheduler"]["stored_chunks"]
     assert stored >= 3 * len(SYSTEM) // 32  # three separate copies of the system prompt
 
 

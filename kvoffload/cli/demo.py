@@ -120,9 +120,9 @@ def serve(args: argparse.Namespace, disk_path: str) -> dict[str, Any]:
     finally:
         side.close()
     assert side.worker is not None  # a side that moves bytes has one
-    figures, worker = side.scheduler.figures(), side.worker.figures()
+    sched, worker = side.scheduler.stats(), side.worker.stats()
     tiers = side.worker.engine.stats()
-    failed_stores = figures["failed_store_chunks"]
+    failed_stores = sched["failed_store_chunks"]
     return {
         "ok": stats.mismatched_blocks == 0 and failed_stores == 0,
         "requests": stats.requests, "seconds": stats.seconds, "steps": stats.steps,
@@ -130,7 +130,7 @@ def serve(args: argparse.Namespace, disk_path: str) -> dict[str, Any]:
         "prompt_tokens": stats.prompt_tokens,
         "gpu_hit_tokens": stats.gpu_hit_tokens, "loaded_tokens": stats.loaded_tokens,
         "failed_load_tokens": stats.failed_load_tokens,
-        **{name: figures[name] for name in ("cpu_hit_chunks", "lower_hit_chunks",
+        **{name: sched[name] for name in ("cpu_hit_chunks", "lower_hit_chunks",
                                              "stored_chunks", "skipped_store_chunks")},
         "tiers": {
             name: {"stored_bytes": t.store_bytes, "store_gbps": t.store_gbps,

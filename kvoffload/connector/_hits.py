@@ -39,7 +39,7 @@ from typing import NamedTuple
 
 from kvoffload.config.layout import CacheGroup, KVLayout, Reuse
 from kvoffload.errors import ConfigError
-from kvoffload.manager.offload_manager import OffloadManager
+from kvoffload.manager.index import OffloadIndex
 from kvoffload.tiers.base import TierProbe
 
 __all__ = [
@@ -208,7 +208,7 @@ class HitFinder:
         self,
         layout: KVLayout,
         tokens_per_chunk: Sequence[int],
-        index: OffloadManager,
+        index: OffloadIndex,
         probes: Sequence[TierProbe],
     ) -> None:
         self.layout = layout

@@ -8,7 +8,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 
 from kvoffload.connector._request import RequestState
-from kvoffload.manager.offload_manager import OffloadManager
+from kvoffload.manager.index import OffloadIndex
 
 __all__ = ["Trails"]
 
@@ -21,7 +21,7 @@ class Trails:
     dropped when its store completes, unless someone wanted it again meanwhile.
     """
 
-    def __init__(self, index: OffloadManager) -> None:
+    def __init__(self, index: OffloadIndex) -> None:
         self.index = index
         self._holders: dict[bytes, set[str]] = {}
         self._doomed: set[bytes] = set()

@@ -19,7 +19,7 @@ from kvoffload.connector.jobs import JobBook
 from kvoffload.connector.misses import MissLedger, MissReason
 from kvoffload.connector.stats import SchedulerStats
 from kvoffload.connector.stores import record_stored
-from kvoffload.manager.offload_manager import OffloadManager
+from kvoffload.manager.index import OffloadIndex
 from kvoffload.manager.usage import record_use
 from kvoffload.messages import JobKind, JobReport, TransferOrder
 
@@ -33,7 +33,7 @@ class LoadPlanner:
         self,
         config: OffloadConfig,
         *,
-        index: OffloadManager,
+        index: OffloadIndex,
         retention: Retention,
         jobs: JobBook,
         stats: SchedulerStats,

@@ -46,7 +46,7 @@ from kvoffload.connector.requests import RequestTable
 from kvoffload.connector.stats import SchedulerStats
 from kvoffload.connector.stores import StorePlanner
 from kvoffload.keys import EngineHashes, KeyExtras
-from kvoffload.manager.offload_manager import OffloadManager
+from kvoffload.manager.index import OffloadIndex
 from kvoffload.manager.results import IndexEvent
 from kvoffload.messages import JobKind, JobReport, TransferOrder
 from kvoffload.tiers.base import TierProbe
@@ -79,7 +79,7 @@ class OffloadScheduler:
                 engine_hashes.check_span(span)
         self.config = config
         self.layout = config.layout
-        self.index = OffloadManager.from_config(config)
+        self.index = OffloadIndex.from_config(config)
         self.probes = tuple(probes)
         #: Hits land on multiples of this many tokens (every group's chunk boundary).
         self.alignment = config.hit_alignment
@@ -280,7 +280,7 @@ class OffloadScheduler:
     def take_events(self) -> list[IndexEvent]:
         return self.index.take_events()
 
-    def figures(self) -> dict[str, int | dict[str, int]]:
+    def stats(self) -> dict[str, int | dict[str, int]]:
         """Counters since start: offered and loaded tokens (also by tier), stores, index state."""
         out = self._stats.snapshot()
         by_tier = {name: out.pop(name) for name in ("hit_tokens_by_tier", "loaded_tokens_by_tier")}

@@ -23,7 +23,7 @@ from kvoffload.connector.jobs import JobBook
 from kvoffload.connector.misses import MissLedger
 from kvoffload.connector.requests import RequestTable
 from kvoffload.connector.stats import SchedulerStats
-from kvoffload.manager.offload_manager import OffloadManager
+from kvoffload.manager.index import OffloadIndex
 from kvoffload.manager.results import StoreResult
 from kvoffload.manager.usage import record_stores
 from kvoffload.messages import ChunkSpan, JobKind, JobReport, TransferOrder
@@ -38,7 +38,7 @@ class StorePlanner:
         self,
         config: OffloadConfig,
         *,
-        index: OffloadManager,
+        index: OffloadIndex,
         retention: Retention,
         jobs: JobBook,
         stats: SchedulerStats,
@@ -196,7 +196,7 @@ class StorePlanner:
 
 
 def record_stored(
-    index: OffloadManager,
+    index: OffloadIndex,
     retention: Retention,
     req: RequestState | None,
     job: JobState,

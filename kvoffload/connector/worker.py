@@ -200,7 +200,7 @@ class OffloadWorker:
         reports, self._reports = list(self._reports.values()), {}
         return reports
 
-    def figures(self) -> dict[str, Any]:
+    def stats(self) -> dict[str, Any]:
         """This side's job counters since start, and ``tiers``: each tier's stats as numbers.
 
         Jobs are counted here, from their reports; bytes, hits and failures of
@@ -209,7 +209,7 @@ class OffloadWorker:
         out: dict[str, Any] = self._stats.snapshot()
         out["tiers"] = {name: stats.snapshot() for name, stats in self.engine.stats().items()}
         if self.engine.faults is not None:  # a negative control shows its fault fired
-            out.update(self.engine.faults.figures())
+            out.update(self.engine.faults.stats())
         return out
 
     def close(self) -> None:

@@ -125,7 +125,7 @@ class FailPoints:
             self.fired[point] += 1
         return True
 
-    def figures(self) -> dict[str, int]:
+    def stats(self) -> dict[str, int]:
         """How often each point turned on fired: flat counters (``failpoint_load_wrong_block``)."""
         return {f"failpoint_{name.replace('.', '_')}": self.fired[name] for name in self._limits}
 

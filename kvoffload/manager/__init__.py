@@ -5,7 +5,7 @@ The manager never touches bytes; it hands out slot ids and reports events.
 
 from __future__ import annotations
 
-from kvoffload.manager.offload_manager import OffloadManager
+from kvoffload.manager.index import OffloadIndex
 from kvoffload.manager.policies import (
     AdaptivePolicy,
     AdmissionFilter,
@@ -25,7 +25,7 @@ __all__ = [
     "IndexEvent",
     "LRUPolicy",
     "LoadResult",
-    "OffloadManager",
+    "OffloadIndex",
     "S3FIFOPolicy",
     "StoreResult",
     "nothing_protected",

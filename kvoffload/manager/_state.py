@@ -3,7 +3,7 @@
 vLLM asks the connector for hits in ``get_num_new_matched_tokens``, which must be free of
 side effects (it may be called twice for one request): these queries touch no counter and
 tell the policy nothing. The mutations (stores, loads, evictions) are
-:class:`~kvoffload.manager.offload_manager.OffloadManager`'s.
+:class:`~kvoffload.manager.index.OffloadIndex`'s.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Per-tenant shares of the CPU tier: who holds which chunk, and how many each may hold.
 
-A tenant is what ``OffloadManager.prepare_store`` is told (the connector
+A tenant is what ``OffloadIndex.prepare_store`` is told (the connector
 passes the request's cache salt; requests without one are the ``None``
 tenant). With a share ``s``, no tenant holds more than ``cap = s * capacity``
 chunks (ready or being stored): a store that would take its tenant over the

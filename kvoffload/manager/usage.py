@@ -4,7 +4,7 @@ A request's chunks form a chain: a chunk is worth loading only if every chunk
 before it is there too. So when room runs out, a recency policy must lose a
 chain's *tail* before its head, never cut it in the middle. Two rules give
 that order, and every caller that drives an
-:class:`~kvoffload.manager.OffloadManager` for requests goes through them:
+:class:`~kvoffload.manager.OffloadIndex` for requests goes through them:
 the connector's scheduler (and through it the demo and the engine replay),
 and the index-only replay of ``kvoffload replay --index-only``.
 
@@ -14,7 +14,7 @@ and the index-only replay of ``kvoffload replay --index-only``.
   system prompt that the engine keeps in its own cache is therefore recent
   here too, and is not evicted as if nobody read it. Ranked tail first, so
   the head ends most recent; the engine's hits rank as recent without
-  counting as hits of this tier (``OffloadManager.refresh``), so the
+  counting as hits of this tier (``OffloadIndex.refresh``), so the
   adaptive policy's admission shadows count only what this tier serves.
 * :func:`record_stores`: some of its chunks were stored (or promoted from a
   lower tier). They enter the index tail first, then the chunks ahead of
@@ -24,7 +24,7 @@ and the index-only replay of ``kvoffload replay --index-only``.
 
 With these rules kvoffload's LRU reproduces the hit ratios of vLLM's LRU on
 a slice of the Mooncake trace (``tests/test_replay.py``); see
-:meth:`OffloadManager.touch` for what the tail-first order is worth.
+:meth:`OffloadIndex.touch` for what the tail-first order is worth.
 """
 
 from __future__ import annotations
@@ -32,12 +32,12 @@ from __future__ import annotations
 from collections.abc import Collection, Sequence
 
 from kvoffload.errors import ProtocolError
-from kvoffload.manager.offload_manager import OffloadManager
+from kvoffload.manager.index import OffloadIndex
 
 __all__ = ["record_stores", "record_use"]
 
 
-def record_use(index: OffloadManager, keys: Sequence[bytes], served: int = 0) -> None:
+def record_use(index: OffloadIndex, keys: Sequence[bytes], served: int = 0) -> None:
     """A request used ``keys`` (its chunks in chain order, head first): tail first.
 
     The first ``served`` of them came from the engine's own prefix cache: they
@@ -51,7 +51,7 @@ def record_use(index: OffloadManager, keys: Sequence[bytes], served: int = 0) ->
 
 
 def record_stores(
-    index: OffloadManager,
+    index: OffloadIndex,
     request_keys: Sequence[bytes],
     done: Sequence[bytes],
     failed: Collection[bytes] = (),

@@ -1,7 +1,7 @@
 """Trace replay: hit ratio and throughput of the offload index, with Belady's bound.
 
 ``load_trace`` reads a Mooncake-format JSON-lines trace into chunk keys,
-``replay`` drives an :class:`~kvoffload.manager.OffloadManager` with it the
+``replay`` drives an :class:`~kvoffload.manager.OffloadIndex` with it the
 way vLLM's connector drives its manager, ``belady_hits`` is the clairvoyant
 bound under the same prefix-hit semantics, and ``sweep`` runs policy x
 capacity grids for the ``kvoffload replay`` command.

@@ -167,7 +167,7 @@ def replay_engine(
     namespace = namespace_of("kvoffload-replay", "uint8", layout)
     side = KVOffloadSide(config, namespace, kv, record_events=False, transfers=transfers)
     stats = run_side(trace, side, layout, settings, progress=progress, desc=f"{policy}@{capacity}")
-    misses = side.scheduler.figures()["miss_tokens_by_reason"]
+    misses = side.scheduler.stats()["miss_tokens_by_reason"]
     assert isinstance(misses, dict)  # the figure's type, for mypy
     return EngineRow.of(trace, "kvoffload", policy, (capacity, settings.gpu_blocks), stats,
                         miss_tokens=misses)  # fmt: skip

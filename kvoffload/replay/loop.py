@@ -1,4 +1,4 @@
-"""The index-only replay: drive an :class:`OffloadManager` with a trace, one request at a time.
+"""The index-only replay: drive an :class:`OffloadIndex` with a trace, one request at a time.
 
 This is the policy study of ``kvoffload replay --index-only``: no engine, no
 GPU prefix cache, every request served whole before the next. Per request:
@@ -23,7 +23,7 @@ import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from kvoffload.manager import EvictionPolicy, OffloadManager
+from kvoffload.manager import EvictionPolicy, OffloadIndex
 from kvoffload.manager.usage import record_stores, record_use
 from kvoffload.replay.trace import Trace
 
@@ -53,7 +53,7 @@ class ReplayResult:
         return self.blocks / self.seconds if self.seconds > 0 else float("inf")
 
 
-def drive(manager: OffloadManager, requests: Iterable[Sequence[bytes]]) -> int:
+def drive(manager: OffloadIndex, requests: Iterable[Sequence[bytes]]) -> int:
     """Replay ``requests`` through ``manager``; return the prefix-hit block count.
 
     Kept free of timing and reporting so the benchmark and the tests run
@@ -87,7 +87,7 @@ def replay(
     ``policy`` is a registry name, an instance built for ``capacity``, or
     ``None`` for the default. ``progress`` shows a tqdm bar on stderr.
     """
-    manager = OffloadManager(capacity, policy, record_events=False)
+    manager = OffloadIndex(capacity, policy, record_events=False)
     requests: Iterable[Sequence[bytes]] = trace.requests
     if progress:
         from tqdm import tqdm

@@ -1,7 +1,7 @@
 """The CPU slab: one host buffer of fixed-size slots, pinned when CUDA is present.
 
 It is addressed by slot, not by key, and it is not a :class:`~kvoffload.tiers.base.Tier`:
-the scheduler-side index (:class:`kvoffload.manager.OffloadManager`) owns the
+the scheduler-side index (:class:`kvoffload.manager.OffloadIndex`) owns the
 slots and decides what lives where. Its ``prepare_store`` / ``prepare_load``
 hand out slot ids, and the engine gathers engine blocks straight into
 :meth:`CPUSlab.slot` and scatters straight out of it, with no staging copy.

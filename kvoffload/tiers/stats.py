@@ -3,7 +3,7 @@
 Every tier (the CPU slab, the disk tier, the remote tier, and the write-behind
 queue in front of the remote tier) owns one :class:`TierCounters` and counts
 each event where it happens, once. Readers (the cascade, the engine, the
-connector's ``figures()``, a metrics exporter) call the tier's ``stats()`` and
+connector's ``stats()``, a metrics exporter) call the tier's ``stats()`` and
 get a frozen :class:`TierStats`.
 
 Outcomes are disjoint, so totals add up:
@@ -98,7 +98,7 @@ class TierStats:
         return out
 
     def snapshot(self) -> dict[str, float]:
-        """Every figure by name, as plain numbers (for logs, JSON and the connector's figures)."""
+        """Every figure by name, as plain numbers (for logs, JSON and the connector's stats)."""
         return {name: value for name, _, value in self.metrics()}
 
 

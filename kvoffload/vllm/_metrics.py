@@ -1,6 +1,6 @@
-"""The connector's figures as vLLM carries them each step, and as Prometheus series.
+"""The connector's stats as vLLM carries them each step, and as Prometheus series.
 
-This is the one place that maps kvoffload's figures (the scheduler side's
+This is the one place that maps kvoffload's stats (the scheduler side's
 counters, each tier's :class:`~kvoffload.tiers.stats.TierStats`, the jobs'
 durations) to metrics; :mod:`kvoffload.vllm._prom` only registers and feeds
 what :data:`SERIES` lists. It imports neither vLLM nor torch.
@@ -36,8 +36,8 @@ __all__ = [
     "Deltas",
     "Series",
     "merge",
-    "scheduler_figures",
-    "worker_figures",
+    "scheduler_series",
+    "worker_series",
     "worker_payload",
 ]
 
@@ -104,15 +104,15 @@ def key(name: str, tier: str = "", rank: int | None = None) -> str:
     return SEP.join([name, tier] if rank is None else [name, tier, str(rank)])
 
 
-def scheduler_figures(figures: Mapping[str, Any]) -> tuple[dict[str, float], dict[str, float]]:
+def scheduler_series(stats: Mapping[str, Any]) -> tuple[dict[str, float], dict[str, float]]:
     """Cumulative counters and gauges of the scheduler side, keyed ``name|tier``.
 
-    Every plain counter of ``OffloadScheduler.figures()`` goes in (the log line
+    Every plain counter of ``OffloadScheduler.stats()`` goes in (the log line
     shows them); tokens by tier and the CPU index's evictions become series.
     """
     counters: dict[str, float] = {}
     gauges: dict[str, float] = {}
-    for name, value in figures.items():
+    for name, value in stats.items():
         if isinstance(value, Mapping):
             base = _BY_LABEL.get(name, name.removesuffix("_by_tier"))
             counters.update({key(base, label): n for label, n in value.items()})
@@ -120,19 +120,19 @@ def scheduler_figures(figures: Mapping[str, Any]) -> tuple[dict[str, float], dic
             gauges[key(name)] = value
         elif name not in ("hit_tokens", "loaded_tokens"):  # by tier above
             counters[key(name)] = value
-    counters[key("evictions", "cpu")] = figures.get("index_evictions", 0)
+    counters[key("evictions", "cpu")] = stats.get("index_evictions", 0)
     return counters, gauges
 
 
-#: The scheduler side's figures that are current values (of the index, or in flight).
+#: The scheduler side's stats that are current values (of the index, or in flight).
 _GAUGES = frozenset(("capacity", "used", "ready", "storing", "pinned", "free",
                      "jobs_in_flight", "requests_tracked", "reuse_distance_chunks"))  # fmt: skip
-#: The scheduler side's figures by a label other than the tier, and their series.
+#: The scheduler side's stats by a label other than the tier, and their series.
 _BY_LABEL = {"miss_lookups_by_reason": "lookup_misses",
              "miss_tokens_by_reason": "lookup_miss_tokens"}  # fmt: skip
 
 
-def worker_figures(
+def worker_series(
     tiers: Mapping[str, TierStats], jobs: Mapping[str, int], rank: int
 ) -> tuple[dict[str, float], dict[str, float]]:
     """Cumulative counters and gauges of one worker: its tiers and its job counters."""
@@ -157,14 +157,14 @@ def worker_figures(
 
 def worker_payload(worker: OffloadWorker, rank: int, deltas: Deltas) -> Payload | None:
     """One worker's payload of the step: its tiers, its job counters and the jobs' seconds."""
-    jobs = {name: n for name, n in worker.figures().items() if name != "tiers"}
-    counters, gauges = worker_figures(worker.engine.stats(), jobs, rank)
+    jobs = {name: n for name, n in worker.stats().items() if name != "tiers"}
+    counters, gauges = worker_series(worker.engine.stats(), jobs, rank)
     samples = {key(f"{kind}_seconds"): v for kind, v in worker.take_seconds().items()}
     return deltas.take(counters, gauges, samples)
 
 
 class Deltas:
-    """Turns one side's cumulative figures into per-step payloads (changes only)."""
+    """Turns one side's cumulative stats into per-step payloads (changes only)."""
 
     def __init__(self) -> None:
         self._counters: dict[str, float] = {}

@@ -1,4 +1,4 @@
-"""The connector's figures in vLLM's log line and its Prometheus ``/metrics``.
+"""The connector's stats in vLLM's log line and its Prometheus ``/metrics``.
 
 :class:`KVOffloadStats` is the payload vLLM carries from the engine to the
 frontend each step (its format: :mod:`kvoffload.vllm._metrics`);
@@ -34,7 +34,7 @@ PREFIX = "vllm:kvoffload_"
 
 @dataclass
 class KVOffloadStats(KVConnectorStats):
-    """One step's (or, in the log, one interval's) figures; see :mod:`kvoffload.vllm._metrics`."""
+    """One step's (or, in the log, one interval's) stats; see :mod:`kvoffload.vllm._metrics`."""
 
     def reset(self) -> None:
         self.data: dict[str, Any] = {"c": {}, "g": {}, "h": {}}

@@ -53,7 +53,7 @@ from kvoffload.vllm._events import ChunkEvents
 from kvoffload.vllm._extras import ExtrasReader, Unkeyable
 from kvoffload.vllm._layout import GroupMap, boundary_states, group_map
 from kvoffload.vllm._messages import KVOffloadMetadata, KVOffloadWorkerMetadata
-from kvoffload.vllm._metrics import Deltas, scheduler_figures, worker_payload
+from kvoffload.vllm._metrics import Deltas, scheduler_series, worker_payload
 from kvoffload.vllm._prom import KVOffloadPromMetrics, KVOffloadStats
 from kvoffload.vllm._startup import build_scheduler, check_engine, kv_identity
 
@@ -140,13 +140,13 @@ class KVOffloadConnector(KVConnectorBase_V1, SupportsHMA):
         model = self._model_id if self.world_size == 1 else f"{self._model_id}#tp{rank}"
         return namespace_of(model, self._dtype, self.layout)
 
-    def figures(self) -> dict[str, Any]:
+    def stats(self) -> dict[str, Any]:
         """This side's counters: offered and loaded tokens (scheduler), jobs and bytes (worker)."""
         if self._scheduler is not None:
-            out: dict[str, Any] = self._scheduler.figures()
+            out: dict[str, Any] = self._scheduler.stats()
             out["unkeyable_requests"] = self._extras.refused
             return out
-        return self._worker.figures() if self._worker is not None else {}
+        return self._worker.stats() if self._worker is not None else {}
 
     # ==============================================================================
     # Scheduler side
@@ -353,9 +353,9 @@ class KVOffloadConnector(KVConnectorBase_V1, SupportsHMA):
         return KVOffloadWorkerMetadata({r.job_id: r for r in reports}) if reports else None
 
     def get_kv_connector_stats(self) -> KVConnectorStats | None:
-        """This side's figures of the step (see :mod:`kvoffload.vllm._metrics`), or None."""
+        """This side's stats of the step (see :mod:`kvoffload.vllm._metrics`), or None."""
         if self._scheduler is not None:
-            payload = self._deltas.take(*scheduler_figures(self.figures()))
+            payload = self._deltas.take(*scheduler_series(self.stats()))
         elif self._worker is not None:
             payload = worker_payload(self._worker, self._rank, self._deltas)
         else:

@@ -37,7 +37,7 @@ from kvoffload.registry import POLICIES
 if TYPE_CHECKING:
     from kvoffload.config import OffloadConfig
 
-__all__ = ["OffloadManager"]
+__all__ = ["OffloadIndex"]
 
 _STORED = EventKind.STORED
 _REMOVED = EventKind.REMOVED
@@ -47,7 +47,7 @@ _REMOVED = EventKind.REMOVED
 _NOTHING_STORED = StoreResult((), (), ())
 
 
-class OffloadManager(IndexState):
+class OffloadIndex(IndexState):
     """Index of offloaded chunks with pins, all-or-nothing stores and events.
 
     ``policy`` is a registry name (see ``kvoffload.registry.POLICIES``) or an
@@ -80,7 +80,7 @@ class OffloadManager(IndexState):
         self._counts = IndexCounters()
 
     @classmethod
-    def from_config(cls, config: OffloadConfig, *, record_events: bool = True) -> OffloadManager:
+    def from_config(cls, config: OffloadConfig, *, record_events: bool = True) -> OffloadIndex:
         """The index of one worker's CPU tier, as the configuration describes it.
 
         ``eviction_policy`` picks the policy; a ``store_threshold`` above 1
