@@ -283,6 +283,7 @@ def test_a_key_left_out_takes_the_default_the_key_table_shows(hetero_layout: KVL
         "store_threshold": 1,
         "offload_prompt_only": False,
         "key_source": "auto",
+        "transfer_kernel": "off",
         "retention_interval": 16384,
         "remote_timeout_ms": 100,
         "remote_retry_ms": 10000,
@@ -290,6 +291,22 @@ def test_a_key_left_out_takes_the_default_the_key_table_shows(hetero_layout: KVL
     }
     assert {name: getattr(cfg, name) for name in shown} == shown
     assert cfg.disk_path is None and cfg.disk_bytes_to_use == 0  # no disk tier: no default shown
+
+
+@pytest.mark.parametrize(("raw", "expected"), [("AUTO", "auto"), (" always ", "always"),
+                                               ("off", "off")])  # fmt: skip
+def test_transfer_kernel_takes_its_three_choices(
+    hetero_layout: KVLayout, raw: str, expected: str
+) -> None:
+    assert build(hetero_layout, transfer_kernel=raw).transfer_kernel == expected
+
+
+@pytest.mark.parametrize("raw", ["on", "", 1, True, None])
+def test_transfer_kernel_refuses_anything_else_naming_the_choices(
+    hetero_layout: KVLayout, raw: object
+) -> None:
+    with pytest.raises(ConfigError, match="transfer_kernel.*'off' or 'auto' or 'always'"):
+        build(hetero_layout, transfer_kernel=raw)
 
 
 # -- rule 11: nothing but ConfigError escapes, for any value, huge and non-finite included --

@@ -228,6 +228,23 @@ def test_close_finishes_jobs_and_refuses_new_ones(engine: OffloadEngine) -> None
         engine.submit_load([ChunkSpan(0, (b"a",), (0,), BlockSpan((1, 2)))])
 
 
+@pytest.mark.parametrize("choice", ["off", "auto", "always"])
+def test_from_config_hands_transfer_kernel_to_the_transfer(
+    kv: dict[str, torch.Tensor], choice: str
+) -> None:
+    config = build_offloading_config(
+        {"cpu_bytes_to_use": 64 * 1024, "blocks_per_chunk": BPC, "transfer_kernel": choice},
+        layout(),
+    )
+    if choice == "always":
+        pytest.importorskip("triton")  # the interpreter runs it on host tensors
+    engine = OffloadEngine.from_config(config, kv, namespace=b"ns")
+    try:
+        assert engine.transfer.kernel.value == choice
+    finally:
+        engine.close()
+
+
 def test_from_config_builds_cpu_slab_of_the_configured_size(kv: dict[str, torch.Tensor]) -> None:
     config = build_offloading_config(
         {"cpu_bytes_to_use": 64 * 1024, "blocks_per_chunk": BPC}, layout()

@@ -41,6 +41,7 @@ class KeyType(Enum):
     BOOL = ("bool", values.to_bool)
     POLICY = ("policy name", values.to_str)
     KEY_SOURCE = ("auto, tokens or engine", values.to_key_source)
+    TRANSFER_KERNEL = ("off, auto or always", values.to_transfer_kernel)
     PATH = ("path", values.to_path)
     URL = ("URL", values.to_remote_url)
     ENV = ("variable name", values.to_env_name)
@@ -172,6 +173,12 @@ KEYS: tuple[Key, ...] = (
         "vLLM version that hashes differently misses what another stored. `auto`: `engine` "
         "where vLLM's hashes are the same in every process or no disk or remote tier "
         "outlives the process, `tokens` otherwise."),
+    Key("transfer_kernel", KeyType.TRANSFER_KERNEL,
+        "How the worker moves pages between GPU KV and host memory. `off`: torch copies "
+        "through a staging buffer (measured on an H200). `auto`: per group, direction and "
+        "call size, the faster of those and one Triton kernel launch per call, timed at "
+        "start on scratch memory and logged. `always`: the kernel. Opt-in until it has run "
+        "on a GPU (docs/data-plane.md); host KV always uses torch copies."),
     Key("tenant_cpu_share", KeyType.FRACTION,
         "Most of the CPU tier one tenant (one `cache_salt`; requests without one are a "
         "tenant too) may hold, as a fraction of its chunks: a tenant at its share evicts "

@@ -53,6 +53,8 @@ class OffloadConfig:
     offload_prompt_only: bool = False
     #: What chunk keys are hashed from: "auto", "tokens" or "engine" (vLLM's block hashes).
     key_source: str = "auto"
+    #: How the worker moves pages on CUDA: "off", "auto" or "always" (the Triton kernel).
+    transfer_kernel: str = "off"
     #: Most of the CPU tier's chunks one tenant (cache salt) may hold; None: no limit.
     tenant_cpu_share: float | None = None
     #: Tokens between the hit points kept besides each request's ends (0: none; 1: all).
@@ -150,6 +152,7 @@ class OffloadConfig:
             ("store_threshold", str(self.store_threshold)),
             ("offload_prompt_only", str(self.offload_prompt_only).lower()),
             ("key_source", self.key_source),
+            ("transfer_kernel", self.transfer_kernel),
             ("tenant_cpu_share", "off" if self.tenant_cpu_share is None
              else f"{self.tenant_cpu_share:g} of the CPU tier per tenant"),
             ("retention_interval", self._retention_text()),

@@ -188,11 +188,23 @@ def to_str(key: str, value: object) -> str:
 KEY_SOURCES = ("auto", "tokens", "engine")
 
 
-def to_key_source(key: str, value: object) -> str:
-    """One of :data:`KEY_SOURCES`, in any case."""
-    if isinstance(value, str) and value.strip().lower() in KEY_SOURCES:
+#: When the worker moves pages with the Triton kernel (``kvoffload.transfer.KernelUse``).
+TRANSFER_KERNELS = ("off", "auto", "always")
+
+
+def _choice(key: str, value: object, choices: tuple[str, ...]) -> str:
+    """One of ``choices``, in any case."""
+    if isinstance(value, str) and value.strip().lower() in choices:
         return value.strip().lower()
-    raise _reject(key, value, " or ".join(repr(name) for name in KEY_SOURCES))
+    raise _reject(key, value, " or ".join(repr(name) for name in choices))
+
+
+def to_key_source(key: str, value: object) -> str:
+    return _choice(key, value, KEY_SOURCES)
+
+
+def to_transfer_kernel(key: str, value: object) -> str:
+    return _choice(key, value, TRANSFER_KERNELS)
 
 
 def to_path(key: str, value: object) -> str:

@@ -116,7 +116,9 @@ class OffloadEngine:
         The remote tier is written behind the store jobs, from a queue of at most
         ``remote_queue_bytes`` (see :mod:`kvoffload.tiers.cascade`).
         """
-        transfer = KVTransfer(config.layout, kv_caches, config.blocks_per_chunk)
+        transfer = KVTransfer(
+            config.layout, kv_caches, config.blocks_per_chunk, kernel=config.transfer_kernel
+        )
         # Pinned only for GPU KV: pinning is what makes device copies asynchronous DMA.
         cpu = CPUSlab(config.num_cpu_chunks, config.max_chunk_bytes, pin_memory=transfer.is_cuda)
         cascade = TierCascade(cpu, lower_tiers(config, namespace))
