@@ -305,7 +305,7 @@ def test_transfer_kernel_takes_its_three_choices(
 def test_transfer_kernel_refuses_anything_else_naming_the_choices(
     hetero_layout: KVLayout, raw: object
 ) -> None:
-    with pytest.raises(ConfigError, match="transfer_kernel.*'off' or 'auto' or 'always'"):
+    with pytest.raises(ConfigError, match=r"transfer_kernel.*'off' or 'auto' or 'always'"):
         build(hetero_layout, transfer_kernel=raw)
 
 
