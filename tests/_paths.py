@@ -26,6 +26,8 @@ needs_cuda = [pytest.mark.cuda, pytest.mark.skipif(not HAS_CUDA, reason="needs C
 class TransferPath:
     device: str
     staged: bool
+    #: ``KVTransfer``'s ``kernel``: "off" (torch copies) or "always" (the Triton kernel).
+    kernel: str = "off"
 
     def transfer(
         self,
@@ -34,7 +36,7 @@ class TransferPath:
         bpc: int,
         **kwargs: int,
     ) -> KVTransfer:
-        return KVTransfer(layout, kv, bpc, staged=self.staged, **kwargs)
+        return KVTransfer(layout, kv, bpc, staged=self.staged, kernel=self.kernel, **kwargs)
 
     def host_buffer(self, nbytes: int) -> torch.Tensor:
         """A zeroed chunk buffer, pinned where the engine tensors live on a GPU."""
@@ -49,23 +51,10 @@ PATHS = [
 ]
 
 
-@dataclass(frozen=True)
-class KernelPath(TransferPath):
-    """The Triton kernel path (``kernel="always"``); on host tensors in Triton's interpreter.
-
-    The interpreter is slow, so on host tensors it runs only in the kernel's own tests
-    (``tests/test_transfer_kernel*.py``, against the torch paths); ``cuda-kernel`` runs
-    every test of ``PATHS`` on a GPU.
-    """
-
-    def transfer(
-        self,
-        layout: KVLayout,
-        kv: Mapping[str, torch.Tensor],
-        bpc: int,
-        **kwargs: int,
-    ) -> KVTransfer:
-        return KVTransfer(layout, kv, bpc, staged=self.staged, kernel="always", **kwargs)
-
-
-PATHS.append(pytest.param(KernelPath("cuda", True), id="cuda-kernel", marks=needs_cuda))
+# The Triton kernel path (``kernel="always"``). On host tensors it would run in Triton's
+# interpreter, slowly, so there it runs only in the kernel's own tests
+# (``tests/test_transfer_kernel*.py``, against the torch paths); on a GPU every test of
+# ``PATHS`` runs it.
+PATHS.append(
+    pytest.param(TransferPath("cuda", True, kernel="always"), id="cuda-kernel", marks=needs_cuda)
+)
