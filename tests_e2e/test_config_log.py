@@ -4,9 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from _harness import LLAMA_ENGINE, LLAMA_PROMPTS, Engine, needs_connector
-
-pytestmark = needs_connector
+from _harness import LLAMA_ENGINE, LLAMA_PROMPTS, Engine
 
 
 def test_ignored_vllm_keys_and_a_created_disk_path_are_plain_log_lines(

@@ -27,12 +27,9 @@ from _harness import (
     Engine,
     connector_hit,
     delta,
-    needs_connector,
     random_prompts,
 )
 from _models import LLAMA, build, build_draft
-
-pytestmark = needs_connector
 
 ACCEPTED = "vllm:spec_decode_num_accepted_tokens"
 DRAFTED = "vllm:spec_decode_num_draft_tokens"
