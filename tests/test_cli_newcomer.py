@@ -90,18 +90,20 @@ def test_an_ignored_vllm_key_is_one_plain_warning_line() -> None:
 
 
 def test_plan_and_demo_say_which_directories_they_create(tmp_path: Path) -> None:
-    target = tmp_path / "a" / "b"
+    # Each its own tree: run at once, the demo would create the plan's before it looked.
+    planned, served = tmp_path / "p" / "kv", tmp_path / "d" / "kv"
     extra = json.dumps(
-        {"cpu_bytes_to_use": "1GiB", "disk_path": str(target), "disk_bytes_to_use": "1GiB"}
+        {"cpu_bytes_to_use": "1GiB", "disk_path": str(planned), "disk_bytes_to_use": "1GiB"}
     )
     plan, demo = kvoffload_all([
         ["plan", "tiny_llama", "--extra-config", extra],
-        ["demo", "--requests", "2", "--disk-path", target],
+        ["demo", "--requests", "2", "--disk-path", served],
     ])  # fmt: skip
-    for ran in (plan, demo):
-        assert_one_line(ran, f"creates {tmp_path / 'a'}, {target} (mode 0700)", code=0,
+    for ran, target in ((plan, planned), (demo, served)):
+        assert_one_line(ran, f"creates {target.parent}, {target} (mode 0700)", code=0,
                         kind="warning")  # fmt: skip
-    assert target.is_dir()  # the demo did create it, as an engine would
+    assert served.is_dir() and not planned.exists()  # the demo created its own, as an engine
+    # would; plan only said so
 
 
 def test_a_disk_budget_past_the_free_space_is_named() -> None:
