@@ -122,7 +122,9 @@ def test_admitting_a_store_at_once_answers_as_key_by_key(name: str) -> None:
     # they must admit, evict and end up alike, shadows and ghosts included.
     rng = random.Random(7)
     capacity = 64
-    pool = [os.urandom(16) for _ in range(600)]
+    # Keys from the seeded generator: with os.urandom's, one run in twelve never turned
+    # the adaptive filter on, and the check that something was rejected failed.
+    pool = [rng.randbytes(16) for _ in range(600)]
     if name == "adaptive":
         batched = OffloadIndex(capacity, AdaptivePolicy(capacity))
         keyed = OffloadIndex(capacity, KeyByKey(capacity))

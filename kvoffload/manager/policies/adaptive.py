@@ -212,19 +212,23 @@ class AdaptivePolicy(SegmentedLRU):
 
     def touch_many(self, keys: Iterable[bytes]) -> None:
         # touch, written out: a request's whole prompt comes here.
-        if self.protected_limit:
-            hit = self.hit
-            for key in keys:
-                if hit(key) and not crc32(key) % SAMPLE:
-                    self._observe_sampled(key)
-            return
-        probation = self._probation  # the segment is off and empty: LRU's moves
-        move = probation.move_to_end
-        for key in keys:
-            if key in probation:
-                move(key)  # a switch to the segment here takes effect from the next call
-                if not crc32(key) % SAMPLE:
-                    self._observe_sampled(key)
+        rest = iter(keys)
+        if not self.protected_limit:
+            probation = self._probation  # the segment is off and empty: LRU's moves
+            move = probation.move_to_end
+            for key in rest:
+                if key in probation:
+                    move(key)
+                    if not crc32(key) % SAMPLE:
+                        self._observe_sampled(key)
+                        if self.protected_limit:
+                            break  # the segment came on: the keys after this one protect
+            else:
+                return
+        hit = self.hit  # hit() reads the segment's limit at every key, as touch() does
+        for key in rest:
+            if hit(key) and not crc32(key) % SAMPLE:
+                self._observe_sampled(key)
 
     def reset(self) -> None:
         super().reset()
