@@ -182,9 +182,11 @@ class KVOffloadConnector(KVConnectorBase_V1, SupportsHMA):
         """Whether the last lookup's hit needs chunks from the disk or remote tier (vLLM 0.34).
 
         Such a load takes steps, so vLLM may start it while its running batch
-        is full; a hit in host memory is served in the step that asks
-        (DESIGN.md, invariant 8). A lower-tier chunk found past the hit makes
-        a false positive, which only holds back other loads until a slot frees.
+        is full. A hit in host memory loads in one step (asynchronously too, for
+        now: serving it in the step that asks, DESIGN.md's invariant 8, is still
+        to come), so it waits for a running slot like any request. A lower-tier
+        chunk found past the hit makes a false positive, which only holds back
+        other loads until a slot frees.
         """
         return request.request_id in self._from_lower
 
