@@ -19,11 +19,13 @@ from kvoffload.engine.failpoints import ENV, POINTS, FailPoints
 from kvoffload.errors import ConfigError
 
 
-def serve(layout: KVLayout, tmp_path: Path, **extra: object) -> tuple[Any, dict[str, Any]]:
+def serve(
+    layout: KVLayout, tmp_path: Path, *, seed: int = 10, **extra: object
+) -> tuple[Any, dict[str, Any]]:
     """Four prompts, evicted from a small GPU cache, then asked again: loads from the CPU."""
     engine, side = make(layout, tmp_path, cpu_chunks=200, gpu_blocks=80, **extra)
     try:
-        first = [(f"a{i}", tokens(100, 10 + i)) for i in range(4)]
+        first = [(f"a{i}", tokens(100, seed + i)) for i in range(4)]
         again = [(f"b{i}", ids) for i, (_, ids) in enumerate(first)]
         stats = engine.run([*first, *again])
         assert side.worker is not None
@@ -134,9 +136,13 @@ def test_a_dropped_store_is_loaded_later_as_wrong_bytes(
     tmp_path: Path,
     clean: dict[KVLayout, tuple[Any, dict[str, Any]]],
 ) -> None:
+    # A dropped store leaves its slots' older bytes. A slab may come back from the
+    # allocator holding a freed slab's bytes, and the clean runs stored these very chunks
+    # at these very slots: so prompts of their own, and their clean run after this one.
     monkeypatch.setenv(ENV, "store.drop=1")
-    stats, figures = serve(LLAMA, tmp_path)
-    clean_stats, clean_figures = clean[LLAMA]
+    stats, figures = serve(LLAMA, tmp_path / "dropped", seed=110)
+    monkeypatch.delenv(ENV)
+    clean_stats, clean_figures = serve(LLAMA, tmp_path / "clean", seed=110)
     assert fired(figures) == {"store.drop": 1}
     assert stats.mismatched_blocks > 0 and stats.loaded_tokens == clean_stats.loaded_tokens
     assert stats.verified_blocks + stats.mismatched_blocks == clean_stats.verified_blocks

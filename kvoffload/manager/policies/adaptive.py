@@ -221,7 +221,7 @@ class AdaptivePolicy(SegmentedLRU):
                     move(key)
                     if not crc32(key) % SAMPLE:
                         self._observe_sampled(key)
-                        if self.protected_limit:
+                        if self.protecting:
                             break  # the segment came on: the keys after this one protect
             else:
                 return
