@@ -39,9 +39,7 @@ class JobBook:
     ) -> TransferOrder:
         """A new order under the next job id (queue it with :meth:`queue`)."""
         job_id, self._next_job = self._next_job, self._next_job + 1
-        if unloadable is None:
-            return TransferOrder(job_id, req_id, kind, spans)
-        return TransferOrder(job_id, req_id, kind, spans, unloadable)
+        return TransferOrder(job_id, req_id, kind, spans, unloadable or {})
 
     def queue(self, req: RequestState, job: JobState) -> None:
         """Send ``job`` 's order with the next step; ``req`` waits for it before it is forgotten."""
