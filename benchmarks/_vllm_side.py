@@ -136,6 +136,9 @@ class VLLMSide:
             tokens, _ = self.connector.get_num_new_matched_tokens(request, num_computed)
         return tokens
 
+    def loads_in_step(self, req: SimRequest) -> bool:
+        return False  # vLLM's offloading loads every hit asynchronously
+
     def update_state_after_alloc(self, req: SimRequest, num_external: int) -> None:
         blocks = KVCacheBlocks(tuple(
             [KVCacheBlock(b, is_null=b == 0,

@@ -162,6 +162,10 @@ class TransferOrder:
     #: (no CPU slot could be reserved for their promotion). The worker reports
     #: them failed at once, so vLLM recomputes them.
     unloadable: Mapping[int, tuple[int, ...]] = field(default_factory=dict)
+    #: Load only: the engine schedules the request in the step this order comes with, so
+    #: the worker finishes the load before the forward pass reads the blocks, and the
+    #: request is not reported as finished receiving (it never waited).
+    in_step: bool = False
 
     @property
     def keys(self) -> tuple[bytes, ...]:

@@ -284,6 +284,7 @@ def test_a_key_left_out_takes_the_default_the_key_table_shows(hetero_layout: KVL
         "offload_prompt_only": False,
         "key_source": "auto",
         "transfer_kernel": "off",
+        "load_in_step": "auto",
         "retention_interval": 16384,
         "remote_timeout_ms": 100,
         "remote_retry_ms": 10000,
@@ -307,6 +308,22 @@ def test_transfer_kernel_refuses_anything_else_naming_the_choices(
 ) -> None:
     with pytest.raises(ConfigError, match=r"transfer_kernel.*'off' or 'auto' or 'always'"):
         build(hetero_layout, transfer_kernel=raw)
+
+
+@pytest.mark.parametrize(("raw", "expected"), [("AUTO", "auto"), (" always ", "always"),
+                                               ("Never", "never")])  # fmt: skip
+def test_load_in_step_takes_its_three_choices(
+    hetero_layout: KVLayout, raw: str, expected: str
+) -> None:
+    assert build(hetero_layout, load_in_step=raw).load_in_step == expected
+
+
+@pytest.mark.parametrize("raw", ["sync", "", 1, True, None])
+def test_load_in_step_refuses_anything_else_naming_the_choices(
+    hetero_layout: KVLayout, raw: object
+) -> None:
+    with pytest.raises(ConfigError, match=r"load_in_step.*'auto' or 'always' or 'never'"):
+        build(hetero_layout, load_in_step=raw)
 
 
 # -- rule 11: nothing but ConfigError escapes, for any value, huge and non-finite included --

@@ -131,6 +131,26 @@ def test_every_chance_fires_without_a_count(
     assert stats.loaded_tokens == clean[layout][0].loaded_tokens
 
 
+@pytest.mark.parametrize("layout", [LLAMA, GEMMA], ids=["llama", "gemma"])
+def test_a_failed_load_is_reported_and_recomputed(
+    monkeypatch: pytest.MonkeyPatch,
+    tmp_path: Path,
+    clean: dict[KVLayout, tuple[Any, dict[str, Any]]],
+    layout: KVLayout,
+) -> None:
+    """``load.fail_last_chunk`` is not silent: the engine learns of it and recomputes."""
+    monkeypatch.setenv(ENV, "load.fail_last_chunk=1")
+    stats, figures = serve(layout, tmp_path)
+    assert fired(figures) == {"load.fail_last_chunk": 1}
+    assert stats.mismatched_blocks == 0  # nothing wrong reached the engine
+    assert figures["failed_loads"] == 1 and figures["failed_load_chunks"] == 1
+    assert 0 < stats.failed_load_tokens <= stats.external_tokens - stats.loaded_tokens
+    # Llama loads in the step that asks (one group) and recomputes from the failed block,
+    # voiding the stores of that step; Gemma's request starts over, lookup included.
+    assert (figures["in_step_load_jobs"] > 0) == (layout is LLAMA)
+    assert figures["voided_store_orders"] == 0 or layout is LLAMA
+
+
 def test_a_dropped_store_is_loaded_later_as_wrong_bytes(
     monkeypatch: pytest.MonkeyPatch,
     tmp_path: Path,

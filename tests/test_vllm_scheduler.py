@@ -225,6 +225,8 @@ def test_an_idle_step_waits_for_its_load_and_reports_it(
     r = rig(rigs, layout)
     ids = tokens(70)
     r.serve("r1", ids)
+    # A load over later steps, as of a lower tier's hit (or with load_in_step never).
+    monkeypatch.setattr(r.scheduler, "load_in_step", False)
     offered = r.lookup("r2", ids, 0)
     assert offered
     r.scheduler.plan_load("r2", r.table(len(ids), offered), offered)
@@ -519,3 +521,105 @@ def test_tokens_are_credited_to_the_tiers_their_chunks_came_from() -> None:
     assert tier_shares(100, ["cpu", "disk", "redis"]) == {"cpu": 33, "disk": 33, "redis": 34}
     assert tier_shares(10, []) == {} and tier_shares(0, ["cpu"]) == {}
     assert sum(tier_shares(1001, ["cpu"] * 7 + ["disk"] * 5).values()) == 1001
+
+
+# -- loads in the step that asks for them (load_in_step) ---------------------------------------
+def served_in_step(r: Rig, ids: list[int]) -> tuple[Served, int]:
+    """Store ``ids``, then serve them again from the CPU tier: what it did, in how many steps."""
+    r.serve("first", ids)
+    steps = r.engine.stats.steps
+    again = r.serve("again", ids)
+    return again, r.engine.stats.steps - steps
+
+
+@pytest.mark.parametrize(
+    ("make", "setting", "in_step"),
+    [
+        (llama_like, "auto", True),
+        (llama_like, "never", False),
+        (gemma_like, "auto", False),  # several groups: vLLM could not recompute a failure
+        (gemma_like, "always", True),
+    ],
+)
+def test_a_cpu_tier_hit_loads_in_the_step_that_asks_where_the_setting_allows(
+    rigs: list[Rig], make: Any, setting: str, in_step: bool
+) -> None:
+    r = rig(rigs, make(), load_in_step=setting)
+    ids = tokens(70)
+    again, steps = served_in_step(r, ids)
+    assert again.offered == again.loaded == r.top_hit(70) > 0
+    assert again.verified > 0 and again.mismatched == again.failed == 0
+    stats, worker = r.scheduler.stats(), r.worker.stats()
+    assert stats["hit_tokens"] == again.offered  # counted once, whichever way it loaded
+    assert stats["in_step_hit_tokens"] == (again.offered if in_step else 0)
+    assert worker["in_step_load_jobs"] == int(in_step)
+    # The prompt's last 6 tokens and one decode step: a step less without the wait.
+    never = rig(rigs, make(), load_in_step="never")
+    assert steps == served_in_step(never, ids)[1] - int(in_step)
+
+
+def test_a_hit_in_a_lower_tier_loads_over_later_steps(rigs: list[Rig], tmp_path: Path) -> None:
+    r = rig(rigs, llama_like(), tmp_path, probes=True)
+    ids = tokens(70)
+    r.serve("r1", ids)
+    r.scheduler.reset()  # the CPU tier forgets; the disk tier keeps the chunks
+    r.drain()
+    assert r.lookup("r2", ids, 0) and not r.scheduler.loads_in_step("r2")
+    again = r.serve("r3", ids)
+    assert again.loaded == r.top_hit(70) and again.mismatched == 0
+    assert r.worker.stats()["in_step_load_jobs"] == 0
+
+
+def test_an_in_step_load_fills_the_blocks_before_submit_returns(rigs: list[Rig]) -> None:
+    """The forward pass reads them right after: nothing waits for a poll, nothing is received."""
+    r = rig(rigs, llama_like())
+    ids = tokens(70)
+    r.serve("r1", ids)
+    offered = r.lookup("r2", ids, 0)
+    assert offered and r.scheduler.loads_in_step("r2")
+    table = r.table(len(ids), offered)
+    order = r.scheduler.plan_load("r2", table, offered)
+    assert order is not None and order.in_step
+    r.worker.submit(r.scheduler.take_orders(), JobKind.LOAD)
+    kv, hashes = r.engine.kv, r.engine.block_hashes(ids)
+    assert kv is not None
+    assert all(kv.holds(0, table[0][b], hashes[0][b]) for b in range(offered // 4))
+    polled = r.worker.poll()
+    assert polled.finished_recving == polled.failed_recving == set()  # it never waited
+    for report in r.worker.take_reports():
+        r.scheduler.on_report(report)
+    assert r.scheduler.stats()["loaded_tokens"] == offered
+
+
+def test_a_failed_in_step_load_hands_back_its_blocks_and_voids_the_steps_stores(
+    rigs: list[Rig], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The step computed on top of the failed load: what it wrote is not stored."""
+    monkeypatch.setenv("KVOFFLOAD_FAILPOINTS", "load.fail_last_chunk=1")
+    r = rig(rigs, llama_like())
+    ids = tokens(70)
+    r.serve("r1", ids)
+    longer = [*ids, *tokens(30, seed=5)]  # its step completes chunks past the hit
+    offered = r.lookup("r2", longer, 0)
+    assert offered == r.top_hit(70) and r.scheduler.loads_in_step("r2")
+    table = r.table(len(longer), offered)
+    r.scheduler.plan_load("r2", table, offered)
+    loads = r.scheduler.take_orders()
+    store = r.plan_store("r2", longer, computed=offered, scheduled=len(longer) - offered,
+                         block_ids=table, num_prompt_tokens=len(longer))  # fmt: skip
+    assert store is not None and store.spans
+    r.worker.before_forward()
+    r.worker.submit(loads, JobKind.LOAD)
+    r.worker.submit(r.scheduler.take_orders(), JobKind.STORE)
+    polled = r.worker.poll()
+    assert polled.finished_recving == polled.failed_recving == set()
+    chunk = r.config.blocks_per_chunk
+    assert r.worker.take_failed_blocks() == set(table[0][offered // 4 - chunk : offered // 4])
+    reports = {report.job_id: report for report in r.worker.take_reports()}
+    assert not reports[store.job_id].ok and not reports[loads[0].job_id].ok
+    worker = r.worker.stats()
+    assert worker["voided_store_orders"] == 1 and worker["failpoint_load_fail_last_chunk"] == 1
+    for report in reports.values():
+        r.scheduler.on_report(report)
+    stats = r.scheduler.stats()
+    assert stats["failed_loads"] == 1 and stats["stored_chunks"] == r.top_hit(70) // 8

@@ -42,6 +42,7 @@ class KeyType(Enum):
     POLICY = ("policy name", values.to_str)
     KEY_SOURCE = ("auto, tokens or engine", values.to_key_source)
     TRANSFER_KERNEL = ("off, auto or always", values.to_transfer_kernel)
+    LOAD_IN_STEP = ("auto, always or never", values.to_load_in_step)
     PATH = ("path", values.to_path)
     URL = ("URL", values.to_remote_url)
     ENV = ("variable name", values.to_env_name)
@@ -179,6 +180,15 @@ KEYS: tuple[Key, ...] = (
         "call size, the faster of those and one Triton kernel launch per call, timed at "
         "start on scratch memory and logged. `always`: the kernel. Opt-in until it has run "
         "on a GPU (docs/data-plane.md); host KV always uses torch copies."),
+    Key("load_in_step", KeyType.LOAD_IN_STEP,
+        "When a hit whose chunks are all in the CPU tier is loaded. `auto`: in the step that "
+        "asks for it (vLLM schedules the rest of the prompt at once, as for a hit in its own "
+        "cache) where vLLM can recompute a failed load block by block, that is on layouts of "
+        "one KV cache group; layouts of several groups load one step later, because vLLM "
+        "0.32-0.34 cannot take a failed same-step load there. `always`: in the same step on "
+        "every layout (host slots are pinned, so only a bug can fail such a load, and on a "
+        "layout of several groups vLLM could not recompute it). `never`: one step later. "
+        "Hits that need the disk or remote tier always load asynchronously."),
     Key("tenant_cpu_share", KeyType.FRACTION,
         "Most of the CPU tier one tenant (one `cache_salt`; requests without one are a "
         "tenant too) may hold, as a fraction of its chunks: a tenant at its share evicts "

@@ -55,6 +55,8 @@ class OffloadConfig:
     key_source: str = "auto"
     #: How the worker moves pages on CUDA: "off", "auto" or "always" (the Triton kernel).
     transfer_kernel: str = "off"
+    #: When CPU-tier hits load: "auto", "always" or "never" (one step later).
+    load_in_step: str = "auto"
     #: Most of the CPU tier's chunks one tenant (cache salt) may hold; None: no limit.
     tenant_cpu_share: float | None = None
     #: Tokens between the hit points kept besides each request's ends (0: none; 1: all).
@@ -153,6 +155,7 @@ class OffloadConfig:
             ("offload_prompt_only", str(self.offload_prompt_only).lower()),
             ("key_source", self.key_source),
             ("transfer_kernel", self.transfer_kernel),
+            ("load_in_step", self.load_in_step),
             ("tenant_cpu_share", "off" if self.tenant_cpu_share is None
              else f"{self.tenant_cpu_share:g} of the CPU tier per tenant"),
             ("retention_interval", self._retention_text()),

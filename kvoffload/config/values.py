@@ -190,6 +190,8 @@ KEY_SOURCES = ("auto", "tokens", "engine")
 
 #: When the worker moves pages with the Triton kernel (``kvoffload.transfer.KernelUse``).
 TRANSFER_KERNELS = ("off", "auto", "always")
+#: When a hit found in host memory is loaded: see the key ``load_in_step``.
+LOAD_IN_STEP = ("auto", "always", "never")
 
 
 def _choice(key: str, value: object, choices: tuple[str, ...]) -> str:
@@ -205,6 +207,10 @@ def to_key_source(key: str, value: object) -> str:
 
 def to_transfer_kernel(key: str, value: object) -> str:
     return _choice(key, value, TRANSFER_KERNELS)
+
+
+def to_load_in_step(key: str, value: object) -> str:
+    return _choice(key, value, LOAD_IN_STEP)
 
 
 def to_path(key: str, value: object) -> str:

@@ -65,6 +65,8 @@ class RequestState:
     #: The engine's own hit at the last lookup, and the hit we offered.
     local_hit: int = 0
     offered: int = 0
+    #: Whether that hit loads in the step that asks for it (every chunk in the CPU tier).
+    in_step: bool = False
     #: Whether this admission's use was told to the index (once per lookup: vLLM calls
     #: update_state_after_alloc again when a request resumes after its load).
     use_recorded: bool = False

@@ -36,10 +36,12 @@ class JobBook:
         kind: JobKind,
         spans: tuple[ChunkSpan, ...],
         unloadable: Mapping[int, tuple[int, ...]] | None = None,
+        *,
+        in_step: bool = False,
     ) -> TransferOrder:
         """A new order under the next job id (queue it with :meth:`queue`)."""
         job_id, self._next_job = self._next_job, self._next_job + 1
-        return TransferOrder(job_id, req_id, kind, spans, unloadable or {})
+        return TransferOrder(job_id, req_id, kind, spans, unloadable or {}, in_step=in_step)
 
     def queue(self, req: RequestState, job: JobState) -> None:
         """Send ``job`` 's order with the next step; ``req`` waits for it before it is forgotten."""

@@ -23,7 +23,24 @@ from kvoffload.manager.index import OffloadIndex
 from kvoffload.manager.usage import record_use
 from kvoffload.messages import JobKind, JobReport, TransferOrder
 
-__all__ = ["LoadPlanner"]
+__all__ = ["LoadPlanner", "loads_in_step"]
+
+
+def loads_in_step(config: OffloadConfig, num_engine_groups: int) -> bool:
+    """Whether CPU-tier hits load in the step that asks for them (the key ``load_in_step``).
+
+    ``num_engine_groups``: the KV cache groups the engine itself keeps. vLLM
+    recomputes a failed same-step load from the engine blocks the worker
+    names (``get_block_ids_with_load_errors``), but vLLM 0.32 to 0.34 raise a
+    ``RuntimeError`` in the scheduler on any block id when the engine has
+    several KV cache groups (block ids repeat across groups), and a running
+    request cannot be failed whole (``failed_recving`` only acts on requests
+    waiting for a load). So ``auto`` loads in the step only where a failure
+    can go back to vLLM: one KV cache group.
+    """
+    if config.load_in_step == "never":
+        return False
+    return config.load_in_step == "always" or num_engine_groups == 1
 
 
 class LoadPlanner:
@@ -70,7 +87,7 @@ class LoadPlanner:
         slots, lost, job = self._reserve([k for p in pieces for k in p.keys], req.tenant)
         lost |= stateless(pieces, groups, block_ids)  # a state needs its block: fail, not skip
         spans, unloadable = load_spans(pieces, block_ids, slots, lost, self.bpc, groups=groups)
-        order = self.jobs.order(req_id, JobKind.LOAD, spans, unloadable)
+        order = self.jobs.order(req_id, JobKind.LOAD, spans, unloadable, in_step=req.in_step)
         job.order, job.tokens = order, num_external
         tiers = ["cpu"] * len(job.pinned) + [req.found_in.get(k, "lower") for k in job.promoted]
         job.tiers = tier_shares(num_external, tiers)
@@ -82,6 +99,7 @@ class LoadPlanner:
         stats.add_by_tier(stats.hit_tokens_by_tier, job.tiers)
         stats.hit_requests += 1
         stats.hit_tokens += num_external
+        stats.in_step_hit_tokens += num_external if req.in_step else 0
         stats.cpu_hit_chunks += len(job.pinned)
         stats.lower_hit_chunks += len(job.promoted)
         stats.unloadable_chunks += len(lost)

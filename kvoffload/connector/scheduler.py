@@ -62,7 +62,10 @@ class OffloadScheduler:
     ``probes`` are the lower tiers as the scheduler side sees them (see
     :class:`TierProbe`); ``world_size`` ranks report every order. With
     ``engine_hashes``, keys are made from the block hashes every lookup and
-    step hands in; without, from the token ids.
+    step hands in; without, from the token ids. With ``load_in_step``, a
+    hit whose chunks are all in the CPU tier is loaded in the step that
+    asks for it (:meth:`loads_in_step`); the adapter decides it from the
+    key ``load_in_step`` and from what its engine can recompute.
     """
 
     def __init__(
@@ -73,6 +76,7 @@ class OffloadScheduler:
         *,
         world_size: int = 1,
         engine_hashes: EngineHashes | None = None,
+        load_in_step: bool = False,
     ) -> None:
         if engine_hashes is not None:
             for span in config.tokens_per_chunk:
@@ -93,6 +97,7 @@ class OffloadScheduler:
             engine_hashes=engine_hashes,
         )
         self.jobs = JobBook(world_size)
+        self.load_in_step = load_in_step
         self._stats = SchedulerStats()
         self.misses = misses = MissLedger(config.num_cpu_chunks)
         #: The group whose chain tells where a request's stored prefix ends (misses).
@@ -131,7 +136,7 @@ class OffloadScheduler:
         req = requests.open(req_id, extras)
         top = requests.keyable(len(token_ids) - 1, block_hashes)  # one token is computed
         top = top // self.alignment * self.alignment
-        req.local_hit, req.offered, req.use_recorded = local_hit, 0, False
+        req.local_hit, req.offered, req.use_recorded, req.in_step = local_hit, 0, False, False
         # Keys even when vLLM's own cache serves everything: plan_load records their use.
         requests.extend_keys(req, token_ids, block_hashes, top)
         if top <= local_hit:
@@ -147,7 +152,22 @@ class OffloadScheduler:
         if hit.tokens <= local_hit:
             return 0
         req.offered = hit.tokens
+        req.in_step = self.load_in_step and not req.found_in
         return hit.tokens - local_hit
+
+    def loads_in_step(self, req_id: str) -> bool:
+        """Whether the last lookup's hit loads in the step that asks for it.
+
+        True when every chunk it needs is in the CPU tier (and the adapter
+        allows it): the engine may then schedule the request's remaining
+        tokens at once, as for a hit in its own cache, and the worker copies
+        the chunks in before the forward pass reads them. They cannot go
+        meanwhile: the engine allocates the request's blocks and plans its
+        load (:meth:`plan_load`, which pins them) before it looks anything
+        else up. A hit that needs a lower tier loads over later steps.
+        """
+        req = self.requests.get(req_id)
+        return req is not None and req.in_step and req.offered > 0
 
     def _count_misses(
         self, keys: Sequence[Sequence[bytes]], local_hit: int, top: int, hit: Hit

@@ -24,6 +24,8 @@ class SchedulerStats:
     #: Requests that took a hit, and the tokens vLLM accepted of it.
     hit_requests: int = 0
     hit_tokens: int = 0
+    #: Of those, the tokens loaded in the step that asked for them (the rest a step later).
+    in_step_hit_tokens: int = 0
     #: Tokens whose load every rank reported done, or failed.
     loaded_tokens: int = 0
     failed_load_tokens: int = 0
@@ -77,6 +79,12 @@ class WorkerStats:
     failed_load_chunks: int = 0
     #: Engine blocks of failed loads, handed back to the engine to recompute.
     failed_load_blocks: int = 0
+    #: Loads run before the forward pass of the step that asked for them (load_in_step).
+    in_step_load_jobs: int = 0
+    #: Store orders not run because an in-step load of their step failed.
+    voided_store_orders: int = 0
+    #: Failed in-step loads the engine could not recompute (load_in_step "always" only).
+    unrecoverable_load_jobs: int = 0
 
     def snapshot(self) -> dict[str, int]:
         return asdict(self)

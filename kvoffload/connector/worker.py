@@ -45,7 +45,7 @@ from typing import Any
 
 from kvoffload.connector.stats import WorkerStats
 from kvoffload.engine import JobKind, OffloadEngine
-from kvoffload.messages import JobReport, TransferOrder, merge_reports
+from kvoffload.messages import JobReport, JobResult, TransferOrder, merge_reports
 
 __all__ = ["IDLE_WAIT_S", "OffloadWorker", "PollResult"]
 
@@ -84,6 +84,10 @@ class OffloadWorker:
         #: Seconds of each finished job by kind, until taken (bounded: no one may take them).
         self._seconds = {kind: deque[float](maxlen=10_000) for kind in JobKind}
         self._suspended = False
+        #: In-step loads run this step, with their results, until :meth:`poll`.
+        self._in_step: list[tuple[TransferOrder, JobResult]] = []
+        #: An in-step load of this step failed: its stores are not run.
+        self._step_failed = False
 
     def suspend(self) -> None:
         """The engine's KV memory is about to be released: wait for every job first."""
@@ -96,21 +100,37 @@ class OffloadWorker:
 
     def before_forward(self) -> None:
         """Wait until earlier stores no longer read engine blocks (see the module docstring)."""
+        self._step_failed = False
         self.engine.wait_for_sources()
 
     def submit(self, orders: Iterable[TransferOrder], kind: JobKind) -> None:
-        """Start this step's orders of ``kind``; each is reported once by :meth:`poll`."""
+        """Start this step's orders of ``kind``; each is reported once by :meth:`poll`.
+
+        An ``in_step`` load runs to its end here, before the forward pass
+        reads its blocks. If one fails, every store of the step is failed
+        instead of run: the step computed on top of that load, and what it
+        wrote is recomputed once vLLM learns of the failure.
+        """
         for order in orders:
             if order.kind is not kind:
                 continue
-            if kind is JobKind.LOAD:
+            if kind is JobKind.LOAD and not order.in_step:
                 self._loads[order.req_id] += 1
             if self._suspended:  # fails at once: the engine's memory is released
                 self._stats.suspended_orders += 1
-            if not order.spans or self._suspended:
+            voided = kind is JobKind.STORE and self._step_failed
+            if voided:
+                self._stats.voided_store_orders += 1
+            if not order.spans or self._suspended or voided:
                 self._instant.append(order)
+                self._step_failed |= order.in_step and not voided
                 continue
             try:
+                if order.in_step:
+                    result = self.engine.load_now(order.spans)
+                    self._in_step.append((order, result))
+                    self._step_failed |= not JobReport.of(order, result).ok
+                    continue
                 if kind is JobKind.LOAD:
                     job_id = self.engine.submit_load(order.spans)
                 else:
@@ -119,6 +139,7 @@ class OffloadWorker:
                 logger.error("kvoffload: %s order %d refused: %s", kind.value, order.job_id, exc)
                 self._stats.refused_orders += 1
                 self._instant.append(order)
+                self._step_failed |= order.in_step
             else:
                 self._orders[job_id] = order
 
@@ -137,7 +158,9 @@ class OffloadWorker:
             self.engine.wait_for_any(IDLE_WAIT_S)
         self.engine.wait_for_sources()
         out = PollResult()
-        done = [(self._orders.pop(r.job_id), r) for r in self.engine.get_finished()]
+        done: list[tuple[TransferOrder, JobResult | None]] = [*self._in_step]
+        done += [(self._orders.pop(r.job_id), r) for r in self.engine.get_finished()]
+        self._in_step = []
         instant, self._instant = self._instant, []
         for order, result in [*done, *((o, None) for o in instant)]:
             if result is not None:
@@ -153,15 +176,10 @@ class OffloadWorker:
     def _finish_load(self, order: TransferOrder, report: JobReport, out: PollResult) -> None:
         req_id = order.req_id
         if not report.ok:
-            self._stats.failed_load_jobs += 1
-            self._stats.failed_load_blocks += sum(len(b) for b in report.failed_blocks.values())
-            if self.report_blocks:
-                for ids in report.failed_blocks.values():
-                    self._failed_blocks |= ids
-            else:
-                self._failed_loads.add(req_id)
-            for line in report.errors:
-                logger.warning("kvoffload: load for request %s: %s", req_id, line)
+            self._failed(order, report)
+        if order.in_step:  # the request never waited: nothing to tell vLLM but failed blocks
+            self._stats.in_step_load_jobs += 1
+            return
         self._loads[req_id] -= 1
         if self._loads[req_id] <= 0:
             del self._loads[req_id]
@@ -169,6 +187,26 @@ class OffloadWorker:
             if req_id in self._failed_loads:
                 self._failed_loads.discard(req_id)
                 out.failed_recving.add(req_id)
+
+    def _failed(self, order: TransferOrder, report: JobReport) -> None:
+        """Count a failed load and hand its blocks (or its request) to vLLM to recompute."""
+        self._stats.failed_load_jobs += 1
+        self._stats.failed_load_blocks += sum(len(b) for b in report.failed_blocks.values())
+        for line in report.errors:
+            logger.warning("kvoffload: load for request %s: %s", order.req_id, line)
+        if self.report_blocks:
+            for ids in report.failed_blocks.values():
+                self._failed_blocks |= ids
+        elif not order.in_step:
+            self._failed_loads.add(order.req_id)
+        else:  # load_in_step "always" on a layout vLLM cannot recompute by block
+            self._stats.unrecoverable_load_jobs += 1
+            logger.error(
+                "kvoffload: a same-step load for request %s failed on a layout of several KV "
+                "cache groups, which vLLM cannot recompute: its output may be wrong (set "
+                "load_in_step to auto)",
+                order.req_id,
+            )
 
     def _record(self, order: TransferOrder, report: JobReport) -> None:
         old = self._reports.get(order.job_id)

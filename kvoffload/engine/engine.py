@@ -43,7 +43,7 @@ from __future__ import annotations
 import itertools
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack
 from functools import partial
@@ -149,6 +149,23 @@ class OffloadEngine:
             self._check_span(span)
         return self._submit(JobKind.LOAD, spans, self._engine_event())
 
+    def load_now(self, spans: Sequence[ChunkSpan]) -> JobResult:
+        """Run a load in the calling thread and return its result (not kept for ``get_finished``).
+
+        For a load the engine's next forward pass reads: queued on the pool it
+        could wait behind store jobs writing to disk. It still takes the job
+        locks of its chunks, so it never races a store or a promotion of them.
+        """
+        for span in spans:
+            self._check_span(span)
+        results: list[JobResult] = []
+        job_id = next(self._ids)
+        with self._cond:
+            self._pending += 1
+        self._run(job_id, JobKind.LOAD, tuple(spans), self._engine_event(), time.perf_counter(),
+                  deliver=results.append)  # fmt: skip
+        return results[0]
+
     def get_finished(self) -> list[JobResult]:
         """Jobs finished since the last call, each reported exactly once."""
         with self._cond:
@@ -229,6 +246,8 @@ class OffloadEngine:
         spans: tuple[ChunkSpan, ...],
         after: torch.cuda.Event | None,
         submitted: float,
+        *,
+        deliver: Callable[[JobResult], None] | None = None,
     ) -> None:
         outcome = Outcome()
         reading = kind is JobKind.STORE
@@ -248,7 +267,7 @@ class OffloadEngine:
             self._crashed(kind, spans, outcome, exc)
         if reading:
             self._sources_released()
-        self._finish(outcome.result(job_id, kind, time.perf_counter() - submitted))
+        self._finish(outcome.result(job_id, kind, time.perf_counter() - submitted), deliver)
 
     def _sources_released(self) -> None:
         with self._cond:
@@ -279,9 +298,9 @@ class OffloadEngine:
             stack.enter_context(self._locks[stripe])
         return stack
 
-    def _finish(self, result: JobResult) -> None:
+    def _finish(self, result: JobResult, deliver: Callable[[JobResult], None] | None) -> None:
         with self._cond:
-            self._finished.append(result)
+            (self._finished.append if deliver is None else deliver)(result)
             self._pending -= 1
             self._cond.notify_all()
 
@@ -332,6 +351,9 @@ class OffloadEngine:
             if source is None:
                 detail = "; ".join(why) or "no tier holds it"
                 outcome.errors.append(f"no tier could load chunk {key.hex()[:16]} ({detail})")
+        if ok[-1] and self.faults is not None and self.faults.fails_load():
+            ok[-1] = False
+            outcome.errors.append("fault point load.fail_last_chunk: the last chunk failed")
         start = 0
         while start < len(ok):  # scatter each run of verified chunks with one call
             stop = start + 1

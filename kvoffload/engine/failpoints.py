@@ -9,8 +9,9 @@ variable ``KVOFFLOAD_FAILPOINTS`` (comma-separated), read once, when an
 ``None`` and each hook costs one attribute test. When on, the engine logs one
 WARNING naming them. docs/failpoints.md describes them for users.
 
-Every point is silent: the job reports success, the counters agree, and only
-the bytes in the engine's blocks (or in the tiers) are wrong. That is what a
+Every point but ``load.fail_last_chunk`` is silent: the job reports success,
+the counters agree, and only the bytes in the engine's blocks (or in the
+tiers) are wrong. That is what a
 bug would do; the checksum path, which reports a failed load, is not faked.
 
 ``load.corrupt_block``
@@ -25,6 +26,11 @@ bug would do; the checksum path, which reports a failed load, is not faked.
 ``load.skip_last_chunk``
     The last chunk of the group's span is not copied into the engine at all;
     its blocks keep whatever they held.
+``load.fail_last_chunk``
+    The last chunk of the group's span is not copied and the load reports it
+    failed, as when a tier lost it or its copy raised. The one point that is
+    not silent: it proves the failure path (vLLM recomputes the blocks),
+    where the others prove that the checks would see a wrong block.
 ``store.drop``
     A store copies nothing out of the engine: the chunk's CPU slot, and what
     the tiers below are written from it, keep older bytes.
@@ -55,7 +61,13 @@ __all__ = ["ENV", "POINTS", "FailPoints"]
 logger = logging.getLogger("kvoffload")
 
 ENV = "KVOFFLOAD_FAILPOINTS"
-POINTS = ("load.corrupt_block", "load.wrong_block", "load.skip_last_chunk", "store.drop")
+POINTS = (
+    "load.corrupt_block",
+    "load.wrong_block",
+    "load.skip_last_chunk",
+    "load.fail_last_chunk",
+    "store.drop",
+)
 #: A scatter as :meth:`kvoffload.transfer.KVTransfer.scatter` does it (the CUDA event bound).
 Scatter = Callable[[int, BlockSpan, Sequence[torch.Tensor]], None]
 
@@ -152,6 +164,10 @@ class FailPoints:
             scatter(group, last, [chunks[0]])
         if self.fires("load.corrupt_block"):
             scatter(group, last, [torch.bitwise_xor(chunks[-1], 0x80)])
+
+    def fails_load(self) -> bool:
+        """Whether this load span reports its last chunk failed (``load.fail_last_chunk``)."""
+        return self.fires("load.fail_last_chunk")
 
     def drops_store(self) -> bool:
         """Whether this store span copies nothing out of the engine (``store.drop``)."""

@@ -172,6 +172,8 @@ class StandIn:
         meta = self.side.build_connector_meta(plan)
         result = self.side.run_worker(meta, lambda: self._forward(plan))
         for req, n in plan.scheduled:
+            if req.req_id in plan.in_step and not self._loaded_in_step(req, result):
+                continue  # vLLM drops the step's output and recomputes from the failed block
             req.computed += n
             if req.computed >= req.last:
                 self._finish(req)
@@ -219,6 +221,7 @@ class StandIn:
             hit, local, external = None, 0, 0
             if req.computed == 0 and not self._fits(req):
                 break
+            in_step = False
             if req.computed == 0:
                 local, hit = self.cache.longest_hit(req.hashes, req.num_prompt)
                 offered = self.side.get_num_new_matched_tokens(req, local)
@@ -227,7 +230,8 @@ class StandIn:
                     i += 1
                     continue
                 external, req.computed = offered, local + offered
-            n = 0 if external else self._tokens(req, budget)
+                in_step = bool(external) and self.side.loads_in_step(req)
+            n = 0 if external and not in_step else self._tokens(req, budget)
             if not (n or external):
                 req.computed -= local
                 break
@@ -239,10 +243,12 @@ class StandIn:
                 req.local_hit, req.external = local, external
                 self.stats.gpu_hit_tokens += local
                 self.stats.external_tokens += external
-            if external:
+            if external and not in_step:
                 req.status = Status.LOADING
                 i += 1
                 continue
+            if in_step:  # vLLM caches a same-step load's blocks at once, as computed
+                plan.in_step.add(req.req_id)
             self.cache.cache(req.blocks, req.hashes, req.computed + n)
             self.waiting.pop(i)
             self.running.append(req)
@@ -297,6 +303,26 @@ class StandIn:
                     self.stats.failed_load_tokens += req.computed - computed
                     req.computed = computed
                 self._received[req.req_id] = True
+
+    def _loaded_in_step(self, req: SimRequest, result: WorkerResult) -> bool:
+        """vLLM's ``_handle_invalid_blocks`` for a load the step ran: ``False`` if it failed.
+
+        Only layouts of one group load in the step by block failures (see
+        :func:`kvoffload.connector.loads.loads_in_step`); a failed one goes back
+        to its first failed block, as vLLM sets ``num_computed_tokens``.
+        """
+        loaded = req.computed - req.local_hit
+        bad = [i for i, b in enumerate(req.blocks[0]) if b in result.failed_blocks]
+        if bad and len(self.layout.groups) == 1:
+            computed = min(req.computed, bad[0] * self.layout.groups[0].tokens_per_block)
+            if computed < req.computed:
+                self.stats.failed_load_tokens += req.computed - computed
+                req.computed = computed
+                return False
+        self.stats.loaded_tokens += loaded
+        if loaded and self.kv is not None:
+            self._verify(req, req.local_hit, req.computed)
+        return True
 
     def _resume(self, req: SimRequest, ok: bool) -> None:
         """vLLM's ``_update_waiting_for_remote_kv``: cache what is valid, or start over."""

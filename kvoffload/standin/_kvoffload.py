@@ -17,6 +17,7 @@ import torch
 
 from kvoffload.config import OffloadConfig
 from kvoffload.connector.key_source import choose_engine_hashes
+from kvoffload.connector.loads import loads_in_step
 from kvoffload.connector.scheduler import OffloadScheduler, StepRequest
 from kvoffload.connector.worker import OffloadWorker
 from kvoffload.engine import JobKind, OffloadEngine
@@ -76,6 +77,7 @@ class KVOffloadSide:
             namespace,
             probes,
             engine_hashes=choose_engine_hashes(config, hashes, reproducible=True),
+            load_in_step=loads_in_step(config, len(config.layout.groups)),
         )
         # Without them the index keeps no events, as the connector's when vLLM
         # publishes none (its default); nobody drains them here.
@@ -96,6 +98,9 @@ class KVOffloadSide:
             return self.scheduler.lookup(
                 req.req_id, req.prompt, num_computed, req.extras, req.block_hashes
             )
+
+    def loads_in_step(self, req: SimRequest) -> bool:
+        return self.scheduler.loads_in_step(req.req_id)
 
     def update_state_after_alloc(self, req: SimRequest, num_external: int) -> None:
         with self.clock:
@@ -159,7 +164,7 @@ class KVOffloadSide:
 
 def _completed(orders: Sequence[TransferOrder]) -> WorkerResult:
     """The worker's answer to ``orders`` had every one of them succeeded at once."""
-    loads = [order for order in orders if order.kind is JobKind.LOAD]
+    loads = [order for order in orders if order.kind is JobKind.LOAD and not order.in_step]
     reports = [
         JobReport(order.job_id, 1, frozenset(),
                   dict.fromkeys(order.keys, 1) if order.kind is JobKind.LOAD else {}, {})

@@ -11,6 +11,7 @@ from typing import Any
 
 from kvoffload.config import OffloadConfig
 from kvoffload.connector.key_source import choose_engine_hashes
+from kvoffload.connector.loads import loads_in_step
 from kvoffload.connector.scheduler import OffloadScheduler
 from kvoffload.errors import ConfigError
 from kvoffload.keys import EngineHashes
@@ -64,6 +65,7 @@ def build_scheduler(
             EngineHashes(hashed_every, algorithm),
             reproducible=vllm_hashes_reproducible(algorithm),
         ),
+        load_in_step=loads_in_step(config, len(kv_cache_config.kv_cache_groups)),
     )
 
 

@@ -82,9 +82,9 @@ def active_connectors() -> list[KVOffloadConnector]:
 class KVOffloadConnector(KVConnectorBase_V1, SupportsHMA):
     """Offloads KV chunks of every cache group to CPU, disk and lower tiers, and loads them back.
 
-    vLLM builds one on the scheduler side and one per worker; see the module
-    docstring. Loads are asynchronous (``get_num_new_matched_tokens`` answers
-    ``(tokens, True)``); stores run after each forward pass.
+    One on the scheduler side, one per worker (see the module docstring). A
+    CPU-tier hit loads in the step that asks for it (``load_in_step``), a
+    lower tier's over later steps; stores run after each forward pass.
     """
 
     _cache_hit_source = CacheHitSource.HOST
@@ -170,7 +170,7 @@ class KVOffloadConnector(KVConnectorBase_V1, SupportsHMA):
             self._from_lower.add(req_id)
         else:
             self._from_lower.discard(req_id)
-        return hit, bool(hit)
+        return hit, bool(hit) and not scheduler.loads_in_step(req_id)
 
     def on_new_request(self, request: Request) -> None:
         """With a lower tier and vLLM 0.34's ``max_num_inflight_kv_loads``: look up on arrival,
@@ -182,11 +182,11 @@ class KVOffloadConnector(KVConnectorBase_V1, SupportsHMA):
         """Whether the last lookup's hit needs chunks from the disk or remote tier (vLLM 0.34).
 
         Such a load takes steps, so vLLM may start it while its running batch
-        is full. A hit in host memory loads in one step (asynchronously too, for
-        now: serving it in the step that asks, DESIGN.md's invariant 8, is still
-        to come), so it waits for a running slot like any request. A lower-tier
-        chunk found past the hit makes a false positive, which only holds back
-        other loads until a slot frees.
+        is full. A hit in host memory loads in the step that schedules the
+        request (or one step later, see ``load_in_step``), so it waits for a
+        running slot like any request. A lower-tier chunk found past the hit
+        makes a false positive, which only holds back other loads until a slot
+        frees.
         """
         return request.request_id in self._from_lower
 
@@ -318,7 +318,7 @@ class KVOffloadConnector(KVConnectorBase_V1, SupportsHMA):
         self._worker_side().submit(self._orders(), JobKind.LOAD)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        return None  # loads are asynchronous and whole-request
+        return None  # in-step loads end in start_load_kv (docs/vllm.md: why not per layer)
 
     def save_kv_layer(
         self,
