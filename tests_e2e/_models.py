@@ -27,6 +27,15 @@ LLAMA: dict[str, Any] = {
     "torch_dtype": "bfloat16",
 }
 
+#: A 2-layer Mistral whose every layer attends a 128-token sliding window: one KV cache
+#: group, of sliding-window blocks.
+SLIDING_MISTRAL: dict[str, Any] = {
+    **LLAMA,
+    "architectures": ["MistralForCausalLM"],
+    "model_type": "mistral",
+    "sliding_window": 128,
+}
+
 #: A 4-layer Gemma-4 text model: three sliding-window layers and one full-attention
 #: layer, four KV cache groups on vLLM's CPU backend (512, 512, 512, 32 tokens per
 #: block with block_size=32). The project's own example config.
@@ -226,6 +235,7 @@ def kv_bytes_per_token(config: dict[str, Any], dtype_bytes: int = 2) -> int:
 
 MODELS = {
     "llama": LLAMA,
+    "sliding_mistral": SLIDING_MISTRAL,
     "gemma4": GEMMA4,
     "llama4": LLAMA4,
     "big_llama": BIG_LLAMA,

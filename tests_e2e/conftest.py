@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 from _harness import Engine, Reference
 from _launch import EngineFailed, run_spec
-from _models import GEMMA4, LLAMA, QWEN3_NEXT, build
+from _models import GEMMA4, LLAMA, QWEN3_NEXT, SLIDING_MISTRAL, build
 
 # The remote-tier tests use the unit tests' real Redis servers on loopback (appended,
 # so that tests/conftest.py never shadows this one).
@@ -48,6 +48,11 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="session")
 def llama(models: Path) -> str:
     return str(build(LLAMA, models / "llama"))
+
+
+@pytest.fixture(scope="session")
+def sliding_mistral(models: Path) -> str:
+    return str(build(SLIDING_MISTRAL, models / "sliding_mistral"))
 
 
 @pytest.fixture(scope="session")

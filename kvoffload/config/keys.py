@@ -183,12 +183,13 @@ KEYS: tuple[Key, ...] = (
     Key("load_in_step", KeyType.LOAD_IN_STEP,
         "When a hit whose chunks are all in the CPU tier is loaded. `auto`: in the step that "
         "asks for it (vLLM schedules the rest of the prompt at once, as for a hit in its own "
-        "cache) where vLLM can recompute a failed load block by block, that is on layouts of "
-        "one KV cache group; layouts of several groups load one step later, because vLLM "
-        "0.32-0.34 cannot take a failed same-step load there. `always`: in the same step on "
-        "every layout (host slots are pinned, so only a bug can fail such a load, and on a "
-        "layout of several groups vLLM could not recompute it). `never`: one step later. "
-        "Hits that need the disk or remote tier always load asynchronously."),
+        "cache) where vLLM can recompute a failed load from the failed block on: one KV cache "
+        "group that keeps the whole prefix (full attention, MLA). Other layouts (sliding "
+        "windows, several groups, recurrent states) load one step later, where a failed load "
+        "fails its request and vLLM starts it over (docs/vllm.md). `always`: in the step on "
+        "every layout (host slots are pinned, so only a bug can fail such a load; where vLLM "
+        "cannot recompute it, it is logged as an error). `never`: one step later. Hits that "
+        "need the disk or remote tier always load over later steps."),
     Key("tenant_cpu_share", KeyType.FRACTION,
         "Most of the CPU tier one tenant (one `cache_salt`; requests without one are a "
         "tenant too) may hold, as a fraction of its chunks: a tenant at its share evicts "

@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from kvoffload.config import OffloadConfig
+from kvoffload.config.layout import KVLayout, Reuse
 from kvoffload.connector._request import JobState, RequestState, tier_shares
 from kvoffload.connector._retention import Retention
 from kvoffload.connector._spans import load_pieces, load_spans, stateless
@@ -23,24 +24,36 @@ from kvoffload.manager.index import OffloadIndex
 from kvoffload.manager.usage import record_use
 from kvoffload.messages import JobKind, JobReport, TransferOrder
 
-__all__ = ["LoadPlanner", "loads_in_step"]
+__all__ = ["LoadPlanner", "failures_by_block", "loads_in_step"]
+
+
+def failures_by_block(layout: KVLayout, num_engine_groups: int) -> bool:
+    """Whether a failed load may go back to vLLM as engine block ids.
+
+    vLLM resumes the request at the first failed block, taking every block
+    before it as real KV. Block ids are one list per group only with one KV
+    cache group (vLLM 0.32 to 0.34 raise a ``RuntimeError`` in the scheduler
+    on block ids with several), and every block before is real only where
+    the group keeps the whole prefix: a sliding window loads (and vLLM
+    allocates) only the blocks inside the window of the hit point, so the
+    tokens recomputed after a failed block would attend null blocks; a state
+    group keeps no state there. Elsewhere a failed load fails its request,
+    which vLLM starts over (``failed_recving``).
+    """
+    return num_engine_groups == 1 and all(g.reuse is Reuse.PREFIX for g in layout.groups)
 
 
 def loads_in_step(config: OffloadConfig, num_engine_groups: int) -> bool:
     """Whether CPU-tier hits load in the step that asks for them (the key ``load_in_step``).
 
-    ``num_engine_groups``: the KV cache groups the engine itself keeps. vLLM
-    recomputes a failed same-step load from the engine blocks the worker
-    names (``get_block_ids_with_load_errors``), but vLLM 0.32 to 0.34 raise a
-    ``RuntimeError`` in the scheduler on any block id when the engine has
-    several KV cache groups (block ids repeat across groups), and a running
-    request cannot be failed whole (``failed_recving`` only acts on requests
-    waiting for a load). So ``auto`` loads in the step only where a failure
-    can go back to vLLM: one KV cache group.
+    ``num_engine_groups``: the KV cache groups the engine itself keeps. A
+    request loading in its step is running, so vLLM can take its failure
+    only as block ids (``failed_recving`` acts on requests waiting for a
+    load): ``auto`` loads in the step where :func:`failures_by_block` holds.
     """
     if config.load_in_step == "never":
         return False
-    return config.load_in_step == "always" or num_engine_groups == 1
+    return config.load_in_step == "always" or failures_by_block(config.layout, num_engine_groups)
 
 
 class LoadPlanner:
@@ -136,12 +149,15 @@ class LoadPlanner:
     def complete(self, req: RequestState | None, job: JobState, report: JobReport) -> None:
         """Every rank reported the load: unpin, record promotions, count, mark KV valid.
 
-        A promoted chunk is stored in the CPU tier only where every rank promoted it.
+        A promoted chunk is stored in the CPU tier only where every rank promoted it; a
+        CPU-tier chunk that failed to load is dropped from the index.
         """
         self.index.complete_load(job.pinned)
+        failed = report.failed_keys
+        if failed:  # forgotten, or the retry that follows (a new lookup) fails on them again
+            self.index.discard(k for k in job.pinned if k in failed)
         world = self.jobs.world_size
         everywhere = {k for k, ranks in report.promoted.items() if ranks >= world}
-        failed = report.failed_keys
         unpromoted = {k for k in job.promoted if k in failed or k not in everywhere}
         promoted = record_stored(
             self.index, self.retention, req, job, keys=job.promoted, failed=unpromoted

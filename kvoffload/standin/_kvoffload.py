@@ -17,7 +17,7 @@ import torch
 
 from kvoffload.config import OffloadConfig
 from kvoffload.connector.key_source import choose_engine_hashes
-from kvoffload.connector.loads import loads_in_step
+from kvoffload.connector.loads import failures_by_block, loads_in_step
 from kvoffload.connector.scheduler import OffloadScheduler, StepRequest
 from kvoffload.connector.worker import OffloadWorker
 from kvoffload.engine import JobKind, OffloadEngine
@@ -85,7 +85,8 @@ class KVOffloadSide:
         self.worker: OffloadWorker | None = None
         if transfers:
             engine = OffloadEngine.from_config(config, kv_caches, namespace)
-            self.worker = OffloadWorker(engine, report_blocks=len(config.layout.groups) == 1)
+            by_block = failures_by_block(config.layout, len(config.layout.groups))
+            self.worker = OffloadWorker(engine, report_blocks=by_block)
         self.settle = settle
         self.clock = Stopwatch()
 

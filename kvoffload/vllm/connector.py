@@ -43,6 +43,7 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from kvoffload.config import OffloadConfig, build_offloading_config
 from kvoffload.config.layout import KVLayout
+from kvoffload.connector.loads import failures_by_block
 from kvoffload.connector.scheduler import OffloadScheduler, StepRequest
 from kvoffload.connector.worker import OffloadWorker
 from kvoffload.engine import JobKind, OffloadEngine
@@ -291,9 +292,7 @@ class KVOffloadConnector(KVConnectorBase_V1, SupportsHMA):
         # layers that share another layer's KV (Gemma's num_kv_shared_layers).
         served = {name: kv_caches[name] for name in self.layout.layer_names if name in kv_caches}
         engine = OffloadEngine.from_config(self.config, served, self.namespace(rank))
-        # vLLM takes failed loads by block only with one group, and resumes at the failed
-        # block: a state group keeps no state there, so those layouts report by request.
-        by_block = self.groups.num_vllm_groups == 1 and not self.layout.has_state
+        by_block = failures_by_block(self.layout, self.groups.num_vllm_groups)
         self._worker = OffloadWorker(engine, report_blocks=by_block)
 
     # vLLM 0.33's sleep mode; vLLM 0.32 never calls these.

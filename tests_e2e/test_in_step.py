@@ -1,0 +1,110 @@
+"""CPU-tier hits loaded in the step that asks for them (``load_in_step``), on a real engine.
+
+With one KV cache group that keeps the whole prefix (a full-attention Llama)
+the connector answers a lookup whose chunks are all in the CPU tier
+synchronously: vLLM schedules the rest of the prompt in the same step and the
+worker copies the chunks in before the forward pass. The tokens must be those
+of the run without the connector, every hit counted once and as loaded in the
+step. A load that fails there (fault point ``load.fail_last_chunk``: the last
+chunk is withheld and reported failed) goes back through vLLM's
+``get_block_ids_with_load_errors``: vLLM logs the tokens it rescheduled,
+recomputes them, and the tokens are still right.
+
+A sliding window (a Mistral whose every layer attends 128 tokens: one group
+too) loads one step later: vLLM would resume at the failed block, attending
+blocks outside the hit's window that were never loaded (this test saw wrong
+tokens that way), so a failure fails the request and vLLM starts it over. A
+recurrent hybrid (several KV cache groups, where vLLM takes no block ids at
+all) does the same. Both give the right tokens after a failed load.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from _harness import (
+    LLAMA_ENGINE,
+    LLAMA_PROMPTS,
+    TWO_PASSES,
+    Engine,
+    Reference,
+    assert_same_output,
+    differences,
+    failpoint_fired,
+    negative_control,
+)
+from test_connector import vllm_recovered_tokens
+from test_recurrent import QWEN_ENGINE, QWEN_PROMPTS
+
+#: The first load's last chunk in each group fails (the index then forgets the chunk).
+FAIL = {"KVOFFLOAD_FAILPOINTS": "load.fail_last_chunk=1"}
+
+
+def one_group(model: str) -> dict[str, Any]:
+    return {"model": model, "engine": LLAMA_ENGINE, "prompts": LLAMA_PROMPTS,
+            "passes": TWO_PASSES, "connector": {"cpu_bytes_to_use": "64MiB"}}  # fmt: skip
+
+
+@pytest.mark.parametrize(("model_name", "in_step"), [("llama", True), ("sliding_mistral", False)])
+def test_whole_prefix_hits_load_in_the_step_that_asks(
+    engine: Engine,
+    reference: Reference,
+    request: pytest.FixtureRequest,
+    model_name: str,
+    in_step: bool,
+) -> None:
+    spec = one_group(request.getfixturevalue(model_name))
+    expected = reference(spec["model"], LLAMA_ENGINE, LLAMA_PROMPTS)
+    result = engine(**spec)
+    assert len(result["kv_cache_groups"]) == 1
+    assert_same_output(result, expected)
+    assert result["passes"][1]["cached"][0] > 0
+    scheduler, worker = result["stats"]["scheduler"], result["stats"]["worker"]
+    assert scheduler["loaded_tokens"] == scheduler["hit_tokens"] > 0  # counted once
+    assert scheduler["in_step_hit_tokens"] == (scheduler["hit_tokens"] if in_step else 0)
+    assert worker["in_step_load_jobs"] == (worker["load_jobs"] if in_step else 0)
+    if model_name == "sliding_mistral":  # the Llama's round trip has its own controls
+        negative_control(
+            engine, lambda r: assert_same_output(r, expected), "load.corrupt_block", **spec
+        )
+
+
+@pytest.mark.parametrize(("model_name", "by_block"), [("llama", True), ("sliding_mistral", False)])
+def test_a_failed_load_is_recomputed_by_vllm(
+    engine: Engine,
+    reference: Reference,
+    request: pytest.FixtureRequest,
+    model_name: str,
+    by_block: bool,
+) -> None:
+    spec = one_group(request.getfixturevalue(model_name))
+    expected = reference(spec["model"], LLAMA_ENGINE, LLAMA_PROMPTS)
+    result = engine(**spec, env=FAIL, failure_policy="recompute")
+    assert failpoint_fired(result, "load.fail_last_chunk") > 0
+    assert_same_output(result, expected)  # the worker lives on, and nothing wrong was used
+    scheduler, worker = result["stats"]["scheduler"], result["stats"]["worker"]
+    assert scheduler["failed_loads"] > 0 and worker["failed_load_blocks"] > 0
+    assert (worker["in_step_load_jobs"] > 0) == by_block
+    # By block vLLM logs what it rescheduled; a failed request it just starts over.
+    assert (vllm_recovered_tokens(result) > 0) == by_block
+
+
+def test_a_failed_load_on_a_recurrent_layout_is_recomputed(
+    engine: Engine, reference: Reference, qwen3_next: str
+) -> None:
+    """Several KV cache groups: the load waits a step, and a failure fails the request's load,
+    which vLLM computes again from its own cache (none after the reset)."""
+    expected = reference(qwen3_next, QWEN_ENGINE, QWEN_PROMPTS)
+    connector = {"cpu_bytes_to_use": "256MiB"}
+    result = engine(model=qwen3_next, engine=QWEN_ENGINE, prompts=QWEN_PROMPTS,
+                    passes=TWO_PASSES, connector=connector, env=FAIL,
+                    failure_policy="recompute")  # fmt: skip
+    assert failpoint_fired(result, "load.fail_last_chunk") > 0
+    assert result["error"] is None, result["error"]
+    for n, done in enumerate(result["passes"]):  # cached tokens differ: a load failed
+        found = differences(done, expected["passes"][0])
+        assert not found, f"pass {n}: " + "; ".join(found)
+    scheduler, worker = result["stats"]["scheduler"], result["stats"]["worker"]
+    assert scheduler["failed_loads"] > 0 and scheduler["in_step_hit_tokens"] == 0
+    assert worker.get("in_step_load_jobs", 0) == 0
