@@ -11,8 +11,12 @@ reuse distance that a small engine cache loses and an offload tier keeps.
 Workloads (``--workloads``):
 
 * ``chat``: the conversations, timed, on vLLM alone and on kvoffload (CPU
-  tier), both with the same small engine cache (``--engine-blocks``);
-  median and p90 time to first token per turn, total time, tokens/s;
+  tier), both with the same small engine cache (``--engine-blocks``), and
+  on the limit: the same engine alone with a cache that holds every
+  conversation (what kvoffload at its best could give); median and p90
+  time to first token per turn, total time, tokens/s, and kvoffload's
+  share of the achievable saving, ``(alone - kvoffload) / (alone - limit)``
+  of the total time, and its TTFT of the last two turns against the limit's;
 * ``unique``: prompts that share nothing, timed the same way: what the
   connector costs when it can never hit;
 * ``check``: in float32 at concurrency 1, kvoffload with the small engine
@@ -72,6 +76,8 @@ class Plan:
     vocab: int
     max_model_len: int
     oracle_blocks: int
+    #: The limit's engine cache: every timed conversation whole.
+    limit_blocks: int
     kvcache_gib: int
 
 
@@ -97,9 +103,11 @@ def plan(args: argparse.Namespace, model: Path) -> Plan:
             f"to start; give --engine-blocks {least} or more, or lower the sizes"
         )
     oracle = max(args.engine_blocks, args.check_conversations * math.ceil(chat_len / bs) + 8)
-    block_bytes = bs * kv_bytes_per_token(config, dtype_bytes=4)
-    gib = max(1, math.ceil(oracle * block_bytes / 2**30))
-    return Plan(model, config["vocab_size"], max_model_len, oracle, gib)
+    limit = max(args.engine_blocks, args.conversations * math.ceil(chat_len / bs) + 8)
+    need = max(oracle * bs * kv_bytes_per_token(config, dtype_bytes=4),
+               limit * bs * kv_bytes_per_token(config, dtype_bytes=2))  # fmt: skip
+    gib = max(1, math.ceil(need / 2**30))
+    return Plan(model, config["vocab_size"], max_model_len, oracle, limit, gib)
 
 
 def spec(args: argparse.Namespace, p: Plan, name: str, **kw: Any) -> ServerSpec:
@@ -128,14 +136,16 @@ def asker(server: Server, answer_tokens: int) -> Ask:
     return lambda prompt: complete(server.port, prompt, answer_tokens, REQUEST_TIMEOUT_S)
 
 
-def timed_mode(args: argparse.Namespace, p: Plan, s: ServerSpec, work: Path) -> dict[str, Any]:
+def timed_mode(
+    args: argparse.Namespace, p: Plan, s: ServerSpec, work: Path, workloads: tuple[str, ...]
+) -> dict[str, Any]:
     """One server, alone on the machine: a warm-up request, then each timed workload."""
     out: dict[str, Any] = {}
     with running([s], work, args.start_timeout) as [server]:
         out["server"] = server.record()
         ask = asker(server, args.answer_tokens)
         ask(unique_prompts(1, 64, p.vocab, seed=2)[0].questions[0])
-        for workload in ("chat", "unique"):
+        for workload in workloads:
             if workload not in args.workloads:
                 continue
             system, convs = (
@@ -224,6 +234,8 @@ def print_timed(args: argparse.Namespace, modes: dict[str, dict[str, Any]], work
         f"{'engine hits':>12} {'kvoffload hits':>15} {'preempted':>10}"
     )
     for name, figures in modes.items():
+        if workload not in figures:
+            continue
         row = figures[workload]
         print(
             f"{name:<10} {row['seconds']:>8.1f} {row['tokens_per_s']:>9.1f}  {'':>20}"
@@ -237,6 +249,28 @@ def print_timed(args: argparse.Namespace, modes: dict[str, dict[str, Any]], work
             f"median TTFT of the last turn {kv['per_turn'][-1]['ttft_median_s']:.2f} s "
             f"with kvoffload, {plain['per_turn'][-1]['ttft_median_s']:.2f} s without"
         )
+    if workload == "chat" and {"vllm", "kvoffload", "limit"} <= set(modes):
+        f = against_limit(modes)
+        print(
+            f"the limit finishes {f['limit_speedup']:.2f}x sooner than vLLM alone; kvoffload "
+            f"realizes {f['share_of_saving']:.0%} of that saving; median TTFT of the last two "
+            f"turns {f['ttft_vs_limit']:.2f}x the limit's"
+        )
+
+
+def against_limit(modes: dict[str, dict[str, Any]]) -> dict[str, float]:
+    """kvoffload between vLLM alone and the limit (the chat workload, the same run)."""
+    alone, kv, limit = (modes[m]["chat"] for m in ("vllm", "kvoffload", "limit"))
+
+    def last_two(row: dict[str, Any]) -> float:
+        return sum(t["ttft_median_s"] for t in row["per_turn"][-2:])
+
+    saving = alone["seconds"] - limit["seconds"]
+    return {
+        "limit_speedup": alone["seconds"] / limit["seconds"],
+        "share_of_saving": (alone["seconds"] - kv["seconds"]) / saving if saving else 0.0,
+        "ttft_vs_limit": last_two(kv) / last_two(limit),
+    }
 
 
 def print_check(args: argparse.Namespace, c: dict[str, Any]) -> None:
@@ -262,15 +296,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     add(
         "--model",
         choices=["llama", "big_llama", "serve_llama"],
-        default="serve_llama",
-        help="a Llama of tests_e2e/_models.py (serve_llama: 6 layers, hidden 1024)",
+        default="big_llama",
+        help="a Llama of tests_e2e/_models.py (big_llama: 8 layers, hidden 1024)",
     )
     add("--dtype", default="bfloat16", help="of the timed workloads; the check is float32")
-    add("--conversations", type=int, default=12)
-    add("--turns", type=int, default=4)
+    add("--conversations", type=int, default=8)
+    add("--turns", type=int, default=5)
     add("--system-tokens", type=int, default=1024, help="the shared system prompt")
-    add("--user-tokens", type=int, default=256, help="new tokens of each turn")
-    add("--answer-tokens", type=int, default=32, help="max_tokens of every request")
+    add("--user-tokens", type=int, default=512, help="new tokens of each turn")
+    add("--answer-tokens", type=int, default=16, help="max_tokens of every request")
     add("--concurrency", type=int, default=2, help="requests in flight (timed workloads)")
     add("--unique-prompts", type=int, default=8)
     add("--unique-tokens", type=int, default=1500)
@@ -320,10 +354,14 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         build(MODELS[args.model], model)
         print(f"model {model}; servers (logs in {work}):", file=sys.stderr)
         modes: dict[str, dict[str, Any]] = {}
+        both = ("chat", "unique")
         if {"chat", "unique"} & set(args.workloads):
-            modes["vllm"] = timed_mode(args, p, spec(args, p, "vllm"), work)
+            modes["vllm"] = timed_mode(args, p, spec(args, p, "vllm"), work, both)
             kv = spec(args, p, "kvoffload", connector=connector(args))
-            modes["kvoffload"] = timed_mode(args, p, kv, work)
+            modes["kvoffload"] = timed_mode(args, p, kv, work, both)
+        if "chat" in args.workloads:
+            limit = spec(args, p, "limit", engine_blocks=p.limit_blocks)
+            modes["limit"] = timed_mode(args, p, limit, work, ("chat",))
         checked = check(args, p, work) if "check" in args.workloads else None
     ok = checked is None or (
         checked["identical"] == checked["answers"] and checked["oracle_reused_all_history"]
@@ -354,6 +392,8 @@ def main(argv: list[str] | None = None) -> int:
     except ServerError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
+    if "limit" in result["modes"]:
+        result["against_limit"] = against_limit(result["modes"])
     if args.json:
         print(json.dumps(result))
     else:

@@ -116,7 +116,8 @@ def test_every_series_has_a_producer() -> None:
     redis = {"redis": TierCounters("redis").snapshot(gauges={"queue_bytes": 0})}
     scheduler = scheduler_series(
         {"hit_tokens_by_tier": {"cpu": 1}, "loaded_tokens_by_tier": {"cpu": 1},
-         "unkeyable_requests": 0, "miss_lookups_by_reason": {"evicted": 1},
+         "unkeyable_requests": 0, "in_step_hit_tokens": 0,
+         "miss_lookups_by_reason": {"evicted": 1},
          "miss_tokens_by_reason": {"evicted": 8}, "reuse_distance_chunks": 3}
     )  # fmt: skip
     names = {k.split("|")[0] for part in scheduler for k in part}

@@ -25,6 +25,7 @@ import torch
 from kvoffload import build_offloading_config
 from kvoffload.config.layout import CacheGroup, KVLayout
 from kvoffload.connector import worker as worker_module
+from kvoffload.connector.loads import failures_by_block, loads_in_step
 from kvoffload.connector.scheduler import OffloadScheduler
 from kvoffload.engine import JobKind
 from kvoffload.keys import KeyExtras, namespace_of
@@ -623,3 +624,32 @@ def test_a_failed_in_step_load_hands_back_its_blocks_and_voids_the_steps_stores(
         r.scheduler.on_report(report)
     stats = r.scheduler.stats()
     assert stats["failed_loads"] == 1 and stats["stored_chunks"] == r.top_hit(70) // 8
+
+
+def sliding_alone() -> KVLayout:
+    return KVLayout((CacheGroup("sliding", 4, ("w0", "w1"), PAGE, sliding_window=12),))
+
+
+def recurrent_like() -> KVLayout:
+    return KVLayout((CacheGroup("mamba", 8, ("m0",), 160), CacheGroup("full", 8, ("f0",), PAGE)))
+
+
+@pytest.mark.parametrize(
+    ("make", "engine_groups", "by_block", "auto", "always"),
+    [
+        (llama_like, 1, True, True, True),
+        (sliding_alone, 1, False, False, True),  # vLLM would resume past the window's blocks
+        (gemma_like, 3, False, False, True),
+        (recurrent_like, 2, False, False, False),  # vLLM reads the state before a load lands
+    ],
+)
+def test_which_layouts_load_in_the_step_and_report_failed_blocks(
+    make: Any, engine_groups: int, by_block: bool, auto: bool, always: bool
+) -> None:
+    layout = make()
+    assert failures_by_block(layout, engine_groups) is by_block
+    for setting, expected in (("auto", auto), ("always", always), ("never", False)):
+        config = build_offloading_config(
+            {"cpu_bytes_to_use": "1MiB", "load_in_step": setting}, layout
+        )
+        assert loads_in_step(config, engine_groups) is expected, setting

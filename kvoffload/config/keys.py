@@ -187,9 +187,10 @@ KEYS: tuple[Key, ...] = (
         "group that keeps the whole prefix (full attention, MLA). Other layouts (sliding "
         "windows, several groups, recurrent states) load one step later, where a failed load "
         "fails its request and vLLM starts it over (docs/vllm.md). `always`: in the step on "
-        "every layout (host slots are pinned, so only a bug can fail such a load; where vLLM "
-        "cannot recompute it, it is logged as an error). `never`: one step later. Hits that "
-        "need the disk or remote tier always load over later steps."),
+        "every layout but recurrent ones, whose state vLLM reads before a load in the step "
+        "lands (host slots are pinned, so only a bug can fail such a load; where vLLM cannot "
+        "recompute it, it is logged as an error). `never`: one step later. Hits that need "
+        "the disk or remote tier always load over later steps."),
     Key("tenant_cpu_share", KeyType.FRACTION,
         "Most of the CPU tier one tenant (one `cache_salt`; requests without one are a "
         "tenant too) may hold, as a fraction of its chunks: a tenant at its share evicts "

@@ -50,8 +50,11 @@ def loads_in_step(config: OffloadConfig, num_engine_groups: int) -> bool:
     request loading in its step is running, so vLLM can take its failure
     only as block ids (``failed_recving`` acts on requests waiting for a
     load): ``auto`` loads in the step where :func:`failures_by_block` holds.
+    A recurrent state never does: vLLM copies a request's state block into
+    its running block before the connector's ``start_load_kv``, so a state
+    loaded in the step lands too late (measured: the tokens of a zeroed state).
     """
-    if config.load_in_step == "never":
+    if config.load_in_step == "never" or config.layout.has_state:
         return False
     return config.load_in_step == "always" or failures_by_block(config.layout, num_engine_groups)
 

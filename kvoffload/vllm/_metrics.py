@@ -64,6 +64,9 @@ class Series:
 SERIES: tuple[Series, ...] = (
     Series("hit_tokens", "counter",
            "Prompt tokens of hits vLLM accepted, by the tier their chunks come from"),
+    Series("in_step_hit_tokens", "counter",
+           "Of hit_tokens, those loaded in the step that asked for them (load_in_step); "
+           "the rest loaded one step later", label=""),
     Series("loaded_tokens", "counter", "Prompt tokens loaded into the engine, by tier"),
     Series("stored_bytes", "counter", "Payload bytes stored, by tier"),
     Series("loaded_bytes", "counter", "Payload bytes loaded, by tier"),
