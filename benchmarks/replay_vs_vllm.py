@@ -69,9 +69,11 @@ def kvoffload_row(
     transfers: bool = True,
 ) -> EngineRow:
     """One replay through kvoffload's connector (``key_source``: the connector's key;
-    ``transfers=False``: its orders complete at once, as vLLM's do here)."""
+    ``transfers=False``: its orders complete at once, as vLLM's do here). Its hits load
+    a step later (``load_in_step: never``), as vLLM's connector's do, so that the two
+    differ only in their index, policy and hit rules, and the steps line up."""
     return replay_engine(trace, capacity, policy, settings=settings, key_source=key_source,
-                         transfers=transfers)  # fmt: skip
+                         transfers=transfers, load_in_step="never")  # fmt: skip
 
 
 def vllm_row(trace: Trace, capacity: int, policy: str, settings: EngineSettings) -> EngineRow:

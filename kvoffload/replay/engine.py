@@ -149,18 +149,21 @@ def replay_engine(
     progress: bool = False,
     key_source: str = "auto",
     transfers: bool = True,
+    load_in_step: str = "auto",
 ) -> EngineRow:
     """Replay ``trace`` through kvoffload's connector with ``capacity`` CPU chunks.
 
-    ``key_source`` is the connector's key of that name: by default, as in vLLM
-    with its default hash, keys come from the engine's block hashes.
+    ``key_source`` and ``load_in_step`` are the connector's keys of those
+    names: by default, as in vLLM with its default hash, keys come from the
+    engine's block hashes, and CPU-tier hits load in the step that asks.
     ``transfers=False``: orders complete at once and no bytes move (see
     :class:`~kvoffload.standin.KVOffloadSide`); the hits are the same.
     """
     layout = trace_layout() if layout is None else layout
     slot = max(g.chunk_bytes(1) for g in layout.groups)
     keys = {"cpu_bytes_to_use": capacity * slot, "blocks_per_chunk": 1,
-            "eviction_policy": policy, "key_source": key_source}  # fmt: skip
+            "eviction_policy": policy, "key_source": key_source,
+            "load_in_step": load_in_step}  # fmt: skip
     config = build_offloading_config(keys, layout)
     kv = allocate_kv_caches(layout, settings.gpu_blocks, torch.uint8)
     # No KV events, as vLLM runs by default (its own connector then keeps none either).
