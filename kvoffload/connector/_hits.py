@@ -143,8 +143,8 @@ class _Search:
         index, spans = finder.index, finder.tokens_per_chunk
         self.base = [local // span for span in spans]
         self.states: list[list[Availability]] = []
-        for g, span in enumerate(spans):
-            group_keys = keys[g][self.base[g] : top // span]
+        for g, span in enumerate(spans):  # past an aligned top: a tail (see _tails)
+            group_keys = keys[g][self.base[g] : -(-top // span)]
             ready, busy = index.ready_mask(group_keys), index.storing_mask(group_keys)
             self.states.append([_availability(r, b) for r, b in zip(ready, busy, strict=True)])
         self.probed: set[tuple[int, int]] = set()
@@ -254,6 +254,22 @@ class HitFinder:
         if best <= local_hit:
             return Hit(local_hit, False, cap)
         return Hit(best, self._pending(search, best), cap)
+
+    def find_tail(self, keys: Sequence[Sequence[bytes]], local_hit: int, point: int) -> Hit | None:
+        """The hit at ``point``, a tail (:mod:`~kvoffload.connector._tails`), if it is servable.
+
+        ``keys[g]`` names group ``g``'s chunks before ``point`` and then its tail at
+        ``point``: the rules of :func:`needed_tokens` hold as for any hit.
+        """
+        search = _Search(self, keys, local_hit, point)
+        needs = self._needs(local_hit, point)
+        if self.probes:
+            search.probe([(g, c) for g, needed in enumerate(needs) for c in needed])
+        if sum(len(r) for r in needs) > self.index.room():
+            return None
+        if not all(search.servable(g, needed) for g, needed in enumerate(needs)):
+            return None
+        return Hit(point, self._pending(search, point))
 
     def _find_prefix(
         self, keys: Sequence[Sequence[bytes]], local_hit: int, top: int, step: int

@@ -65,6 +65,12 @@ class Chosen(NamedTuple):
     chunk: int
     blocks: tuple[int, ...]
     choice: Choice
+    #: A tail's own key (:mod:`~kvoffload.connector._tails`); ``None``: the chunk's.
+    key: bytes | None = None
+
+    def key_in(self, req: RequestState) -> bytes:
+        """The key the chunk is stored under."""
+        return req.keys[self.group][self.chunk] if self.key is None else self.key
 
 
 class Selection(NamedTuple):
@@ -179,10 +185,11 @@ class Retention:
     def retry_later(self, req: RequestState, chosen: Iterable[Chosen]) -> None:
         """Chunks a step selected that found no CPU slot (stores in flight): the next step.
 
-        A state is not retried: the engine overwrites it once the request moves on.
+        A state is not retried: the engine overwrites it once the request moves on;
+        nor is a tail, which needs its states.
         """
         for c in chosen:
-            if self.layout.groups[c.group].reuse is not Reuse.STATE:
+            if self.layout.groups[c.group].reuse is not Reuse.STATE and c.key is None:
                 req.retry[c.group].add(c.chunk)
 
     def retry_run(self, req: RequestState, chunks: Iterable[int]) -> None:

@@ -104,7 +104,11 @@ def load_spans(
     unloadable: dict[int, tuple[int, ...]] = {}
     for piece in pieces:
         g, c0, keys, blocks = piece.group, piece.first_chunk, piece.keys, block_ids[piece.group]
-        first_block = groups[g].chunk_first_block
+        group_first = groups[g].chunk_first_block
+
+        def first_block(chunk: int, bpc: int) -> int:  # a tail's state: the block at its end
+            return min(group_first(chunk, bpc), piece.stop - 1)
+
         for start, run in _runs([key in lost for key in keys] if lost else [False] * len(keys)):
             lo = max(piece.first, first_block(c0 + start, blocks_per_chunk))
             hi = min(piece.stop, (c0 + run) * blocks_per_chunk)
