@@ -2,28 +2,34 @@
 
 vLLM keeps a recurrent state only where a prefill step ended (align mode). A
 prompt computed in one step has one at its last block boundary before its
-last token; at ``blocks_per_chunk`` 2 a hit needs that boundary on a chunk
-end. The issue's prompts (1300 shared tokens, 256-token blocks) end their
-shared boundary at 1280 tokens, five blocks: no chunk end. So the first
-prompt, which computes the prefix, gets no hit from the connector after the
-reset, and the two sharing it get theirs from the engine's own cache, which
-the first refilled in the same step; at one block per chunk every prompt
-gets 1280 tokens from the connector. The connector says so at start.
+last token. The issue's prompts (1300 shared tokens, 256-token blocks) end their
+shared boundary at 1280 tokens, five blocks: inside the third 512-token chunk.
+The first prompt, which computes the prefix, got no hit from the connector
+after the reset (the two sharing it got theirs from the engine's own cache,
+which the first refilled in the same step). Now each prompt stores a *tail*
+there (the attention part-chunk and the states at 1280, under keys of their own:
+``kvoffload.connector._tails``) and every prompt gets 1280 tokens from the
+connector, as at one block per chunk. The connector still says at start what
+tails do not cover.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import random
+from pathlib import Path
 
 import pytest
 
 from kvoffload import build_offloading_config
 from kvoffload.cli import main
 from kvoffload.config.layout import CacheGroup, KVLayout
-from kvoffload.keys import namespace_of
+from kvoffload.connector._tails import Tails
+from kvoffload.keys import EngineHashes, namespace_of, prefix_keys, tail_key
 from kvoffload.standin import KVOffloadSide, KVPages, StandIn
+from kvoffload.tiers.disk import DiskProbe
 from kvoffload.transfer import allocate_kv_caches
 
 BLOCK = 256
@@ -45,26 +51,49 @@ def issue_prompts() -> list[list[int]]:
     return [*shared, [rng.randrange(1, 512) for _ in range(1300)]]
 
 
-def second_pass(blocks_per_chunk: int) -> list[tuple[int, int]]:
-    """(engine's own hit, connector's hit) of each prompt, the second time, after a reset."""
+def run_passes(
+    blocks_per_chunk: int, passes: list[list[list[int]]], **extra: object
+) -> list[list[tuple[int, int]]]:
+    """(engine's own hit, connector's hit) of each prompt of each pass: the passes run one
+    after the other in one stand-in engine, its GPU prefix cache reset before each.
+
+    ``extra`` goes into the connector's configuration; with a ``disk_path``, each pass
+    runs in a fresh engine and connector (a restart) whose lookups probe that disk tier."""
     config = build_offloading_config(
-        {"cpu_bytes_to_use": 256 << 20, "blocks_per_chunk": blocks_per_chunk}, QWEN
+        {"cpu_bytes_to_use": 256 << 20, "blocks_per_chunk": blocks_per_chunk, **extra}, QWEN
     )
+    namespace = namespace_of("issue-29", "bfloat16", QWEN)
     kv = allocate_kv_caches(QWEN, 200)
-    side = KVOffloadSide(config, namespace_of("issue-29", "bfloat16", QWEN), kv)
-    engine = StandIn(QWEN, side, gpu_blocks=200, step_tokens=4096, kv=KVPages(QWEN, kv))
+    disk = config.disk_path
+    out: list[list[tuple[int, int]]] = []
+    side: KVOffloadSide | None = None
+    engine: StandIn | None = None
     try:
-        for n in range(2):
-            requests = [engine.add(f"{n}-{i}", p, output=[7] * 8)
-                        for i, p in enumerate(issue_prompts())]  # fmt: skip
+        for n, prompts in enumerate(passes):
+            if engine is None or disk is not None:
+                if side is not None:
+                    side.close()
+                probes = [DiskProbe(Path(disk), namespace)] if disk is not None else []
+                side = KVOffloadSide(config, namespace, kv, probes)
+                engine = StandIn(QWEN, side, gpu_blocks=200, step_tokens=4096,
+                                 kv=KVPages(QWEN, kv))  # fmt: skip
+            else:
+                engine.reset_prefix_cache()
+            requests = [engine.add(f"{n}-{i}", p, output=[7] * 8) for i, p in enumerate(prompts)]
             while engine.waiting or engine.running:
                 engine.step()
             engine.step()
-            engine.reset_prefix_cache()
-        assert engine.stats.mismatched_blocks == 0
-        return [(r.local_hit, r.external) for r in requests]
+            assert engine.stats.mismatched_blocks == 0
+            out.append([(r.local_hit, r.external) for r in requests])
     finally:
-        side.close()
+        if side is not None:
+            side.close()
+    return out
+
+
+def second_pass(blocks_per_chunk: int, **extra: object) -> list[tuple[int, int]]:
+    """(engine's own hit, connector's hit) of each prompt, the second time, after a reset."""
+    return run_passes(blocks_per_chunk, [issue_prompts()] * 2, **extra)[1]
 
 
 def test_one_block_per_chunk_serves_every_state_vllm_keeps(
@@ -75,15 +104,16 @@ def test_one_block_per_chunk_serves_every_state_vllm_keeps(
     assert not [r for r in caplog.records if "blocks_per_chunk" in r.getMessage()]
 
 
-def test_two_blocks_per_chunk_miss_a_state_inside_a_chunk_and_say_so(
+def test_two_blocks_per_chunk_serve_the_state_inside_a_chunk_from_a_tail(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     with caplog.at_level(logging.WARNING, logger="kvoffload"):
-        assert second_pass(2) == [(0, 0), (1280, 0), (1280, 0), (0, 0)]
+        assert second_pass(2) == [(0, 1280)] * 4
     [warning] = [r.getMessage() for r in caplog.records if "blocks_per_chunk" in r.getMessage()]
     assert warning.startswith(
         "blocks_per_chunk=2 with recurrent state groups: a hit needs a state taken on a "
-        "multiple of 512 tokens"
+        "multiple of 512 tokens, or at a prompt's last 256-token block boundary (stored as "
+        "a tail)"
     )
     assert warning.endswith("set blocks_per_chunk to 1 to serve every state vLLM keeps")
 
@@ -97,3 +127,87 @@ def test_plan_says_so_before_the_engine_starts(
     assert main(args) == 0
     note = "Note: blocks_per_chunk=2 with recurrent state groups: a hit needs a state taken on"
     assert (note in capsys.readouterr().out) is (blocks_per_chunk == 2)
+
+
+@pytest.mark.parametrize("key_source", ["tokens", "engine"])
+def test_tails_hit_with_either_key_source(key_source: str) -> None:
+    assert second_pass(2, key_source=key_source) == [(0, 1280)] * 4
+
+
+def test_a_tail_serves_another_prompt_through_the_same_boundary() -> None:
+    """A prompt sharing the first 1300 tokens but longer (its own last boundary at 1792, a
+    tail it has not stored) hits the first prompt's tail at 1280, as vLLM's own cache
+    hits its state there; one sharing only 1100 tokens does not (the tail's key covers
+    the tokens up to 1280), nor does vLLM's cache."""
+    first, *_, unrelated = issue_prompts()
+    rng = random.Random(7)
+    longer = first[:1300] + [rng.randrange(1, 512) for _ in range(500)]
+    shorter = first[:1100] + [rng.randrange(1, 512) for _ in range(300)]
+    passes = run_passes(2, [[first], [longer, shorter, unrelated]])
+    assert passes == [[(0, 0)], [(0, 1280), (0, 0), (0, 0)]]
+
+
+def test_a_fresh_process_finds_the_tail_on_disk(tmp_path: Path) -> None:
+    """A restart's lookups probe the disk tier for the tail chunks and states, and load
+    them into fresh CPU slots."""
+    disk = {"disk_path": str(tmp_path / "kv"), "disk_bytes_to_use": 256 << 20}
+    first, *_ = issue_prompts()
+    assert run_passes(2, [[first], [first]], **disk) == [[(0, 0)], [(0, 1280)]]
+
+
+def test_tails_only_where_a_chunk_cuts_a_state_of_a_recurrent_hybrid() -> None:
+    """Every other layout keeps its keys and hits: no tail anywhere."""
+    full = CacheGroup("full", BLOCK, ("a0",), 4 * BLOCK)
+    window = CacheGroup("sliding", BLOCK, ("s0",), 4 * BLOCK, sliding_window=512)
+    mamba = CacheGroup("mamba", BLOCK, ("m0",), 160)
+    small = CacheGroup("full", BLOCK // 2, ("a1",), 4 * BLOCK)
+    for layout, bpc, on in [
+        (QWEN, 2, True),
+        (QWEN, 4, True),
+        (QWEN, 1, False),
+        (KVLayout((full,)), 2, False),
+        (KVLayout((window, full)), 2, False),
+        (KVLayout((mamba, window, full)), 2, False),
+        (KVLayout((mamba, small)), 2, False),
+    ]:
+        config = build_offloading_config(
+            {"cpu_bytes_to_use": 64 << 20, "blocks_per_chunk": bpc}, layout
+        )
+        assert bool(Tails(config, b"ns")) is on, (layout, bpc)
+
+
+def test_tail_points_and_candidates() -> None:
+    config = build_offloading_config({"cpu_bytes_to_use": 64 << 20, "blocks_per_chunk": 4}, QWEN)
+    tails = Tails(config, b"ns")
+    assert [tails.is_tail(t) for t in (0, 256, 512, 768, 1024, 1100)] == [
+        False, True, True, True, False, False,
+    ]  # fmt: skip
+    # The boundaries inside the chunk the chain stops in, best first, up to the prompt's.
+    assert tails.candidates(top=5000, cap=1024, above=0) == [1792, 1536, 1280]
+    assert tails.candidates(top=1600, cap=1024, above=0) == [1536, 1280]
+    assert tails.candidates(top=5000, cap=1024, above=1536) == [1792]
+    assert tails.candidates(top=1024, cap=1024, above=0) == []
+
+
+def test_tail_keys_name_their_tokens_and_never_a_chunk() -> None:
+    rng = random.Random(3)
+    tokens = [rng.randrange(1, 512) for _ in range(1400)]
+    keys = prefix_keys(tokens, 512, 3, b"ns")
+    at = functools.partial(tail_key, keys[:2], tokens, 512, 3, b"ns")
+    key = at(stop=1280)
+    assert key == tail_key(keys[:2], [*tokens[:1280], 9, 9], 512, 3, b"ns", stop=1280)
+    assert key not in keys and key != at(stop=1279) and key != at(stop=1281)
+    group_2 = prefix_keys(tokens, 512, 2, b"ns")[:2]  # the chain carries group and namespace
+    assert key != tail_key(group_2, tokens, 512, 2, b"ns", stop=1280)
+    other = [*tokens[:1100], *(t % 511 + 1 for t in tokens[1100:])]
+    assert key != tail_key(keys[:2], other, 512, 3, b"ns", stop=1280)
+    assert tail_key([], tokens, 512, 3, b"ns", stop=256) != tail_key(
+        [], tokens, 512, 3, b"other", stop=256
+    )
+    with pytest.raises(ValueError, match="must end inside it"):
+        at(stop=1536)
+    engine = EngineHashes(256, "sha256")
+    hashes = [bytes([i]) * 16 for i in range(5)]
+    by_engine = functools.partial(at, engine=engine, stop=1280)
+    assert by_engine(block_hashes=hashes[:4]) is None  # the engine has not hashed 1280 yet
+    assert by_engine(block_hashes=hashes) not in (None, key)

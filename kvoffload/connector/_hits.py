@@ -104,26 +104,38 @@ def needed_chunks(group: CacheGroup, span: int, local_hit: int, hit: int) -> ran
 
 
 def coarse_state_hits(layout: KVLayout, tokens_per_chunk: Sequence[int]) -> str | None:
-    """Why recurrent state groups at several blocks per chunk miss hits vLLM's own cache has.
+    """Which states of recurrent groups at several blocks per chunk kvoffload does not serve.
 
-    A hit at ``H`` needs the state taken at ``H`` and ``H`` on a chunk end. vLLM
-    (align mode) keeps a state only where a prefill step ended: for a prompt
-    computed in one step, its last block boundary before the last token. At
-    ``blocks_per_chunk`` 2 that boundary is a chunk end for half the prompts
-    only; for the others no state sits on a chunk end below it, so nothing is
-    servable (issue 29: 1280 tokens shared, 256-token blocks, 512-token
-    chunks). Serving them would need the attention chunk that ``H`` cuts in
-    two, which is never complete. ``None`` where every state is servable.
+    A hit at ``H`` needs the state taken at ``H``. vLLM (align mode) keeps a
+    state only where a prefill step ended: for a prompt computed in one step,
+    its last block boundary before its last token, which a chunk often cuts in
+    two. That one is served: the prompt stores a tail there
+    (:mod:`kvoffload.connector._tails`; issue 29: 1280 tokens shared,
+    256-token blocks, 512-token chunks). Other states vLLM keeps inside a chunk
+    (where a chunked prefill step or a decoded output ends) are not, so a
+    conversation's next turn may resume at the chunk end before the one vLLM's
+    own cache resumes at. ``None`` where every state is servable.
     """
-    for group, span in zip(layout.groups, tokens_per_chunk, strict=True):
+    groups = layout.groups
+    tails = len({g.tokens_per_block for g in groups}) == 1 and all(
+        g.reuse in (Reuse.STATE, Reuse.PREFIX) for g in groups
+    )
+    for group, span in zip(groups, tokens_per_chunk, strict=True):
         if group.reuse is Reuse.STATE and span > group.tokens_per_block:
+            block = group.tokens_per_block
+            where = (
+                f"or at a prompt's last {block}-token block boundary (stored as a tail); "
+                "vLLM also keeps states at other block boundaries (where a chunked prefill "
+                "step or a decoded output ends), so a conversation's next turn may resume "
+                "at an earlier chunk end from kvoffload than from vLLM's own cache"
+                if tails
+                else f"but vLLM keeps one only where a prefill step ends (at its {block}-"
+                "token blocks), so a prompt whose boundary falls inside a chunk gets no "
+                "hit from kvoffload where vLLM's own cache has one"
+            )
             return (
-                f"blocks_per_chunk={span // group.tokens_per_block} with recurrent state "
-                f"groups: a hit needs a state taken on a multiple of {span} tokens, but vLLM "
-                f"keeps one only where a prefill step ends (at its {group.tokens_per_block}-"
-                "token blocks, for a prompt computed in one step the last block boundary "
-                "before its last token), so a prompt whose boundary falls inside a chunk "
-                "gets no hit from kvoffload where vLLM's own cache has one; set "
+                f"blocks_per_chunk={span // block} with recurrent state groups: a hit needs "
+                f"a state taken on a multiple of {span} tokens, {where}; set "
                 "blocks_per_chunk to 1 to serve every state vLLM keeps"
             )
     return None
