@@ -27,6 +27,7 @@ from kvoffload import build_offloading_config
 from kvoffload.cli import main
 from kvoffload.config.layout import CacheGroup, KVLayout
 from kvoffload.connector._tails import Tails
+from kvoffload.connector.scheduler import OffloadScheduler
 from kvoffload.keys import EngineHashes, namespace_of, prefix_keys, tail_key
 from kvoffload.standin import KVOffloadSide, KVPages, StandIn
 from kvoffload.tiers.disk import DiskProbe
@@ -211,3 +212,47 @@ def test_tail_keys_name_their_tokens_and_never_a_chunk() -> None:
     by_engine = functools.partial(at, engine=engine, stop=1280)
     assert by_engine(block_hashes=hashes[:4]) is None  # the engine has not hashed 1280 yet
     assert by_engine(block_hashes=hashes) not in (None, key)
+
+
+def tail_scheduler() -> tuple[OffloadScheduler, list[int], list[list[bytes]], list[bytes]]:
+    """A scheduler over QWEN at two blocks per chunk, the issue's first prompt, the keys of
+    its two full chunks per group, and its tail keys at 1280 (group by group)."""
+    config = build_offloading_config({"cpu_bytes_to_use": 64 << 20, "blocks_per_chunk": 2}, QWEN)
+    scheduler = OffloadScheduler(config, b"ns")
+    prompt = issue_prompts()[0]
+    keys = [group_keys[:2] for group_keys in scheduler.keys_for(prompt)]
+    tails = [tail_key(k, prompt, 512, g, b"ns", stop=1280) for g, k in enumerate(keys)]
+    return scheduler, prompt, keys, [t for t in tails if t is not None]
+
+
+def stored(scheduler: OffloadScheduler, keys: list[bytes], *, complete: bool = True) -> None:
+    assert scheduler.index.prepare_store(keys) is not None
+    if complete:
+        scheduler.index.complete_store(keys)
+
+
+def test_a_tail_hit_needs_the_chain_below_it_and_every_groups_tail() -> None:
+    """The hit rule at a tail: the full-attention chunks before it, its part-chunk and
+    every state group's state there; a piece being stored defers the lookup."""
+    scheduler, prompt, keys, tails = tail_scheduler()
+    chain = keys[3]  # the full-attention group's chunks; the states at 512, 1024 never were
+    stored(scheduler, chain)
+    for missing in range(4):  # any one piece missing: no hit at all (none at 1024 either)
+        stored(scheduler, tails[:missing] + tails[missing + 1 :])
+        assert scheduler.lookup(f"miss-{missing}", prompt, 0) == 0
+        scheduler.index.discard(tails)
+    stored(scheduler, tails)
+    assert scheduler.lookup("whole", prompt, 0) == 1280
+    assert scheduler.lookup("engine's own", prompt, 1024) == 256  # the rest is the tail
+    scheduler.index.discard(chain[1:])
+    assert scheduler.lookup("chain cut", prompt, 0) == 0
+    assert scheduler.lookup("chain cut below the engine's", prompt, 1024) == 256
+
+
+def test_a_tail_being_stored_defers_the_lookup() -> None:
+    scheduler, prompt, keys, tails = tail_scheduler()
+    stored(scheduler, keys[3] + tails[:3])
+    stored(scheduler, tails[3:], complete=False)
+    assert scheduler.lookup("wait", prompt, 0) is None
+    scheduler.index.complete_store(tails[3:])
+    assert scheduler.lookup("now", prompt, 0) == 1280

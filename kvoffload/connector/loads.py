@@ -58,7 +58,10 @@ class LoadPlanner:
         allocation, ``num_external`` the tokens vLLM accepted of the offer.
         """
         if not req.use_recorded:  # vLLM's own prefix-cache hits included
-            record_use(self.index, *self.retention.used(req))
+            used, served = self.retention.used(req)
+            if req.tail_at and req.tail_at == req.offered:  # a tail ends the chain it used
+                used = [*used, *req.tail_keys]
+            record_use(self.index, used, served)
             req.use_recorded = True
         if num_external <= 0 or not req.offered:
             # vLLM's own prefix-cache blocks (null ones are skipped later).
