@@ -167,10 +167,10 @@ class OffloadScheduler:
         tails, spans = self.tails, self.config.tokens_per_chunk
         for point in tails.candidates(block_top, hit.prefix_end, max(hit.tokens, req.local_hit)):
             keys = tails.keys(req, token_ids, block_hashes, point)
-            found = None
-            if keys is not None:
-                found = self.hits.find_tail(with_tail(req.keys, keys, point, spans),
-                                            req.local_hit, point)  # fmt: skip
+            if keys is None:
+                continue
+            found = self.hits.find_tail(with_tail(req.keys, keys, point, spans),
+                                        req.local_hit, point)  # fmt: skip
             if found is not None:
                 req.tail_at, req.tail_keys = point, keys
                 return found._replace(prefix_end=hit.prefix_end)
