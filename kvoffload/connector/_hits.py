@@ -2,7 +2,9 @@
 
 A hit of ``H`` tokens must be servable by every group at once, and vLLM only
 resumes a hybrid request at a multiple of every group's block, so ``H`` is a
-multiple of the least common multiple of the groups' chunk spans. What a
+multiple of the least common multiple of the groups' chunk spans (or a
+tail's block boundary inside a chunk, :mod:`kvoffload.connector._tails`:
+:meth:`HitFinder.find_tail`). What a
 group must supply for ``H`` depends on its :class:`Reuse` (:func:`needed_tokens`):
 
 * full attention (MLA, compressed MLA) attends to everything: every chunk
