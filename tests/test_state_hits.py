@@ -26,9 +26,10 @@ import pytest
 from kvoffload import build_offloading_config
 from kvoffload.cli import main
 from kvoffload.config.layout import CacheGroup, KVLayout
-from kvoffload.connector._tails import Tails
+from kvoffload.connector._tails import Tails, whole_chunks
 from kvoffload.connector.scheduler import OffloadScheduler
 from kvoffload.keys import EngineHashes, namespace_of, prefix_keys, tail_key
+from kvoffload.messages import BlockSpan, ChunkSpan
 from kvoffload.standin import KVOffloadSide, KVPages, StandIn
 from kvoffload.tiers.disk import DiskProbe
 from kvoffload.transfer import allocate_kv_caches
@@ -256,3 +257,17 @@ def test_a_tail_being_stored_defers_the_lookup() -> None:
     assert scheduler.lookup("wait", prompt, 0) is None
     scheduler.index.complete_store(tails[3:])
     assert scheduler.lookup("now", prompt, 0) == 1280
+
+
+def test_tails_are_never_told_to_a_router_as_the_engines_blocks() -> None:
+    """KV events describe a stored or promoted chunk as the engine's blocks of that chunk: a
+    tail is not one (its slot's padding repeats its last block; its load ends inside it)."""
+    keys, slots = (b"a", b"b", b"t"), (0, 1, 2)
+    store = ChunkSpan(3, keys, slots, BlockSpan((5, 6, 7, 8, 9, 9)))
+    assert whole_chunks(store, 2) == [True, True, False]
+    load = ChunkSpan(3, keys, slots, BlockSpan((6, 7, 8, 9), first_offset=1))
+    assert whole_chunks(load, 2) == [True, True, False]
+    assert whole_chunks(ChunkSpan(3, keys[:2], slots[:2], BlockSpan((6, 7, 8), 1)), 2) == [
+        True, True,
+    ]  # fmt: skip
+    assert whole_chunks(ChunkSpan(0, keys, slots, BlockSpan((4, 4, 4))), 1) == [True] * 3

@@ -34,8 +34,9 @@ from kvoffload.connector._request import RequestState, StepRequest, covered
 from kvoffload.connector._retention import Choice, Chosen
 from kvoffload.connector._spans import NULL_BLOCK
 from kvoffload.keys import EngineHashes, tail_key
+from kvoffload.messages import ChunkSpan
 
-__all__ = ["Tails", "with_tail"]
+__all__ = ["Tails", "whole_chunks", "with_tail"]
 
 
 def with_tail(
@@ -46,6 +47,17 @@ def with_tail(
         [*group_keys[: point // span], tail]
         for group_keys, tail, span in zip(keys, tails, spans, strict=True)
     ]
+
+
+def whole_chunks(span: ChunkSpan, blocks_per_chunk: int) -> list[bool]:
+    """Per key of ``span``, whether its blocks there run to the chunk's end, each its own:
+    not a tail (whose slot's padding repeats its last block, and whose load ends inside
+    the chunk). Only such chunks are the engine's blocks a router may be told of."""
+    ids, out = span.blocks.block_ids, []
+    for start, stop, position in span.blocks.chunk_ranges(blocks_per_chunk):
+        part = ids[start:stop]
+        out.append(position + len(part) == blocks_per_chunk and len(set(part)) == len(part))
+    return out
 
 
 class Tails:
