@@ -122,7 +122,7 @@ def test_qwen3_next_issue_29_prompts_hit_as_vllm_does(
     assert result["stats"]["scheduler"]["failed_loads"] == 0
 
 
-def test_qwen3_next_two_blocks_per_chunk_hits_where_a_state_ends_a_chunk(
+def test_qwen3_next_two_blocks_per_chunk_hits_on_chunk_ends_and_tails(
     engine: Engine, reference: Reference, qwen3_next: str
 ) -> None:
     """At 2 blocks per chunk the shared prefix's state is at 1536 tokens, two chunks of 768
