@@ -19,6 +19,7 @@ import functools
 import json
 import logging
 import random
+from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
@@ -54,10 +55,14 @@ def issue_prompts() -> list[list[int]]:
 
 
 def run_passes(
-    blocks_per_chunk: int, passes: list[list[list[int]]], **extra: object
+    blocks_per_chunk: int,
+    passes: list[list[list[int]]],
+    output: Sequence[int] = (7,) * 8,
+    **extra: object,
 ) -> list[list[tuple[int, int]]]:
     """(engine's own hit, connector's hit) of each prompt of each pass: the passes run one
-    after the other in one stand-in engine, its GPU prefix cache reset before each.
+    after the other in one stand-in engine, its GPU prefix cache reset before each; each
+    prompt generates ``output``.
 
     ``extra`` goes into the connector's configuration; with a ``disk_path``, each pass
     runs in a fresh engine and connector (a restart) whose lookups probe that disk tier."""
@@ -81,7 +86,7 @@ def run_passes(
                                  kv=KVPages(QWEN, kv))  # fmt: skip
             else:
                 engine.reset_prefix_cache()
-            requests = [engine.add(f"{n}-{i}", p, output=[7] * 8) for i, p in enumerate(prompts)]
+            requests = [engine.add(f"{n}-{i}", p, output=output) for i, p in enumerate(prompts)]
             while engine.waiting or engine.running:
                 engine.step()
             engine.step()
@@ -271,3 +276,18 @@ def test_tails_are_never_told_to_a_router_as_the_engines_blocks() -> None:
         True, True,
     ]  # fmt: skip
     assert whole_chunks(ChunkSpan(0, keys, slots, BlockSpan((4, 4, 4))), 1) == [True] * 3
+
+
+@pytest.mark.xfail(strict=True, reason="tails are stored at a prompt's last block boundary "
+                   "only, not at a decoded output's (docs/vllm.md, Stores)")  # fmt: skip
+def test_a_next_turn_resumes_at_the_outputs_last_block_boundary() -> None:
+    """A conversation's second turn (the first's prompt and 500-token output, then more)
+    resumes where the first turn's KV ends, 1792 tokens: a block boundary a 512-token
+    chunk cuts. At one block per chunk the connector serves it (the state there was the
+    first turn's trailing point); at two it serves the chunk end before, 1536."""
+    rng = random.Random(5)
+    prompt = [rng.randrange(1, 512) for _ in range(1300)]
+    output = [rng.randrange(1, 512) for _ in range(500)]
+    turns = [[prompt], [[*prompt, *output, *(rng.randrange(1, 512) for _ in range(40))]]]
+    assert run_passes(1, turns, output)[1] == [(0, 1792)]
+    assert run_passes(2, turns, output)[1] == [(0, 1792)]
