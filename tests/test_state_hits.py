@@ -19,10 +19,12 @@ import functools
 import json
 import logging
 import random
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import pytest
+from _stand import QWEN as STAND_QWEN
+from _stand import Model, Stand, make_tokens
 
 from kvoffload import build_offloading_config
 from kvoffload.cli import main
@@ -291,3 +293,35 @@ def test_a_next_turn_resumes_at_the_outputs_last_block_boundary() -> None:
     turns = [[prompt], [[*prompt, *output, *(rng.randrange(1, 512) for _ in range(40))]]]
     assert run_passes(1, turns, output)[1] == [(0, 1792)]
     assert run_passes(2, turns, output)[1] == [(0, 1792)]
+
+
+#: The connector core's harness model of a recurrent hybrid (8-token blocks), at two
+#: blocks per chunk: 16-token chunks, so a 45-token prompt's state at 40 is a tail.
+QWEN_TAILS = Model("qwen-tails", STAND_QWEN.layout, bpc=2)
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+@pytest.mark.parametrize("disk", [False, True])
+def test_a_tail_round_trip_on_every_rank(
+    stand: Callable[..., Stand], world_size: int, disk: bool
+) -> None:
+    """Stored by one request, the tail serves the next: the order covers exactly the blocks
+    the hit needs (the harness checks), every rank loads them bit-exact, and a restart's
+    lookup finds them on disk."""
+    s = stand(QWEN_TAILS, world_size=world_size, disk=disk)
+    tokens = make_tokens(29, 45)
+    first, _ = s.serve("a", tokens)
+    assert first.offered == 0
+    second, out = s.serve("b", tokens)
+    assert second.hit == 40 and second.verified == sum(map(len, second.load_ids.values())) > 0
+    assert out.failed_blocks == set() and out.failed_recving == set()
+    longer, _ = s.serve("c", [*tokens[:41], *make_tokens(30, 30)])  # the same tokens to 40
+    assert longer.hit == 40 and longer.verified > 0
+    s.check_integrity()
+    if disk:
+        fresh = stand(QWEN_TAILS, world_size=world_size, disk=True, probe=True)
+        third, _ = fresh.serve("d", tokens)
+        assert third.hit == 40 and third.verified > 0
+        # Two attention chunks, the part-chunk and three states, all from the disk.
+        assert fresh.scheduler.stats()["lower_hit_chunks"] == 6
+        fresh.check_integrity()
