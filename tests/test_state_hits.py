@@ -121,8 +121,8 @@ def test_two_blocks_per_chunk_serve_the_state_inside_a_chunk_from_a_tail(
     [warning] = [r.getMessage() for r in caplog.records if "blocks_per_chunk" in r.getMessage()]
     assert warning.startswith(
         "blocks_per_chunk=2 with recurrent state groups: a hit needs a state taken on a "
-        "multiple of 512 tokens, or at a prompt's last 256-token block boundary (stored as "
-        "a tail)"
+        "multiple of 512 tokens, or at a 256-token block boundary where a prompt or a "
+        "decoded output ends (stored as a tail)"
     )
     assert warning.endswith("set blocks_per_chunk to 1 to serve every state vLLM keeps")
 
@@ -280,13 +280,11 @@ def test_tails_are_never_told_to_a_router_as_the_engines_blocks() -> None:
     assert whole_chunks(ChunkSpan(0, keys, slots, BlockSpan((4, 4, 4))), 1) == [True] * 3
 
 
-@pytest.mark.xfail(strict=True, reason="tails are stored at a prompt's last block boundary "
-                   "only, not at a decoded output's (docs/vllm.md, Stores)")  # fmt: skip
 def test_a_next_turn_resumes_at_the_outputs_last_block_boundary() -> None:
     """A conversation's second turn (the first's prompt and 500-token output, then more)
     resumes where the first turn's KV ends, 1792 tokens: a block boundary a 512-token
-    chunk cuts. At one block per chunk the connector serves it (the state there was the
-    first turn's trailing point); at two it serves the chunk end before, 1536."""
+    chunk cuts. The first turn's trailing point moved block by block while it decoded,
+    storing a tail at each odd block and dropping the one before; its last stayed."""
     rng = random.Random(5)
     prompt = [rng.randrange(1, 512) for _ in range(1300)]
     output = [rng.randrange(1, 512) for _ in range(500)]
@@ -325,3 +323,27 @@ def test_a_tail_round_trip_on_every_rank(
         # Two attention chunks, the part-chunk and three states, all from the disk.
         assert fresh.scheduler.stats()["lower_hit_chunks"] == 6
         fresh.check_integrity()
+
+
+def test_trailing_tails_are_dropped_as_the_output_moves_on(stand: Callable[..., Stand]) -> None:
+    """Decoding one token a step, a request trails its output's end block by block (8-token
+    blocks, 16-token chunks): a tail at each odd block, the states alone at each chunk end,
+    the previous one dropped from the index; the last stays for the next turn."""
+    s = stand(QWEN_TAILS, retention_interval=0)  # no periodic points: trailing ones only
+    prompt, output = make_tokens(31, 45), make_tokens(32, 30)
+    req = s.ask("a", [*prompt, *output])
+    req.prompt_len = len(prompt)
+    s.allocate(req)
+    while req.computed < len(req.tokens):
+        s.step([req], until=max(len(prompt), req.computed + 1))
+    s.finish(req)
+    s.check_integrity()
+    fig = s.scheduler.stats()
+    # Dropped: the states at 48 and 64 and the tail at 56 (a part-chunk and three states).
+    assert fig["dropped_chunks"] == 3 + 4 + 3
+    # Left: the four full attention chunks, the prompt's tail at 40 and the output's at 72.
+    assert fig["index_ready"] == 4 + 4 + 4
+    more = [*prompt, *output, *make_tokens(33, 10)]
+    second, out = s.serve("b", more)
+    assert second.hit == 72 and second.verified > 0 and out.failed_recving == set()
+    s.check_integrity()

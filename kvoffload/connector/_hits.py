@@ -109,14 +109,13 @@ def coarse_state_hits(layout: KVLayout, tokens_per_chunk: Sequence[int]) -> str 
     """Which states of recurrent groups at several blocks per chunk kvoffload does not serve.
 
     A hit at ``H`` needs the state taken at ``H``. vLLM (align mode) keeps a
-    state only where a prefill step ended: for a prompt computed in one step,
-    its last block boundary before its last token, which a chunk often cuts in
-    two. That one is served: the prompt stores a tail there
-    (:mod:`kvoffload.connector._tails`; issue 29: 1280 tokens shared,
-    256-token blocks, 512-token chunks). Other states vLLM keeps inside a chunk
-    (where a chunked prefill step or a decoded output ends) are not, so a
-    conversation's next turn may resume at the chunk end before the one vLLM's
-    own cache resumes at. ``None`` where every state is servable.
+    state only where a step ended: for a prompt computed in one step, its last
+    block boundary before its last token, and each block boundary its output
+    passes, which a chunk often cuts in two. Those are served: a request stores
+    a tail there (:mod:`kvoffload.connector._tails`; issue 29: 1280 tokens
+    shared, 256-token blocks, 512-token chunks). States vLLM keeps where a
+    chunked prefill step ends inside a chunk are not; nor is any on layouts
+    that have no tails. ``None`` where every state is servable.
     """
     groups = layout.groups
     tails = len({g.tokens_per_block for g in groups}) == 1 and all(
@@ -126,14 +125,13 @@ def coarse_state_hits(layout: KVLayout, tokens_per_chunk: Sequence[int]) -> str 
         if group.reuse is Reuse.STATE and span > group.tokens_per_block:
             block = group.tokens_per_block
             where = (
-                f"or at a prompt's last {block}-token block boundary (stored as a tail); "
-                "vLLM also keeps states at other block boundaries (where a chunked prefill "
-                "step or a decoded output ends), so a conversation's next turn may resume "
-                "at an earlier chunk end from kvoffload than from vLLM's own cache"
+                f"or at a {block}-token block boundary where a prompt or a decoded output "
+                "ends (stored as a tail); states vLLM keeps where a chunked prefill step "
+                "ends inside a chunk serve no hit from kvoffload"
                 if tails
-                else f"but vLLM keeps one only where a prefill step ends (at its {block}-"
-                "token blocks), so a prompt whose boundary falls inside a chunk gets no "
-                "hit from kvoffload where vLLM's own cache has one"
+                else f"but vLLM keeps one only where a step ends (at its {block}-token "
+                "blocks), so a prompt whose boundary falls inside a chunk gets no hit from "
+                "kvoffload where vLLM's own cache has one"
             )
             return (
                 f"blocks_per_chunk={span // block} with recurrent state groups: a hit needs "

@@ -77,6 +77,8 @@ class RequestState:
     #: The tail the last lookup offered a hit at (0: none), and its key per group.
     tail_at: int = 0
     tail_keys: tuple[bytes, ...] = ()
+    #: The keys of the tail stored at the trailing point, if that is one.
+    trail_tail: tuple[bytes, ...] = ()
     jobs: set[int] = field(default_factory=set)
     finished: bool = False
 

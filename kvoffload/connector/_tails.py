@@ -7,10 +7,15 @@ Hits land on chunk ends (:mod:`kvoffload.connector._hits`), so at several
 blocks per chunk ``T`` is often no hit point: chunk ``c = T // span`` is never
 complete (the prompt ends inside it) and no state sits on a chunk end below.
 
-So such a prompt stores a *tail* at ``T``: for each full-attention group the
-part-chunk ``[c * span, T)`` (its ``T // B - c * bpc`` blocks; stored as a whole
-chunk slot whose positions past ``T`` repeat its last block, never loaded), and
-for each state group the state at ``T``, each under its own tail key
+So such a prompt stores a *tail* at ``T``, and so does a request at each block
+boundary its output passes that a chunk cuts (its trailing point, which moves
+block by block on these layouts: the next turn of a conversation resumes at its
+output's last one; each is dropped when the trailing point moves on, the last
+kept, as :mod:`kvoffload.connector._retention` trails chunk ends). A tail is: for
+each full-attention group the part-chunk ``[c * span, T)`` (its ``T // B - c * bpc``
+blocks; stored as a whole chunk slot whose positions past ``T`` repeat its last
+block, never loaded), and for each state group the state at ``T``, each under its
+own tail key
 (:func:`~kvoffload.keys.tail_key`, chained onto chunk ``c - 1``'s key). A
 lookup that finds the full-prefix chain stopping inside chunk ``c`` tries the
 block boundaries inside it (at most ``bpc - 1``, best first): a hit at ``T``
@@ -21,7 +26,8 @@ hit's. The engine accepts the hit: ``T`` is a multiple of every group's block.
 
 Tails apply to layouts of state and full-attention groups of one block size
 (vLLM's recurrent hybrids) at more than one block per chunk; elsewhere
-:class:`Tails` is falsy and nothing changes, keys included.
+:class:`Tails` is falsy and nothing changes, keys and trailing points included.
+States vLLM keeps where a chunked prefill step ends inside a chunk get no tail.
 """
 
 from __future__ import annotations
@@ -127,13 +133,26 @@ class Tails:
         return point if self.is_tail(point) else 0
 
     def chosen(self, req: RequestState, step: StepRequest, bounds: tuple[int, int]) -> list[Chosen]:
-        """The tail ``step`` stores: every group's, at the request's tail point ``T``, if the
-        step finds the states at ``T`` (``bounds`` and ``step.states`` as in
+        """The tails ``step`` stores: at the request's prompt tail point, for good, and at its
+        trailing point where that is a tail (a decoded output's end: the next turn), while it
+        trails (:class:`~kvoffload.connector._trails.Trails`; ``req.trail_tail`` names it)."""
+        prompt = self.point(req)
+        out = self._at(req, step, bounds, prompt, Choice.KEEP) if prompt else []
+        trail = req.trail if req.trail != prompt and self.is_tail(req.trail) else 0
+        trailing = self._at(req, step, bounds, trail, Choice.TRAIL) if trail else []
+        req.trail_tail = tuple(c.key_in(req) for c in trailing)
+        return out + trailing
+
+    def _at(
+        self, req: RequestState, step: StepRequest, bounds: tuple[int, int], point: int,
+        choice: Choice,
+    ) -> list[Chosen]:  # fmt: skip
+        """The tail at ``point``, every group's, if the step finds the states there
+        (``bounds`` and ``step.states`` as in
         :meth:`~kvoffload.connector._retention.Retention.select`) and every full-attention
         block before it holds valid KV; all or nothing (a tail hit needs every group's)."""
-        point = self.point(req)
         handed = {g: block for g, block, b in step.states if b == point}
-        if not point or (point not in bounds and not handed):
+        if point not in bounds and not handed:
             return []
         keys = self.keys(req, step.token_ids, step.block_hashes, point)
         if keys is None:
@@ -153,5 +172,5 @@ class Tails:
                 return []
             if group.reuse is Reuse.PREFIX:  # a whole chunk's slot: pad with its last block
                 ids += (ids[-1],) * (self.bpc - len(ids))
-            out.append(Chosen(g, c, ids, Choice.KEEP, keys[g]))
+            out.append(Chosen(g, c, ids, choice, keys[g]))
         return out

@@ -86,8 +86,8 @@ class OffloadScheduler:
         self.alignment = config.hit_alignment
         self.hits = HitFinder(self.layout, config.tokens_per_chunk, self.index, self.probes)
         self.namespace = namespace
-        self.retention = Retention(config)
         self.tails = Tails(config, namespace, engine_hashes)
+        self.retention = Retention(config, trail_step=self.tails.block)
         self.requests = RequestTable(
             config.tokens_per_chunk,
             namespace,

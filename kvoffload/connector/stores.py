@@ -88,7 +88,7 @@ class StorePlanner:
             self.trails.keep(c.key_in(req) for c in selection.chosen if c.choice is Choice.KEEP)
         order = self._store(req, req_id, selection) if selection else None
         if moved and self._windowed:  # only window chunks and states trail a point
-            still = retention.point_chunks(req, req.trail)
+            still = retention.point_chunks(req, req.trail).union(req.trail_tail)
             self.stats.dropped_chunks += self.trails.release(req, req_id, still)
             if retention.is_point(req, req.trail):
                 self.trails.finish(req, req_id)  # the trailing point is a lasting one
