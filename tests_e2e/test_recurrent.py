@@ -147,12 +147,16 @@ def test_qwen3_next_two_blocks_per_chunk_hits_on_chunk_ends_and_tails(
     assert log.count("blocks_per_chunk=2 with recurrent state groups") == 1
 
 
-def test_qwen3_next_next_turn_hits_the_output_end(engine: Engine, qwen3_next: str) -> None:
+@pytest.mark.parametrize("blocks_per_chunk", [1, 2])
+def test_qwen3_next_next_turn_hits_the_output_end(
+    engine: Engine, qwen3_next: str, blocks_per_chunk: int
+) -> None:
     """A second turn (prompt, 200 generated tokens, 40 more) resumes at the output's end.
 
     The state at the output's last block boundary existed only while decoding; the connector
-    kept it as the request's trailing hit point. vLLM's own cache keeps it
-    too when it retains every boundary (the oracle's retention interval).
+    kept it as the request's trailing hit point (at two blocks per chunk a tail where that
+    boundary is an odd block). vLLM's own cache keeps it too when it retains every boundary
+    (the oracle's retention interval).
     """
     prompts = QWEN_PROMPTS[:2]
     args = {**QWEN_ENGINE, "prefix_cache_retention_interval": None}
@@ -165,7 +169,8 @@ def test_qwen3_next_next_turn_hits_the_output_end(engine: Engine, qwen3_next: st
     assert oracle["passes"][1]["cached"] == ends and min(ends) > len(prompts[1]), ends
     result = engine(
         model=qwen3_next, engine=args, prompts=prompts, max_tokens=200,
-        passes=[{}, {"reset": True, **follow}], connector={"cpu_bytes_to_use": "256MiB"},
+        passes=[{}, {"reset": True, **follow}],
+        connector={"cpu_bytes_to_use": "256MiB", "blocks_per_chunk": blocks_per_chunk},
     )  # fmt: skip
     assert_like_the_oracle(result, oracle)
     assert_loaded_tokens_match(result, 1)
