@@ -101,15 +101,19 @@ def issue_29_prompts(prefix_len: int, tails: tuple[int, ...]) -> list[list[int]]
     return [*shared, [rng.randrange(1, 512) for _ in range(prefix_len)]]
 
 
-def test_qwen3_next_issue_29_prompts_hit_as_vllm_does_at_one_block_per_chunk(
-    engine: Engine, reference: Reference, qwen3_next: str
+@pytest.mark.parametrize("blocks_per_chunk", [1, 2])
+def test_qwen3_next_issue_29_prompts_hit_as_vllm_does(
+    engine: Engine, reference: Reference, qwen3_next: str, blocks_per_chunk: int
 ) -> None:
-    """Each prompt's state sits at its last block boundary (1280 or 1152 tokens), which is
-    a chunk end at one block per chunk: every prompt gets vLLM's own hit from the tiers."""
+    """Each prompt's state sits at its last block boundary (1280 or 1152 tokens): a chunk
+    end at one block per chunk, inside a chunk at two, where the prompt stores a tail
+    there (``kvoffload.connector._tails``). Either way every prompt gets vLLM's own hit
+    from the tiers after the reset, the first included, and vLLM's tokens."""
     prompts = issue_29_prompts(1300, (70, 93, 116))
     expected = reference(qwen3_next, QWEN_ENGINE, prompts)
+    connector = {"cpu_bytes_to_use": "256MiB", "blocks_per_chunk": blocks_per_chunk}
     result = engine(model=qwen3_next, engine=QWEN_ENGINE, prompts=prompts, passes=TWO_PASSES,
-                    connector={"cpu_bytes_to_use": "256MiB"})  # fmt: skip
+                    connector=connector)  # fmt: skip
     assert result["error"] is None, result["error"]
     assert [p["tokens"] for p in result["passes"]] == [expected["passes"][0]["tokens"]] * 2
     hit = 1299 // block_size(result) * block_size(result)
@@ -118,13 +122,13 @@ def test_qwen3_next_issue_29_prompts_hit_as_vllm_does_at_one_block_per_chunk(
     assert result["stats"]["scheduler"]["failed_loads"] == 0
 
 
-def test_qwen3_next_two_blocks_per_chunk_hits_where_a_state_ends_a_chunk(
+def test_qwen3_next_two_blocks_per_chunk_hits_on_chunk_ends_and_tails(
     engine: Engine, reference: Reference, qwen3_next: str
 ) -> None:
-    """At 2 blocks per chunk a state serves only on a chunk end (issue 29: the prompts above
-    get none; the connector warns at start). Here the shared prefix's state is at 1536
-    tokens, two chunks of 768 or three of 512 on either CPU block size; the third prompt's
-    own last boundary (1792 or 1920) lies on an odd block, past the prefix."""
+    """At 2 blocks per chunk the shared prefix's state is at 1536 tokens, two chunks of 768
+    or three of 512 on either CPU block size; the third prompt's own last boundary (1792
+    or 1920) lies on an odd block, past the prefix: a tail, served as vLLM's own cache
+    serves it. The connector warns at start of what tails do not cover."""
     prompts = issue_29_prompts(1596, (70, 193, 330))
     expected = reference(qwen3_next, QWEN_ENGINE, prompts)
     # vLLM's own prefix cache: 1536 for the first two, the third its own later state too.
@@ -133,21 +137,26 @@ def test_qwen3_next_two_blocks_per_chunk_hits_where_a_state_ends_a_chunk(
                     connector={"blocks_per_chunk": 2, "cpu_bytes_to_use": "256MiB"})  # fmt: skip
     assert result["error"] is None, result["error"]
     assert [p["tokens"] for p in result["passes"]] == [expected["passes"][0]["tokens"]] * 2
-    # Hits on chunk ends only (the third's own state is not on one); the unrelated
-    # prompt its own.
-    assert result["passes"][1]["cached"] == [1536] * 4
+    # The third's own state inside a chunk too (its tail); the unrelated prompt its own.
+    block = block_size(result)
+    assert result["passes"][1]["cached"] == expected["passes"][1]["cached"]
+    assert result["passes"][1]["cached"] == [1536, 1536, (1595 + 330) // block * block, 1536]
     assert_loaded_tokens_match(result, 1)
     assert result["stats"]["scheduler"]["failed_loads"] == 0
     log = Path(result["log"]).read_text()
     assert log.count("blocks_per_chunk=2 with recurrent state groups") == 1
 
 
-def test_qwen3_next_next_turn_hits_the_output_end(engine: Engine, qwen3_next: str) -> None:
+@pytest.mark.parametrize("blocks_per_chunk", [1, 2])
+def test_qwen3_next_next_turn_hits_the_output_end(
+    engine: Engine, qwen3_next: str, blocks_per_chunk: int
+) -> None:
     """A second turn (prompt, 200 generated tokens, 40 more) resumes at the output's end.
 
     The state at the output's last block boundary existed only while decoding; the connector
-    kept it as the request's trailing hit point. vLLM's own cache keeps it
-    too when it retains every boundary (the oracle's retention interval).
+    kept it as the request's trailing hit point (at two blocks per chunk a tail where that
+    boundary is an odd block). vLLM's own cache keeps it too when it retains every boundary
+    (the oracle's retention interval).
     """
     prompts = QWEN_PROMPTS[:2]
     args = {**QWEN_ENGINE, "prefix_cache_retention_interval": None}
@@ -160,7 +169,8 @@ def test_qwen3_next_next_turn_hits_the_output_end(engine: Engine, qwen3_next: st
     assert oracle["passes"][1]["cached"] == ends and min(ends) > len(prompts[1]), ends
     result = engine(
         model=qwen3_next, engine=args, prompts=prompts, max_tokens=200,
-        passes=[{}, {"reset": True, **follow}], connector={"cpu_bytes_to_use": "256MiB"},
+        passes=[{}, {"reset": True, **follow}],
+        connector={"cpu_bytes_to_use": "256MiB", "blocks_per_chunk": blocks_per_chunk},
     )  # fmt: skip
     assert_like_the_oracle(result, oracle)
     assert_loaded_tokens_match(result, 1)

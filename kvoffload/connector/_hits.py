@@ -2,7 +2,9 @@
 
 A hit of ``H`` tokens must be servable by every group at once, and vLLM only
 resumes a hybrid request at a multiple of every group's block, so ``H`` is a
-multiple of the least common multiple of the groups' chunk spans. What a
+multiple of the least common multiple of the groups' chunk spans (or a
+tail's block boundary inside a chunk, :mod:`kvoffload.connector._tails`:
+:meth:`HitFinder.find_tail`). What a
 group must supply for ``H`` depends on its :class:`Reuse` (:func:`needed_tokens`):
 
 * full attention (MLA, compressed MLA) attends to everything: every chunk
@@ -104,26 +106,36 @@ def needed_chunks(group: CacheGroup, span: int, local_hit: int, hit: int) -> ran
 
 
 def coarse_state_hits(layout: KVLayout, tokens_per_chunk: Sequence[int]) -> str | None:
-    """Why recurrent state groups at several blocks per chunk miss hits vLLM's own cache has.
+    """Which states of recurrent groups at several blocks per chunk kvoffload does not serve.
 
-    A hit at ``H`` needs the state taken at ``H`` and ``H`` on a chunk end. vLLM
-    (align mode) keeps a state only where a prefill step ended: for a prompt
-    computed in one step, its last block boundary before the last token. At
-    ``blocks_per_chunk`` 2 that boundary is a chunk end for half the prompts
-    only; for the others no state sits on a chunk end below it, so nothing is
-    servable (issue 29: 1280 tokens shared, 256-token blocks, 512-token
-    chunks). Serving them would need the attention chunk that ``H`` cuts in
-    two, which is never complete. ``None`` where every state is servable.
+    A hit at ``H`` needs the state taken at ``H``. vLLM (align mode) keeps a
+    state only where a step ended: for a prompt computed in one step, its last
+    block boundary before its last token, and each block boundary its output
+    passes, which a chunk often cuts in two. Those are served: a request stores
+    a tail there (:mod:`kvoffload.connector._tails`; issue 29: 1280 tokens
+    shared, 256-token blocks, 512-token chunks). States vLLM keeps where a
+    chunked prefill step ends inside a chunk are not; nor is any on layouts
+    that have no tails. ``None`` where every state is servable.
     """
-    for group, span in zip(layout.groups, tokens_per_chunk, strict=True):
+    groups = layout.groups
+    tails = len({g.tokens_per_block for g in groups}) == 1 and all(
+        g.reuse in (Reuse.STATE, Reuse.PREFIX) for g in groups
+    )
+    for group, span in zip(groups, tokens_per_chunk, strict=True):
         if group.reuse is Reuse.STATE and span > group.tokens_per_block:
+            block = group.tokens_per_block
+            where = (
+                f"or at a {block}-token block boundary where a prompt or a decoded output "
+                "ends (stored as a tail); states vLLM keeps where a chunked prefill step "
+                "ends inside a chunk serve no hit from kvoffload"
+                if tails
+                else f"but vLLM keeps one only where a step ends (at its {block}-token "
+                "blocks), so a prompt whose boundary falls inside a chunk gets no hit from "
+                "kvoffload where vLLM's own cache has one"
+            )
             return (
-                f"blocks_per_chunk={span // group.tokens_per_block} with recurrent state "
-                f"groups: a hit needs a state taken on a multiple of {span} tokens, but vLLM "
-                f"keeps one only where a prefill step ends (at its {group.tokens_per_block}-"
-                "token blocks, for a prompt computed in one step the last block boundary "
-                "before its last token), so a prompt whose boundary falls inside a chunk "
-                "gets no hit from kvoffload where vLLM's own cache has one; set "
+                f"blocks_per_chunk={span // block} with recurrent state groups: a hit needs "
+                f"a state taken on a multiple of {span} tokens, {where}; set "
                 "blocks_per_chunk to 1 to serve every state vLLM keeps"
             )
     return None
@@ -143,8 +155,8 @@ class _Search:
         index, spans = finder.index, finder.tokens_per_chunk
         self.base = [local // span for span in spans]
         self.states: list[list[Availability]] = []
-        for g, span in enumerate(spans):
-            group_keys = keys[g][self.base[g] : top // span]
+        for g, span in enumerate(spans):  # past an aligned top: a tail (see _tails)
+            group_keys = keys[g][self.base[g] : -(-top // span)]
             ready, busy = index.ready_mask(group_keys), index.storing_mask(group_keys)
             self.states.append([_availability(r, b) for r, b in zip(ready, busy, strict=True)])
         self.probed: set[tuple[int, int]] = set()
@@ -254,6 +266,22 @@ class HitFinder:
         if best <= local_hit:
             return Hit(local_hit, False, cap)
         return Hit(best, self._pending(search, best), cap)
+
+    def find_tail(self, keys: Sequence[Sequence[bytes]], local_hit: int, point: int) -> Hit | None:
+        """The hit at ``point``, a tail (:mod:`~kvoffload.connector._tails`), if it is servable.
+
+        ``keys[g]`` names group ``g``'s chunks before ``point`` and then its tail at
+        ``point``: the rules of :func:`needed_tokens` hold as for any hit.
+        """
+        search = _Search(self, keys, local_hit, point)
+        needs = self._needs(local_hit, point)
+        if self.probes:
+            search.probe([(g, c) for g, needed in enumerate(needs) for c in needed])
+        if sum(len(r) for r in needs) > self.index.room():
+            return None
+        if not all(search.servable(g, needed) for g, needed in enumerate(needs)):
+            return None
+        return Hit(point, self._pending(search, point))
 
     def _find_prefix(
         self, keys: Sequence[Sequence[bytes]], local_hit: int, top: int, step: int

@@ -76,6 +76,11 @@ class RequestState:
     #: The trailing hit point (0: none yet), and the keys stored only for it.
     trail: int = 0
     trail_keys: set[bytes] = field(default_factory=set)
+    #: The tail the last lookup offered a hit at (0: none), and its key per group.
+    tail_at: int = 0
+    tail_keys: tuple[bytes, ...] = ()
+    #: The keys of the tail stored at the trailing point, if that is one.
+    trail_tail: tuple[bytes, ...] = ()
     jobs: set[int] = field(default_factory=set)
     finished: bool = False
 

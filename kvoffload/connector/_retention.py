@@ -65,6 +65,12 @@ class Chosen(NamedTuple):
     chunk: int
     blocks: tuple[int, ...]
     choice: Choice
+    #: A tail's own key (:mod:`~kvoffload.connector._tails`); ``None``: the chunk's.
+    key: bytes | None = None
+
+    def key_in(self, req: RequestState) -> bytes:
+        """The key the chunk is stored under."""
+        return req.keys[self.group][self.chunk] if self.key is None else self.key
 
 
 class Selection(NamedTuple):
@@ -83,13 +89,16 @@ class Selection(NamedTuple):
 class Retention:
     """The hit points of each request, and what they want of each window or state group."""
 
-    def __init__(self, config: OffloadConfig) -> None:
+    def __init__(self, config: OffloadConfig, *, trail_step: int = 0) -> None:
+        """``trail_step``: tokens a trailing point moves by (a tail's block where tails
+        apply, :mod:`~kvoffload.connector._tails`); 0: the hit alignment."""
         self.layout = config.layout
         self.spans = config.tokens_per_chunk
         self.bpc = config.blocks_per_chunk
         self.align = config.hit_alignment
         self.step = config.retention_step
         self.trailing = not config.offload_prompt_only
+        self.trail_step = trail_step or self.align
         #: One full-attention group (a plain transformer): a request's keys are its chain.
         self.plain = len(self.layout.groups) == 1 and self.layout.groups[0].reuse is Reuse.PREFIX
 
@@ -179,10 +188,11 @@ class Retention:
     def retry_later(self, req: RequestState, chosen: Iterable[Chosen]) -> None:
         """Chunks a step selected that found no CPU slot (stores in flight): the next step.
 
-        A state is not retried: the engine overwrites it once the request moves on.
+        A state is not retried: the engine overwrites it once the request moves on;
+        nor is a tail, which needs its states.
         """
         for c in chosen:
-            if self.layout.groups[c.group].reuse is not Reuse.STATE:
+            if self.layout.groups[c.group].reuse is not Reuse.STATE and c.key is None:
                 req.retry[c.group].add(c.chunk)
 
     def retry_run(self, req: RequestState, chunks: Iterable[int]) -> None:
@@ -258,13 +268,14 @@ class Retention:
         return self.step > 0 and point % self.step == 0
 
     def advance(self, req: RequestState, end: int) -> bool:
-        """Move the trailing point to ``end``'s aligned end once the prompt is computed.
+        """Move the trailing point to ``end``'s aligned end (``trail_step``) once the prompt
+        is computed.
 
         Returns whether it moved (the previous point's chunks may be released).
         """
         if not self.trailing or end < req.prompt_tokens:
             return False
-        point = end // self.align * self.align
+        point = end // self.trail_step * self.trail_step
         if point <= req.trail:
             return False
         req.trail = point

@@ -106,12 +106,14 @@ def load_spans(
         g, c0, keys, blocks = piece.group, piece.first_chunk, piece.keys, block_ids[piece.group]
         first_block = groups[g].chunk_first_block
         for start, run in _runs([key in lost for key in keys] if lost else [False] * len(keys)):
-            lo = max(piece.first, first_block(c0 + start, blocks_per_chunk))
+            # A tail's state (kvoffload.connector._tails) is in the block its hit ends at.
+            first = min(first_block(c0 + start, blocks_per_chunk), piece.stop - 1)
+            lo = max(piece.first, first)
             hi = min(piece.stop, (c0 + run) * blocks_per_chunk)
             if keys[start] in lost:
                 unloadable[g] = unloadable.get(g, ()) + tuple(blocks[lo:hi])
                 continue
-            offset = lo - first_block(c0 + start, blocks_per_chunk)
+            offset = lo - first
             block_span = BlockSpan(tuple(blocks[lo:hi]), offset)
             chunk_slots = tuple(map(slots.__getitem__, keys[start:run]))
             spans.append(ChunkSpan(g, keys[start:run], chunk_slots, block_span))

@@ -16,6 +16,7 @@ from kvoffload.config.layout import KVLayout, Reuse
 from kvoffload.connector._request import JobState, RequestState, tier_shares
 from kvoffload.connector._retention import Retention
 from kvoffload.connector._spans import load_pieces, load_spans, stateless
+from kvoffload.connector._tails import with_tail
 from kvoffload.connector.jobs import JobBook
 from kvoffload.connector.misses import MissLedger, MissReason
 from kvoffload.connector.stats import SchedulerStats
@@ -74,6 +75,7 @@ class LoadPlanner:
     ) -> None:
         self.groups = config.layout.groups
         self.bpc = config.blocks_per_chunk
+        self.spans = config.tokens_per_chunk
         self.index = index
         self.retention = retention
         self.jobs = jobs
@@ -89,7 +91,10 @@ class LoadPlanner:
         allocation, ``num_external`` the tokens vLLM accepted of the offer.
         """
         if not req.use_recorded:  # vLLM's own prefix-cache hits included
-            record_use(self.index, *self.retention.used(req))
+            used, served = self.retention.used(req)
+            if req.tail_at and req.tail_at == req.offered:  # a tail ends the chain it used
+                used = [*used, *req.tail_keys]
+            record_use(self.index, used, served)
             req.use_recorded = True
         if num_external <= 0 or not req.offered:
             # vLLM's own prefix-cache blocks (null ones are skipped later).
@@ -98,8 +103,10 @@ class LoadPlanner:
         # The hit point is what lookup checked; vLLM may have moved the local/external split.
         hit = req.offered
         req.mark_valid(0, hit - num_external)
-        groups = self.groups
-        pieces = load_pieces(groups, req.keys, block_ids, (hit - num_external, hit), self.bpc)
+        groups, keys = self.groups, req.keys
+        if hit == req.tail_at:  # a hit at a tail: its keys end with the tail's
+            keys = with_tail(keys, req.tail_keys, hit, self.spans)
+        pieces = load_pieces(groups, keys, block_ids, (hit - num_external, hit), self.bpc)
         slots, lost, job = self._reserve([k for p in pieces for k in p.keys], req.tenant)
         lost |= stateless(pieces, groups, block_ids)  # a state needs its block: fail, not skip
         spans, unloadable = load_spans(pieces, block_ids, slots, lost, self.bpc, groups=groups)

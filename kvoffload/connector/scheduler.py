@@ -37,8 +37,9 @@ from collections.abc import Collection, Iterable, Sequence
 
 from kvoffload.config import OffloadConfig
 from kvoffload.connector._hits import Hit, HitFinder
-from kvoffload.connector._request import StepRequest
+from kvoffload.connector._request import RequestState, StepRequest
 from kvoffload.connector._retention import Retention
+from kvoffload.connector._tails import Tails, with_tail
 from kvoffload.connector.jobs import JobBook
 from kvoffload.connector.loads import LoadPlanner
 from kvoffload.connector.misses import MissLedger, MissReason
@@ -89,7 +90,8 @@ class OffloadScheduler:
         self.alignment = config.hit_alignment
         self.hits = HitFinder(self.layout, config.tokens_per_chunk, self.index, self.probes)
         self.namespace = namespace
-        self.retention = Retention(config)
+        self.tails = Tails(config, namespace, engine_hashes)
+        self.retention = Retention(config, trail_step=self.tails.block)
         self.requests = RequestTable(
             config.tokens_per_chunk,
             namespace,
@@ -104,7 +106,8 @@ class OffloadScheduler:
         self._chain_group = self.hits.first_prefix_group()
         index, retention, jobs, stats = self.index, self.retention, self.jobs, self._stats
         self.stores = StorePlanner(config, index=index, retention=retention, jobs=jobs,
-                                   stats=stats, requests=self.requests, misses=misses)  # fmt: skip
+                                   stats=stats, requests=self.requests, misses=misses,
+                                   tails=self.tails)  # fmt: skip
         self.loads = LoadPlanner(config, index=index, retention=retention, jobs=jobs,
                                  stats=stats, misses=misses)  # fmt: skip
 
@@ -134,14 +137,17 @@ class OffloadScheduler:
         self._stats.lookups += 1
         requests = self.requests
         req = requests.open(req_id, extras)
-        top = requests.keyable(len(token_ids) - 1, block_hashes)  # one token is computed
-        top = top // self.alignment * self.alignment
+        block_top = requests.keyable(len(token_ids) - 1, block_hashes)  # one token is computed
+        top = block_top // self.alignment * self.alignment
         req.local_hit, req.offered, req.use_recorded, req.in_step = local_hit, 0, False, False
+        req.tail_at, req.tail_keys = 0, ()
         # Keys even when vLLM's own cache serves everything: plan_load records their use.
         requests.extend_keys(req, token_ids, block_hashes, top)
-        if top <= local_hit:
+        if top <= local_hit and not self.tails.candidates(block_top, top, local_hit):
             return 0
         hit = self.hits.find(req.keys, local_hit, top, self.alignment)
+        if self.tails:
+            hit = self._tail_hit(req, token_ids, block_hashes, block_top, hit)
         req.found_in = self.hits.found_in
         req.junction = hit.prefix_end
         if hit.pending and hit.tokens > local_hit:
@@ -168,6 +174,27 @@ class OffloadScheduler:
         """
         req = self.requests.get(req_id)
         return req is not None and req.in_step and req.offered > 0
+
+    def _tail_hit(
+        self,
+        req: RequestState,
+        token_ids: Sequence[int],
+        block_hashes: Sequence[bytes] | None,
+        block_top: int,
+        hit: Hit,
+    ) -> Hit:
+        """A better hit than ``hit`` at a tail (:mod:`~kvoffload.connector._tails`), if stored."""
+        tails, spans = self.tails, self.config.tokens_per_chunk
+        for point in tails.candidates(block_top, hit.prefix_end, max(hit.tokens, req.local_hit)):
+            keys = tails.keys(req, token_ids, block_hashes, point)
+            if keys is None:
+                continue
+            found = self.hits.find_tail(with_tail(req.keys, keys, point, spans),
+                                        req.local_hit, point)  # fmt: skip
+            if found is not None:
+                req.tail_at, req.tail_keys = point, keys
+                return found._replace(prefix_end=hit.prefix_end)
+        return hit
 
     def _count_misses(
         self, keys: Sequence[Sequence[bytes]], local_hit: int, top: int, hit: Hit

@@ -18,6 +18,7 @@ from kvoffload.config.layout import Reuse
 from kvoffload.connector._request import JobState, RequestState, StepRequest
 from kvoffload.connector._retention import Choice, Chosen, Retention, Selection
 from kvoffload.connector._spans import StorePiece, run_spans, store_spans
+from kvoffload.connector._tails import Tails
 from kvoffload.connector._trails import Trails
 from kvoffload.connector.jobs import JobBook
 from kvoffload.connector.misses import MissLedger
@@ -44,8 +45,10 @@ class StorePlanner:
         stats: SchedulerStats,
         requests: RequestTable,
         misses: MissLedger,
+        tails: Tails,
     ) -> None:
         self.layout = config.layout
+        self.tails = tails
         self.bpc = config.blocks_per_chunk
         self.spans = config.tokens_per_chunk
         self.index = index
@@ -76,16 +79,16 @@ class StorePlanner:
         if run is not None:  # a plain layout's common step: every new chunk, at once
             return self._store_run(req, req_id, run, step.block_ids[0]) if run else None
         selection = retention.select(req, step.block_ids, (computed, end), step.states)
+        if self.tails:
+            selection.chosen.extend(self.tails.chosen(req, step, (computed, end)))
         if selection.invalid or selection.unretained:
             self.stats.skipped_store_chunks += selection.invalid + selection.unretained
             self.stats.unretained_chunks += selection.unretained
         if self._windowed:  # only window chunks and states are ever trailed
-            self.trails.keep(
-                req.keys[c.group][c.chunk] for c in selection.chosen if c.choice is Choice.KEEP
-            )
+            self.trails.keep(c.key_in(req) for c in selection.chosen if c.choice is Choice.KEEP)
         order = self._store(req, req_id, selection) if selection else None
         if moved and self._windowed:  # only window chunks and states trail a point
-            still = retention.point_chunks(req, req.trail)
+            still = retention.point_chunks(req, req.trail).union(req.trail_tail)
             self.stats.dropped_chunks += self.trails.release(req, req_id, still)
             if retention.is_point(req, req.trail):
                 self.trails.finish(req, req_id)  # the trailing point is a lasting one
@@ -172,7 +175,7 @@ class StorePlanner:
         chosen, spans = selection.chosen, self.spans
         if len(spans) > 1:  # one group's chunks come in order
             chosen.sort(key=lambda c: ((c.chunk + 1) * spans[c.group], c.group))
-        return [req.keys[c.group][c.chunk] for c in chosen], chosen
+        return [c.key_in(req) for c in chosen], chosen
 
     def complete(self, req: RequestState | None, job: JobState, report: JobReport) -> None:
         """Every rank reported the store: record what is stored, drop what was released."""
@@ -221,5 +224,9 @@ def record_stored(
         chain = retention.chain(req, keys)
         good = set(keys).difference(failed)
         done = [k for k in chain if k in good]
+        if len(done) < len(good):  # tails (kvoffload.connector._tails): after the chain
+            known = set(done)
+            tails = [k for k in keys if k in good and k not in known]
+            chain, done = [*chain, *tails], [*done, *tails]
     record_stores(index, chain, done, [k for k in keys if k in failed], first=first)
     return done

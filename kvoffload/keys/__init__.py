@@ -51,6 +51,7 @@ from kvoffload.keys._prefix import (
     prefix_keys_for_layout,
     short_key,
 )
+from kvoffload.keys._tail import tail_key
 
 __all__ = [
     "KEY_BYTES",
@@ -64,4 +65,5 @@ __all__ = [
     "prefix_keys",
     "prefix_keys_for_layout",
     "short_key",
+    "tail_key",
 ]

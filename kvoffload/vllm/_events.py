@@ -42,6 +42,7 @@ from vllm.v1.core.kv_cache_utils import (
 from vllm.v1.kv_cache_interface import get_kv_cache_spec_kind, get_kv_cache_spec_sliding_window
 
 from kvoffload.config.layout import Reuse
+from kvoffload.connector._tails import whole_chunks
 from kvoffload.manager.results import EventKind, IndexEvent
 from kvoffload.messages import TransferOrder
 from kvoffload.vllm._layout import GroupMap
@@ -95,8 +96,9 @@ class ChunkEvents:
             if span.group not in self.announced_groups:
                 continue
             first = list(block_ids[span.group]).index(span.blocks.block_ids[0]) // self.bpc
+            whole = whole_chunks(span, self.bpc)  # a tail is no chunk of the engine's blocks
             for i, (key, new) in enumerate(zip(span.keys, storing(span.keys), strict=True)):
-                if new and key not in self._pending:
+                if new and whole[i] and key not in self._pending:
                     chunk = self._chunk(request, span.group, first + i)
                     if chunk is not None:
                         self._pending[key] = chunk
