@@ -225,6 +225,7 @@ def _group_entry(config: OffloadConfig, index: int, engine_page: int) -> dict[st
         "page": _page_text(group, engine_page),
         "tokens_per_chunk": span,
         "chunk_bytes": size,
+        "tensor_parallel": "replicated" if group.replicated else "sharded",
     }
     if group.reuse is Reuse.STATE:
         entry["cpu_states_if_alone"] = config.num_cpu_chunks
@@ -252,6 +253,7 @@ def plan_summary(config: OffloadConfig, **model: Any) -> dict[str, Any]:
         **settings,
         "groups": [_group_entry(config, i, engine_page) for i in range(len(layout.groups))],
         "cpu_chunks_per_worker": config.num_cpu_chunks,
+        "chunk_copies": config.copies,
         "cpu_slot_bytes": config.max_chunk_bytes,
         "cpu_prefix_tokens": cpu_prefix_tokens(config),
         "hit_alignment": config.hit_alignment,
@@ -262,19 +264,45 @@ def plan_summary(config: OffloadConfig, **model: Any) -> dict[str, Any]:
 
 def _group_table(summary: dict[str, Any]) -> list[str]:
     """One row per group: what a hit needs of it, its page, what the CPU tier holds of it alone."""
-    rows = [("group", "kind", "a hit at H needs", "page (one layer)", "CPU tier alone")]
+    rows = [("group", "kind", "a hit at H needs", "page (one layer)", "ranks",
+             "CPU tier alone")]  # fmt: skip
     for entry in summary["groups"]:
         holds = (
             f"{entry['cpu_states_if_alone']} states"
             if "cpu_states_if_alone" in entry
             else f"{entry['cpu_tokens_if_alone']} tokens"
         )
-        rows.append((str(entry["index"]), entry["kind"], entry["needs"], entry["page"], holds))
+        rows.append((str(entry["index"]), entry["kind"], entry["needs"], entry["page"],
+                     _ranks_text(entry, summary["world_size"]), holds))  # fmt: skip
     widths = [max(len(row[c]) for row in rows) for c in range(len(rows[0]))]
     lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip()
              for row in rows]  # fmt: skip
     lines.insert(1, "  ".join("-" * w for w in widths))
     return lines
+
+
+def _ranks_text(entry: dict[str, Any], world_size: int) -> str:
+    """What the tiers keep of a group's chunk for ``world_size`` tensor-parallel ranks."""
+    if entry["tensor_parallel"] == "replicated":
+        return "one copy" if world_size == 1 else f"one copy, {world_size} ranks load it"
+    return "one copy" if world_size == 1 else f"{world_size} shards, one per rank"
+
+
+def _copies(config: OffloadConfig) -> str:
+    """How the ranks share the tiers, in one sentence; empty for one rank."""
+    ranks = config.world_size
+    if ranks == 1:
+        return ""
+    if config.copies == 1:
+        return (f" Every group is replicated: each chunk is stored once for all {ranks} "
+                "ranks (one CPU slot, one disk file, one remote value) and every rank loads "
+                "it, so the budgets hold what they hold at one rank.")  # fmt: skip
+    mixed = any(g.replicated for g in config.layout.groups)
+    note = (" (a replicated group beside sharded ones is stored per rank too, for now)"
+            if mixed else "")  # fmt: skip
+    return (f" Sharded groups: each of the {ranks} ranks stores its shard of every chunk "
+            f"under its own key{note}, so the budgets hold 1/{ranks} of the chunks they "
+            "hold at one rank.")  # fmt: skip
 
 
 def _holds(config: OffloadConfig, summary: dict[str, Any]) -> str:
@@ -285,10 +313,10 @@ def _holds(config: OffloadConfig, summary: dict[str, Any]) -> str:
         f"{summary['cpu_prefix_tokens']} tokens"
     )
     if all(group.reuse is Reuse.PREFIX for group in config.layout.groups):
-        return f"{head}, every chunk of it. Per group:"
+        return f"{head}, every chunk of it.{_copies(config)} Per group:"
     return (
         f"{head} with a hit point at its end and every retention step "
-        f"({_retention_note(config)}). Per group:"
+        f"({_retention_note(config)}).{_copies(config)} Per group:"
     )
 
 

@@ -178,10 +178,10 @@ def _check_budgets(config: OffloadConfig) -> None:
         f"({format_bytes(largest)})"
     )
     if config.num_cpu_chunks < 1:
-        minimum = largest * config.world_size
+        minimum = largest * config.copies
         raise ConfigError(
             f"'cpu_bytes_to_use'={config.cpu_bytes_to_use} holds no chunk: {chunk}, so "
-            f"{config.world_size} worker(s) need at least {minimum} bytes "
+            f"{config.copies} copies (one per rank's shard) need at least {minimum} bytes "
             f"({format_bytes(minimum)}); "
             f"raise 'cpu_bytes_to_use' or lower 'blocks_per_chunk'"
         )
@@ -191,10 +191,10 @@ def _check_budgets(config: OffloadConfig) -> None:
             f"set 'remote_queue_bytes' to at least {largest}"
         )
     if config.disk_path is not None and config.num_disk_chunks < 1:
-        footprint = disk_footprint(largest) * config.world_size
+        footprint = disk_footprint(largest) * config.copies
         raise ConfigError(
             f"'disk_bytes_to_use'={config.disk_bytes_to_use} holds no chunk: {chunk}, "
-            f"{footprint} bytes on disk with its header for {config.world_size} rank(s) "
+            f"{footprint} bytes on disk with its header for {config.copies} copies "
             f"(the budget is shared by every rank); "
             f"set 'disk_bytes_to_use' to at least {footprint}"
         )

@@ -289,6 +289,7 @@ def layout_from_hf_config(
                 page_bytes=page_bytes,
                 sliding_window=None if chunked else spec.window,
                 attention_chunk_size=spec.window if chunked else None,
+                replicated=spec.kind == "mla",  # a latent: the same on every rank
             )
         )
     return KVLayout(groups=tuple(groups))
