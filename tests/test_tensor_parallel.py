@@ -63,7 +63,7 @@ def test_a_replicated_layout_holds_one_copy_of_each_chunk_in_the_budgets() -> No
 
 def test_too_small_a_budget_names_the_copies() -> None:
     with pytest.raises(
-        ConfigError, match=re.escape("2 copies (one per rank's shard) need at least 16384")
+        ConfigError, match=re.escape("2 worker(s) holding 2 copies of a chunk need at least 16384")
     ):
         build_offloading_config({"cpu_bytes_to_use": 9000}, KVLayout((GQA,)), world_size=2)
     one = build_offloading_config({"cpu_bytes_to_use": 1152 * 32}, KVLayout((MLA,)), world_size=8)
@@ -165,3 +165,17 @@ def test_plan_shows_what_the_tiers_hold_per_rank(capsys: pytest.CaptureFixture[s
     plan = json.loads(capsys.readouterr().out)
     assert plan["chunk_copies"] == 1
     assert {g["tensor_parallel"] for g in plan["groups"]} == {"replicated"}
+
+
+def test_plan_sizes_one_ranks_shard_and_the_whole_latent(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    def chunk_bytes(model: str, world: int) -> list[int]:
+        assert main(["plan", model, "--world-size", str(world), "--json"]) == 0
+        return [g["chunk_bytes"] for g in json.loads(capsys.readouterr().out)["groups"]]
+
+    llama, llama2 = chunk_bytes("tiny_llama", 1), chunk_bytes("tiny_llama", 2)
+    assert llama2 == [b // 2 for b in llama]  # each rank holds half the KV heads
+    assert chunk_bytes("tiny_deepseek_v4", 4) == chunk_bytes("tiny_deepseek_v4", 1)
+    qwen, qwen2 = chunk_bytes("tiny_qwen3_next", 1), chunk_bytes("tiny_qwen3_next", 2)
+    assert qwen2[0] < qwen[0]  # a rank's recurrent state holds its heads only

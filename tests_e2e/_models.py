@@ -124,7 +124,12 @@ DEEPSEEK_V2: dict[str, Any] = {
 
 #: LLAMA with four query heads and two KV heads (GQA): at tensor_parallel_size=2 each
 #: rank holds one KV head, its own shard of every chunk.
-GQA_LLAMA: dict[str, Any] = {**LLAMA, "num_attention_heads": 4, "num_key_value_heads": 2}
+GQA_LLAMA: dict[str, Any] = {
+    **LLAMA,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 32,
+}
 
 
 def _state_sensitive(model: Any) -> None:

@@ -263,17 +263,22 @@ def plan_summary(config: OffloadConfig, **model: Any) -> dict[str, Any]:
 
 
 def _group_table(summary: dict[str, Any]) -> list[str]:
-    """One row per group: what a hit needs of it, its page, what the CPU tier holds of it alone."""
-    rows = [("group", "kind", "a hit at H needs", "page (one layer)", "ranks",
-             "CPU tier alone")]  # fmt: skip
+    """One row per group: what a hit needs of it, its page, what the tiers keep of it for the
+    tensor-parallel ranks (with more than one), what the CPU tier holds of it alone."""
+    ranks = summary["world_size"]
+    shared = ("ranks",) if ranks > 1 else ()
+    rows: list[tuple[str, ...]] = [
+        ("group", "kind", "a hit at H needs", "page (one layer)", *shared, "CPU tier alone")
+    ]
     for entry in summary["groups"]:
         holds = (
             f"{entry['cpu_states_if_alone']} states"
             if "cpu_states_if_alone" in entry
             else f"{entry['cpu_tokens_if_alone']} tokens"
         )
+        shares = (_ranks_text(entry, ranks),) if ranks > 1 else ()
         rows.append((str(entry["index"]), entry["kind"], entry["needs"], entry["page"],
-                     _ranks_text(entry, summary["world_size"]), holds))  # fmt: skip
+                     *shares, holds))  # fmt: skip
     widths = [max(len(row[c]) for row in rows) for c in range(len(rows[0]))]
     lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip()
              for row in rows]  # fmt: skip
@@ -284,8 +289,8 @@ def _group_table(summary: dict[str, Any]) -> list[str]:
 def _ranks_text(entry: dict[str, Any], world_size: int) -> str:
     """What the tiers keep of a group's chunk for ``world_size`` tensor-parallel ranks."""
     if entry["tensor_parallel"] == "replicated":
-        return "one copy" if world_size == 1 else f"one copy, {world_size} ranks load it"
-    return "one copy" if world_size == 1 else f"{world_size} shards, one per rank"
+        return f"one copy, {world_size} ranks load it"
+    return f"{world_size} shards, one per rank"
 
 
 def _copies(config: OffloadConfig) -> str:
@@ -301,8 +306,8 @@ def _copies(config: OffloadConfig) -> str:
     note = (" (a replicated group beside sharded ones is stored per rank too, for now)"
             if mixed else "")  # fmt: skip
     return (f" Sharded groups: each of the {ranks} ranks stores its shard of every chunk "
-            f"under its own key{note}, so the budgets hold 1/{ranks} of the chunks they "
-            "hold at one rank.")  # fmt: skip
+            f"under its own key{note}, in its 1/{ranks} of the budgets (sizes above are one "
+            "rank's shard).")  # fmt: skip
 
 
 def _holds(config: OffloadConfig, summary: dict[str, Any]) -> str:
@@ -326,6 +331,7 @@ def run(args: argparse.Namespace) -> int:
         dtype=args.dtype,
         block_size=args.block_size,
         hybrid=_HYBRID[args.hybrid],
+        tensor_parallel_size=args.world_size,
     )
     if args.draft_model:
         layout = with_draft_model(layout, _model_source(args.draft_model), args.dtype,
