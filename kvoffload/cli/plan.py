@@ -105,7 +105,8 @@ def register(subparsers: Any) -> None:
         "--world-size",
         type=int_in(1, 1 << 16),
         default=1,
-        help="workers (tensor-parallel ranks) sharing the budgets",
+        help="tensor-parallel ranks sharing the budgets: plans one rank's layout (KV heads "
+        "split, MLA latents whole) and says what is stored once and what per rank",
     )
     parser.add_argument(
         "--hybrid",
