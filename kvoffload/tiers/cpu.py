@@ -105,6 +105,9 @@ class CPUSlab:
             else _slab_in(buffer, num_slots, slot_bytes)
         )
         self.pinned = pin
+        #: Ranks whose slabs are these very slots (a replicated layout's shared region):
+        #: each chunk here is the one copy they all read. 1: this rank's own slots.
+        self.ranks = 1
         #: Where the engine counts its copies into the slab (stores) and out of it (loads).
         self.counters = TierCounters(self.name)
         self._array = self.slab.numpy()

@@ -81,8 +81,9 @@ def shared_slab(config: OffloadConfig, rank: int, *, pin: bool) -> CPUSlab:
         "all of it (replicated groups: one copy)" if config.copies == 1
         else f"its shard of {part} bytes", start,
     )  # fmt: skip
-    view = region.tensor[start : start + part]
-    return CPUSlab(slots, slot_bytes, pin_memory=pin, buffer=view)
+    slab = CPUSlab(slots, slot_bytes, pin_memory=pin, buffer=region.tensor[start : start + part])
+    slab.ranks = config.world_size if config.copies == 1 else 1
+    return slab
 
 
 def _shared_region(nbytes: int, rank: int) -> SharedRegion:
