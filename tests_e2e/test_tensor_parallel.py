@@ -57,12 +57,17 @@ def _disk(path: Path) -> dict[str, tuple[int, int]]:
 
 
 def _run(
-    engine: Engine, model: str, disk: Path, engine_args: dict[str, Any], *more: dict[str, Any]
+    engine: Engine,
+    model: str,
+    disk: Path,
+    engine_args: dict[str, Any],
+    passes: list[dict[str, Any]] | None = None,
 ) -> dict[str, Any]:
+    """Two passes (the second after ``reset_prefix_cache()``) unless ``passes`` says."""
     connector = {"cpu_bytes_to_use": CPU_BYTES, "disk_path": str(disk),
                  "disk_bytes_to_use": "64MiB"}  # fmt: skip
     result = engine(model=model, engine=engine_args, connector=connector, prompts=PROMPTS,
-                    passes=[{}, {"reset": True}, *more], env=TP_ENV,
+                    passes=passes or [{}, {"reset": True}], env=TP_ENV,
                     failure_policy="recompute")  # fmt: skip
     assert result["error"] is None, result["error"]
     return result
@@ -70,7 +75,7 @@ def _run(
 
 def _served_again(result: dict[str, Any]) -> None:
     """The second pass: served by the connector, the first pass's tokens."""
-    first, again = result["passes"][:2]
+    first, again = result["passes"]
     assert again["cached"][0] > 0, again["cached"]
     stats = again["stats"]["scheduler"]
     assert stats["loaded_tokens"] == sum(again["cached"]) > 0, stats
@@ -82,21 +87,14 @@ def test_mla_stored_once_and_served_to_both_ranks(
     engine: Engine, deepseek_v2: str, tmp_path: Path
 ) -> None:
     one = _run(engine, deepseek_v2, tmp_path / "tp1", {"block_size": 16})
-    # A third pass after emptying the CPU tier and damaging every chunk file: each rank
-    # reads the one damaged copy, the load fails alike on both and vLLM recomputes.
-    damaged = {"reset_connector": True, "corrupt": str(tmp_path / "tp2")}
-    two = _run(engine, deepseek_v2, tmp_path / "tp2", MLA_TP2, damaged)
+    two = _run(engine, deepseek_v2, tmp_path / "tp2", MLA_TP2)
     _served_again(one)
     _served_again(two)
-    first, again, recomputed = two["passes"]
+    first, again = two["passes"]
     for computed, loaded in zip(first["logprobs"], again["logprobs"], strict=True):
         assert loaded == pytest.approx(computed, abs=0.05)  # wrong KV moves them further
-    assert recomputed["tokens"] == first["tokens"]
-    assert recomputed["stats"]["scheduler"]["failed_load_tokens"] > 0
-    assert recomputed["cached"][0] == 0  # nothing damaged was used
     disk1, disk2 = _disk(tmp_path / "tp1"), _disk(tmp_path / "tp2")
-    print(f"\nMLA disk tier: TP=1 {disk1}, TP=2 {disk2} (damaged and stored again)")
-    assert recomputed["acted"]["corrupted_files"] == sum(n for n, _ in disk1.values())
+    print(f"\nMLA disk tier: TP=1 {disk1}, TP=2 {disk2}")
     assert disk2 == disk1 and len(disk2) == 1  # one namespace, the same files: one copy
     regions = two["shared_cpu_tier"]
     print(f"MLA shared CPU tier at TP=2: {regions}")
@@ -108,6 +106,15 @@ def test_mla_stored_once_and_served_to_both_ranks(
         two["passes"][0]["stats"]["scheduler"]["index_capacity"]
         == one["passes"][0]["stats"]["scheduler"]["index_capacity"]
     )  # as many chunks as at one rank
+    # A fresh engine on the damaged copy: both ranks read it, the load fails alike on
+    # both, and vLLM recomputes the same tokens.
+    damaged = _run(engine, deepseek_v2, tmp_path / "tp2", MLA_TP2,
+                   [{"corrupt": str(tmp_path / "tp2")}])  # fmt: skip
+    (recomputed,) = damaged["passes"]
+    assert recomputed["acted"]["corrupted_files"] == sum(n for n, _ in disk2.values())
+    assert recomputed["tokens"] == first["tokens"]
+    assert recomputed["stats"]["scheduler"]["failed_load_tokens"] > 0
+    assert recomputed["cached"][0] == 0  # nothing damaged was used
 
 
 @pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="two ranks bind one core each")
