@@ -98,6 +98,9 @@ def test_worker_series_read_each_tiers_stats_record() -> None:
         "usage_chunks|disk|1": 1,
         "remote_queue_bytes|redis|1": 300,
     }  # fmt: skip  (no usage for the remote server: kvoffload does not know it)
+    # The ranks of a replicated layout share one copy: rank 0 alone reports its usage.
+    assert worker_series(tiers, {}, rank=1, one_copy=True)[1] == {"remote_queue_bytes|redis|1": 300}
+    assert worker_series(tiers, {}, rank=0, one_copy=True)[1]["usage_bytes|cpu|0"] == 200
 
 
 def test_the_log_line_names_tiers_ranks_and_job_latency() -> None:

@@ -104,6 +104,43 @@ QWEN3_NEXT: dict[str, Any] = {
 }
 
 
+#: A 2-layer DeepSeek-V2-style MLA model with two attention heads (one per rank at
+#: tensor_parallel_size=2): one latent of kv_lora_rank + qk_rope_head_dim per token, the
+#: same on every rank. Both layers dense (first_k_dense_replace). vLLM's CPU MLA backend
+#: needs bfloat16 and DeepSeek's head sizes (latent 512, rope 64, nope 128).
+DEEPSEEK_V2: dict[str, Any] = {
+    "architectures": ["DeepseekV2ForCausalLM"],
+    "model_type": "deepseek_v2",
+    "vocab_size": 512,
+    "hidden_size": 128,
+    "intermediate_size": 256,
+    "moe_intermediate_size": 64,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 2,
+    "num_key_value_heads": 2,
+    "n_routed_experts": 2,
+    "n_shared_experts": 1,
+    "num_experts_per_tok": 1,
+    "first_k_dense_replace": 2,
+    "kv_lora_rank": 512,
+    "q_lora_rank": None,
+    "qk_rope_head_dim": 64,
+    "qk_nope_head_dim": 128,
+    "v_head_dim": 128,
+    "max_position_embeddings": 4096,
+    "torch_dtype": "bfloat16",
+}
+
+#: LLAMA with four query heads and two KV heads (GQA): at tensor_parallel_size=2 each
+#: rank holds one KV head, its own shard of every chunk.
+GQA_LLAMA: dict[str, Any] = {
+    **LLAMA,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 32,
+}
+
+
 def _state_sensitive(model: Any) -> None:
     """Make a random Qwen3-Next's output depend on its recurrent state, and its logits peaked.
 
@@ -242,6 +279,8 @@ MODELS = {
     "serve_llama": SERVE_LLAMA,
     "qwen3_next": QWEN3_NEXT,
     "draft_llama": DRAFT_LLAMA,
+    "deepseek_v2": DEEPSEEK_V2,
+    "gqa_llama": GQA_LLAMA,
 }
 
 if __name__ == "__main__":

@@ -51,6 +51,8 @@ The result::
                   "stats": {"scheduler": {...}, "worker": {...}},
                   "acted": {"corrupted_files": 12, ...}}],
       "stats": {"scheduler": {...}, "worker": {...}},  # after the last pass
+      "shared_cpu_tier": [{"pid": 12, "name": "kvoffload-cpu-...", "size": ...,
+                           "rss": ..., "pss": ...}],  # tensor-parallel workers' mappings
       "metrics": {"vllm:prompt_tokens_total": 123.0, ...} # when stats are logged, else {}
     }
 
@@ -313,6 +315,49 @@ def _record(outputs: list[Any]) -> dict[str, Any]:
     }
 
 
+def _children() -> list[int]:
+    """This process's child processes (vLLM's tensor-parallel workers)."""
+    me, pids = str(os.getpid()), []
+    for entry in Path("/proc").iterdir():
+        try:
+            if (
+                entry.name.isdigit()
+                and (entry / "stat").read_text().rsplit(")", 1)[1].split()[1] == me
+            ):
+                pids.append(int(entry.name))
+        except OSError:
+            continue
+    return sorted(pids)
+
+
+def shared_cpu_tier() -> list[dict[str, Any]]:
+    """Each worker's mappings of kvoffload's shared CPU tier: name, bytes, resident, shared.
+
+    Read from ``/proc/PID/smaps`` of this process's children: ``size`` is the
+    mapping's length, ``pss`` its proportional share (the region's pages split
+    between the processes that map them), so the sum of ``pss`` over the
+    workers is the host memory the region holds.
+    """
+    found = []
+    for pid in _children():
+        try:
+            lines = Path(f"/proc/{pid}/smaps").read_text().splitlines()
+        except OSError:
+            continue
+        current: dict[str, Any] | None = None
+        for line in lines:
+            head = line.split()
+            if "-" in head[0] and len(head) >= 5 and not head[0].endswith(":"):
+                path = head[5] if len(head) > 5 else ""
+                current = None
+                if "/kvoffload-cpu-" in path:
+                    current = {"pid": pid, "name": Path(path).name}
+                    found.append(current)
+            elif current is not None and head[0] in ("Size:", "Rss:", "Pss:"):
+                current[head[0][:-1].lower()] = int(head[1]) * 1024
+    return found
+
+
 def _environment(spec: dict[str, Any]) -> None:
     """Before vLLM is imported: CPU KV cache of 1 GiB, the engine in this process, the spec's."""
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
@@ -395,6 +440,7 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
             record["events"] = sink.take()
         result["passes"].append(record)
     result["stats"] = _connector_stats() if "kv_transfer_config" in engine else {}
+    result["shared_cpu_tier"] = shared_cpu_tier()
     result["metrics"] = {} if engine.get("disable_log_stats", True) else _metrics(llm)
     return result
 

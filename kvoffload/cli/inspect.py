@@ -33,7 +33,8 @@ def register(subparsers: Any) -> None:
         formatter_class=HelpFormatter,
         help="show what a disk tier directory holds (read-only; safe beside running engines)",
         description="Show a disk tier's namespaces (one per model, dtype and layout, and per "
-        "tensor-parallel rank), their chunks and bytes, the oldest and newest use, the free "
+        "tensor-parallel rank where KV heads are split across ranks; one for all ranks of an "
+        "MLA model), their chunks and bytes, the oldest and newest use, the free "
         "space, and any damaged file. Nothing is created, repaired or deleted. Exit code 1 "
         "when a damaged file is found.",
     )

@@ -105,7 +105,8 @@ def register(subparsers: Any) -> None:
         "--world-size",
         type=int_in(1, 1 << 16),
         default=1,
-        help="workers (tensor-parallel ranks) sharing the budgets",
+        help="tensor-parallel ranks sharing the budgets: plans one rank's layout (KV heads "
+        "split, MLA latents whole) and says what is stored once and what per rank",
     )
     parser.add_argument(
         "--hybrid",
@@ -225,6 +226,7 @@ def _group_entry(config: OffloadConfig, index: int, engine_page: int) -> dict[st
         "page": _page_text(group, engine_page),
         "tokens_per_chunk": span,
         "chunk_bytes": size,
+        "tensor_parallel": "replicated" if group.replicated else "sharded",
     }
     if group.reuse is Reuse.STATE:
         entry["cpu_states_if_alone"] = config.num_cpu_chunks
@@ -252,6 +254,7 @@ def plan_summary(config: OffloadConfig, **model: Any) -> dict[str, Any]:
         **settings,
         "groups": [_group_entry(config, i, engine_page) for i in range(len(layout.groups))],
         "cpu_chunks_per_worker": config.num_cpu_chunks,
+        "chunk_copies": config.copies,
         "cpu_slot_bytes": config.max_chunk_bytes,
         "cpu_prefix_tokens": cpu_prefix_tokens(config),
         "hit_alignment": config.hit_alignment,
@@ -261,20 +264,51 @@ def plan_summary(config: OffloadConfig, **model: Any) -> dict[str, Any]:
 
 
 def _group_table(summary: dict[str, Any]) -> list[str]:
-    """One row per group: what a hit needs of it, its page, what the CPU tier holds of it alone."""
-    rows = [("group", "kind", "a hit at H needs", "page (one layer)", "CPU tier alone")]
+    """One row per group: what a hit needs of it, its page, what the tiers keep of it for the
+    tensor-parallel ranks (with more than one), what the CPU tier holds of it alone."""
+    ranks = summary["world_size"]
+    shared = ("ranks",) if ranks > 1 else ()
+    rows: list[tuple[str, ...]] = [
+        ("group", "kind", "a hit at H needs", "page (one layer)", *shared, "CPU tier alone")
+    ]
     for entry in summary["groups"]:
         holds = (
             f"{entry['cpu_states_if_alone']} states"
             if "cpu_states_if_alone" in entry
             else f"{entry['cpu_tokens_if_alone']} tokens"
         )
-        rows.append((str(entry["index"]), entry["kind"], entry["needs"], entry["page"], holds))
+        shares = (_ranks_text(entry, ranks),) if ranks > 1 else ()
+        rows.append((str(entry["index"]), entry["kind"], entry["needs"], entry["page"],
+                     *shares, holds))  # fmt: skip
     widths = [max(len(row[c]) for row in rows) for c in range(len(rows[0]))]
     lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip()
              for row in rows]  # fmt: skip
     lines.insert(1, "  ".join("-" * w for w in widths))
     return lines
+
+
+def _ranks_text(entry: dict[str, Any], world_size: int) -> str:
+    """What the tiers keep of a group's chunk for ``world_size`` tensor-parallel ranks."""
+    if entry["tensor_parallel"] == "replicated":
+        return f"one copy, {world_size} ranks load it"
+    return f"{world_size} shards, one per rank"
+
+
+def _copies(config: OffloadConfig) -> str:
+    """How the ranks share the tiers, in one sentence; empty for one rank."""
+    ranks = config.world_size
+    if ranks == 1:
+        return ""
+    if config.copies == 1:
+        return (f" Every group is replicated: each chunk is stored once for all {ranks} "
+                "ranks (one CPU slot, one disk file, one remote value) and every rank loads "
+                "it, so the budgets hold what they hold at one rank.")  # fmt: skip
+    mixed = any(g.replicated for g in config.layout.groups)
+    note = (" (a replicated group beside sharded ones is stored per rank too, for now)"
+            if mixed else "")  # fmt: skip
+    return (f" Sharded groups: each of the {ranks} ranks stores its shard of every chunk "
+            f"under its own key{note}, in its 1/{ranks} of the budgets (sizes above are one "
+            "rank's shard).")  # fmt: skip
 
 
 def _holds(config: OffloadConfig, summary: dict[str, Any]) -> str:
@@ -285,10 +319,10 @@ def _holds(config: OffloadConfig, summary: dict[str, Any]) -> str:
         f"{summary['cpu_prefix_tokens']} tokens"
     )
     if all(group.reuse is Reuse.PREFIX for group in config.layout.groups):
-        return f"{head}, every chunk of it. Per group:"
+        return f"{head}, every chunk of it.{_copies(config)} Per group:"
     return (
         f"{head} with a hit point at its end and every retention step "
-        f"({_retention_note(config)}). Per group:"
+        f"({_retention_note(config)}).{_copies(config)} Per group:"
     )
 
 
@@ -298,6 +332,7 @@ def run(args: argparse.Namespace) -> int:
         dtype=args.dtype,
         block_size=args.block_size,
         hybrid=_HYBRID[args.hybrid],
+        tensor_parallel_size=args.world_size,
     )
     if args.draft_model:
         layout = with_draft_model(layout, _model_source(args.draft_model), args.dtype,

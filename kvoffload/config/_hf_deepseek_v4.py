@@ -194,4 +194,5 @@ def _group(layers: list[_Layer]) -> CacheGroup:
         page_bytes=max(pages),
         sliding_window=first.window,
         layer_page_bytes=pages,
+        replicated=True,  # every cache of an MLA model is the same on each rank
     )

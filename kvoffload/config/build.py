@@ -170,6 +170,11 @@ def _blocks_of_block_size(block_size: int, layout: KVLayout) -> int:
     return block_size // sizes[0]
 
 
+def _ies(config: OffloadConfig) -> str:
+    """'y' or 'ies': one copy of a replicated layout's chunks, one per rank of a sharded one."""
+    return "y" if config.copies == 1 else "ies"
+
+
 def _check_budgets(config: OffloadConfig) -> None:
     largest = config.max_chunk_bytes
     group = config.chunk_bytes.index(largest)
@@ -178,10 +183,11 @@ def _check_budgets(config: OffloadConfig) -> None:
         f"({format_bytes(largest)})"
     )
     if config.num_cpu_chunks < 1:
-        minimum = largest * config.world_size
+        minimum = largest * config.copies
         raise ConfigError(
             f"'cpu_bytes_to_use'={config.cpu_bytes_to_use} holds no chunk: {chunk}, so "
-            f"{config.world_size} worker(s) need at least {minimum} bytes "
+            f"{config.world_size} worker(s) holding {config.copies} cop{_ies(config)} of a chunk "
+            f"need at least {minimum} bytes "
             f"({format_bytes(minimum)}); "
             f"raise 'cpu_bytes_to_use' or lower 'blocks_per_chunk'"
         )
@@ -191,10 +197,11 @@ def _check_budgets(config: OffloadConfig) -> None:
             f"set 'remote_queue_bytes' to at least {largest}"
         )
     if config.disk_path is not None and config.num_disk_chunks < 1:
-        footprint = disk_footprint(largest) * config.world_size
+        footprint = disk_footprint(largest) * config.copies
         raise ConfigError(
             f"'disk_bytes_to_use'={config.disk_bytes_to_use} holds no chunk: {chunk}, "
             f"{footprint} bytes on disk with its header for {config.world_size} rank(s) "
+            f"({config.copies} cop{_ies(config)}) "
             f"(the budget is shared by every rank); "
             f"set 'disk_bytes_to_use' to at least {footprint}"
         )

@@ -142,10 +142,11 @@ def _implied_layer_types(config: Mapping[str, Any], num_layers: int) -> list[str
     return ["sliding_attention" if sliding else "full_attention"] * num_layers
 
 
-def _state_bytes(config: Mapping[str, Any], dtype_bytes: int) -> int:
-    """A gated DeltaNet layer's state (vLLM's ``gated_delta_net_state_shape``): conv and SSM."""
-    k_heads, v_heads = (int_field(config, "linear_num_key_heads"),
-                        int_field(config, "linear_num_value_heads"))  # fmt: skip
+def _state_bytes(config: Mapping[str, Any], dtype_bytes: int, tp: int = 1) -> int:
+    """A gated DeltaNet layer's state (vLLM's ``gated_delta_net_state_shape``): conv and SSM,
+    of one of ``tp`` tensor-parallel ranks (each holds its share of the heads)."""
+    k_heads, v_heads = (max(1, int_field(config, "linear_num_key_heads") // tp),
+                        max(1, int_field(config, "linear_num_value_heads") // tp))  # fmt: skip
     k_dim, v_dim = (int_field(config, "linear_key_head_dim"),
                     int_field(config, "linear_value_head_dim"))  # fmt: skip
     conv_dim = 2 * k_dim * k_heads + v_dim * v_heads
@@ -155,10 +156,12 @@ def _state_bytes(config: Mapping[str, Any], dtype_bytes: int) -> int:
 
 
 def _layer_spec(
-    config: Mapping[str, Any], layer: int, layer_type: str, dtype_bytes: int
+    config: Mapping[str, Any], layer: int, layer_type: str, dtype_bytes: int, tp: int = 1
 ) -> _LayerSpec:
+    """One layer's KV on one of ``tp`` tensor-parallel ranks: an MLA latent whole (every rank
+    holds it), KV heads and recurrent states split (vLLM gives each rank at least one head)."""
     if layer_type == "linear_attention":
-        return _LayerSpec("mamba", 0, None, _state_bytes(config, dtype_bytes))
+        return _LayerSpec("mamba", 0, None, _state_bytes(config, dtype_bytes, tp))
     if "kv_lora_rank" in config:  # MLA: one latent vector per token, no K/V split
         latent = int_field(config, "kv_lora_rank") + int_field(config, "qk_rope_head_dim")
         return _LayerSpec("mla", latent * dtype_bytes, None)
@@ -187,7 +190,7 @@ def _layer_spec(
         kind = "full"  # Llama-4 without attention_chunk_size attends fully everywhere
     elif kind == "chunked_local":
         window = int_field(config, "attention_chunk_size")
-    return _LayerSpec(kind, 2 * kv_heads * head_dim * dtype_bytes, window)
+    return _LayerSpec(kind, 2 * max(1, kv_heads // tp) * head_dim * dtype_bytes, window)
 
 
 def _group_layers(specs: dict[str, _LayerSpec]) -> list[tuple[_LayerSpec, list[str]]]:
@@ -240,9 +243,12 @@ def layout_from_hf_config(
     dtype: str = "bfloat16",
     block_size: int = 16,
     hybrid: bool | None = None,
+    tensor_parallel_size: int = 1,
 ) -> KVLayout:
-    """See the module docstring; raises ``ConfigError`` on anything it cannot map."""
+    """See the module docstring; raises ``ConfigError`` on anything it cannot map. One rank's
+    layout at ``tensor_parallel_size`` > 1: heads and states split, MLA latents whole."""
     checked_int("block_size", block_size)
+    tp = checked_int("tensor_parallel_size", tensor_parallel_size)
     config = load_hf_config(path_or_dict)
     if config.get("model_type") == "deepseek_v4":
         return deepseek_v4_layout(config, dtype)
@@ -255,12 +261,10 @@ def layout_from_hf_config(
         raise ConfigError(
             f"unknown KV cache dtype {dtype!r}; choose one of {', '.join(DTYPE_BYTES)}"
         )
-    num_layers = layer_count(config)
-    shared = config.get("num_kv_shared_layers") or 0
-    types = _layer_types(config, num_layers)
+    num_layers, shared = layer_count(config), config.get("num_kv_shared_layers") or 0
     specs = {}
-    for i in range(num_layers - shared):
-        spec = _layer_spec(config, i, types[i], DTYPE_BYTES[dtype])
+    for i, layer_type in enumerate(_layer_types(config, num_layers)[: num_layers - shared]):
+        spec = _layer_spec(config, i, layer_type, DTYPE_BYTES[dtype], tp)
         specs[_layer_name(i, spec)] = spec
     if not specs:
         raise ConfigError("model config has no layer with its own KV cache")
@@ -289,6 +293,7 @@ def layout_from_hf_config(
                 page_bytes=page_bytes,
                 sliding_window=None if chunked else spec.window,
                 attention_chunk_size=spec.window if chunked else None,
+                replicated=spec.kind == "mla",  # a latent: the same on every rank
             )
         )
     return KVLayout(groups=tuple(groups))

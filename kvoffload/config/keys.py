@@ -146,7 +146,9 @@ KEYS: tuple[Key, ...] = (
     Key("cpu_bytes_to_use", KeyType.SIZE,
         "Host-memory budget for offloaded KV, the total across all workers (as in vLLM). "
         "An integer or a size: '512MiB', '8GiB', '500MB'. "
-        "Must hold one chunk of the largest group.",
+        "Must hold one chunk of the largest group. With tensor parallelism it is one "
+        "shared-memory region in /dev/shm that every rank maps (replicated MLA KV: one "
+        "copy), which must have the room.",
         bounds=_BYTES),
     Key("blocks_per_chunk", KeyType.INT,
         "Engine blocks per offloaded chunk, in every group. Works for any layout, hybrid "

@@ -82,6 +82,11 @@ class CacheGroup:
     docstring). When the layers' pages differ (DeepSeek-V4 packs MLA, indexer
     and compressor layers into one group), ``layer_page_bytes`` gives each
     layer's page in layer order and ``page_bytes`` is the largest of them.
+
+    ``replicated`` says that every tensor-parallel rank holds the same bytes
+    for this group (an MLA latent: vLLM does not split it by head), so a
+    chunk is stored once for all ranks; otherwise each rank holds its own
+    shard (KV heads split across ranks) and stores it under its own key.
     """
 
     kind: str
@@ -91,6 +96,7 @@ class CacheGroup:
     sliding_window: int | None = None
     attention_chunk_size: int | None = None
     layer_page_bytes: tuple[int, ...] | None = None
+    replicated: bool = False
 
     def __post_init__(self) -> None:
         owner = f"CacheGroup(kind={self.kind!r})"
@@ -110,6 +116,8 @@ class CacheGroup:
         if len(set(names)) != len(names):
             raise ConfigError(f"{owner}: duplicate layer names in {names!r}")
         object.__setattr__(self, "layer_names", tuple(names))
+        if not isinstance(self.replicated, bool):
+            raise ConfigError(f"{owner}: replicated must be a bool, got {self.replicated!r}")
         for name in ("sliding_window", "attention_chunk_size"):
             kinds = [kind for kind, field in WINDOW_FIELDS.items() if field == name]
             value = getattr(self, name)
@@ -208,6 +216,12 @@ class KVLayout:
     def has_state(self) -> bool:
         """Whether a group holds recurrent states (:attr:`Reuse.STATE`)."""
         return any(g.reuse is Reuse.STATE for g in self.groups)
+
+    @property
+    def replicated(self) -> bool:
+        """Whether every group is the same on every tensor-parallel rank (an MLA model):
+        then a chunk is one copy for all ranks, in every tier (see ``CacheGroup``)."""
+        return all(g.replicated for g in self.groups)
 
     @property
     def is_uniform(self) -> bool:

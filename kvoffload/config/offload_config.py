@@ -110,19 +110,27 @@ class OffloadConfig:
         return -(-interval // align) * align
 
     @property
+    def copies(self) -> int:
+        """Copies of a chunk the tiers hold: one for a layout every tensor-parallel rank
+        holds alike (``KVLayout.replicated``: an MLA model), else one shard per rank."""
+        return 1 if self.layout.replicated else self.world_size
+
+    @property
     def cpu_bytes_per_worker(self) -> int:
-        return self.cpu_bytes_to_use // self.world_size
+        """Bytes of the CPU tier each rank's chunks take: the whole budget for a replicated
+        layout (every rank reads the one copy), else the rank's share of it."""
+        return self.cpu_bytes_to_use // self.copies
 
     @property
     def num_cpu_chunks(self) -> int:
-        """Slots of one worker's CPU tier."""
+        """Slots of the CPU tier: chunks it holds, whatever the number of ranks."""
         return self.cpu_bytes_per_worker // self.max_chunk_bytes
 
     @property
     def num_disk_chunks(self) -> int:
-        """Chunks of the largest group the disk budget holds, each as one file per rank (a
+        """Chunks of the largest group the disk budget holds, each as one file per copy (a
         lower bound on what fits: the budget is the directory's, which all ranks share)."""
-        return self.disk_bytes_to_use // (disk_footprint(self.max_chunk_bytes) * self.world_size)
+        return self.disk_bytes_to_use // (disk_footprint(self.max_chunk_bytes) * self.copies)
 
     def __str__(self) -> str:
         rows = [("group", "kind", "layers", "tokens/block", "tokens/chunk", "bytes/chunk")]
@@ -148,8 +156,7 @@ class OffloadConfig:
         )
         settings = [
             ("blocks_per_chunk", str(self.blocks_per_chunk)),
-            ("cpu_bytes_to_use", f"{format_bytes(self.cpu_bytes_to_use)} across "
-             f"{self.world_size} worker(s): {self.num_cpu_chunks} chunks per worker"),
+            ("cpu_bytes_to_use", self._cpu_text()),
             ("eviction_policy", self.eviction_policy),
             ("store_threshold", str(self.store_threshold)),
             ("offload_prompt_only", str(self.offload_prompt_only).lower()),
@@ -164,6 +171,15 @@ class OffloadConfig:
         ]  # fmt: skip
         summary = [f"{name:<20} {value}" for name, value in settings]
         return "\n".join([*table, "", *summary])
+
+    def _cpu_text(self) -> str:
+        text = (f"{format_bytes(self.cpu_bytes_to_use)} across {self.world_size} worker(s): "
+                f"{self.num_cpu_chunks} chunks per worker")  # fmt: skip
+        if self.world_size == 1:
+            return text
+        if self.copies == 1:
+            return f"{text} (replicated groups: one copy, stored once, loaded by every rank)"
+        return f"{text} (sharded groups: each rank holds its shard of every chunk)"
 
     def _retention_text(self) -> str:
         if not any(g.reuse is not Reuse.PREFIX for g in self.layout.groups):

@@ -37,7 +37,27 @@ from kvoffload.errors import ConfigError, IntegrityError, TierError
 from kvoffload.tiers.base import ChunkBuffer
 from kvoffload.tiers.stats import TierCounters, TierStats
 
-__all__ = ["CPUSlab"]
+__all__ = ["CPUSlab", "slab_bytes"]
+
+
+def slab_bytes(num_slots: int, slot_bytes: int) -> int:
+    """Bytes a slab of ``num_slots`` slots takes in a buffer that starts on an ``ALIGN``
+    boundary (a shared-memory mapping does): each slot is rounded up to ``ALIGN``."""
+    return num_slots * -(-slot_bytes // ALIGN) * ALIGN
+
+
+def _slab_in(buffer: torch.Tensor, num_slots: int, slot_bytes: int) -> torch.Tensor:
+    """The slab's view of a caller's flat ``uint8`` buffer (a shared-memory region)."""
+    stride = -(-slot_bytes // ALIGN) * ALIGN
+    need = num_slots * stride
+    if buffer.dtype != torch.uint8 or buffer.dim() != 1 or buffer.numel() < need:
+        raise ConfigError(
+            f"CPUSlab: a buffer of {num_slots} slots of {slot_bytes} bytes must be a 1-D "
+            f"uint8 tensor of at least {need} bytes, got {buffer.dtype} {tuple(buffer.shape)}"
+        )
+    if buffer.data_ptr() % ALIGN:
+        raise ConfigError(f"CPUSlab: a buffer must start on a {ALIGN}-byte boundary")
+    return buffer[:need].view(num_slots, stride)[:, :slot_bytes]
 
 
 def _aligned_slab(num_slots: int, slot_bytes: int, pin: bool) -> torch.Tensor:
@@ -59,17 +79,35 @@ class CPUSlab:
 
     ``pin_memory`` defaults to "pinned if CUDA is available", which is what
     makes device copies asynchronous; pinning without CUDA is not possible.
+    With ``buffer`` (a flat ``uint8`` tensor of at least :func:`slab_bytes`,
+    starting on a page: a shared-memory region the ranks of an engine map,
+    see :mod:`kvoffload.tiers.shared`) the slots live there and nothing is
+    allocated; ``pin_memory`` then only says whether the caller pinned it.
     """
 
     name = "cpu"
 
-    def __init__(self, num_slots: int, slot_bytes: int, *, pin_memory: bool | None = None) -> None:
+    def __init__(
+        self,
+        num_slots: int,
+        slot_bytes: int,
+        *,
+        pin_memory: bool | None = None,
+        buffer: torch.Tensor | None = None,
+    ) -> None:
         self.num_slots = checked_int("CPUSlab: num_slots", num_slots)
         self.slot_bytes = checked_int("CPUSlab: slot_bytes", slot_bytes)
         pin = torch.cuda.is_available() if pin_memory is None else pin_memory
         #: ``[num_slots, slot_bytes]`` uint8; every slot starts on a page boundary.
-        self.slab = _aligned_slab(num_slots, slot_bytes, pin)
+        self.slab = (
+            _aligned_slab(num_slots, slot_bytes, pin)
+            if buffer is None
+            else _slab_in(buffer, num_slots, slot_bytes)
+        )
         self.pinned = pin
+        #: Ranks whose slabs are these very slots (a replicated layout's shared region):
+        #: each chunk here is the one copy they all read. 1: this rank's own slots.
+        self.ranks = 1
         #: Where the engine counts its copies into the slab (stores) and out of it (loads).
         self.counters = TierCounters(self.name)
         self._array = self.slab.numpy()

@@ -5,8 +5,11 @@ order: disk, then remote behind its write-behind queue); the scheduler side
 gets probes of the same tiers (:func:`lower_probes`), which only answer which
 chunks are probably there:
 the disk tier's files, the remote server through a connection of its own.
-With tensor parallelism each rank holds its own shard of every chunk, so the
-scheduler side asks every rank's namespace (:func:`rank_probes`).
+With tensor parallelism each rank of a sharded layout holds its own shard of
+every chunk, so the scheduler side asks every rank's namespace
+(:func:`rank_probes`). A replicated layout (every group the same on every
+rank: an MLA model) has one namespace for all ranks: one copy of a chunk,
+which the ranks write in turns (:class:`TakingTurns`) and all read.
 """
 
 from __future__ import annotations
@@ -16,12 +19,13 @@ from typing import TYPE_CHECKING
 
 from kvoffload.registry import TIERS
 from kvoffload.tiers._write_behind import WriteBehind
-from kvoffload.tiers.base import Tier, TierProbe
+from kvoffload.tiers.base import ChunkBuffer, Tier, TierProbe
+from kvoffload.tiers.stats import TierStats
 
 if TYPE_CHECKING:
     from kvoffload.config import OffloadConfig
 
-__all__ = ["AllRanksProbe", "lower_probes", "lower_tiers", "rank_probes"]
+__all__ = ["AllRanksProbe", "TakingTurns", "lower_probes", "lower_tiers", "rank_probes"]
 
 
 def _remote(config: OffloadConfig, namespace: bytes) -> Tier:
@@ -36,8 +40,13 @@ def _remote(config: OffloadConfig, namespace: bytes) -> Tier:
     return tier
 
 
-def lower_tiers(config: OffloadConfig, namespace: bytes) -> list[Tier]:
+def lower_tiers(
+    config: OffloadConfig, namespace: bytes, *, rank: int = 0, ranks: int = 1
+) -> list[Tier]:
     """Disk (if ``disk_path``), then remote (if ``remote_url``), for ``namespace``.
+
+    ``ranks`` > 1 ranks sharing ``namespace`` (a replicated layout) write in
+    turns: this one, ``rank``, only the keys of its turn (:class:`TakingTurns`).
 
     Every rank's disk tier gets the whole ``disk_bytes_to_use``: it is the
     budget of the directory, which the ranks (each in its own namespace
@@ -52,6 +61,8 @@ def lower_tiers(config: OffloadConfig, namespace: bytes) -> list[Tier]:
         tiers.append(TIERS.create("disk", config.disk_path, config.disk_bytes_to_use, namespace))
     if config.remote_url is not None:
         tiers.append(WriteBehind(_remote(config, namespace), config.remote_queue_bytes))
+    if ranks > 1:
+        return [TakingTurns(tier, rank, ranks) for tier in tiers]
     return tiers
 
 
@@ -83,8 +94,60 @@ class AllRanksProbe:
             probe.close()
 
 
+class TakingTurns(Tier):
+    """A lower tier that ``ranks`` ranks share for chunks they hold alike, written in turns.
+
+    Every rank of a replicated layout runs every store with the same bytes
+    under the same key; this rank writes only the keys of its turn (the
+    key's last byte modulo ``ranks``), so each chunk is written once and the
+    writes spread over the ranks' threads. Reads, probes and discards go to
+    the tier. A rank that dies mid-write leaves no chunk another would load:
+    the disk tier renames a whole, checksummed file into place, the remote
+    tier sets a whole, checksummed record; and the scheduler records a store
+    only once every rank, the writer included, reported it.
+    """
+
+    def __init__(self, tier: Tier, rank: int, ranks: int) -> None:
+        self.tier, self.rank, self.ranks = tier, rank, ranks
+        self.name = tier.name
+        #: Stores left to the rank whose turn they were.
+        self.others_turns = 0
+
+    def turn(self, key: bytes) -> int:
+        """The rank that writes ``key``."""
+        return key[-1] % self.ranks
+
+    def put(self, key: bytes, data: ChunkBuffer) -> None:
+        if self.turn(key) == self.rank:
+            self.tier.put(key, data)
+        else:
+            self.others_turns += 1
+
+    def get_into(self, key: bytes, out: ChunkBuffer) -> bool:
+        return self.tier.get_into(key, out)
+
+    def contains_many(self, keys: Sequence[bytes]) -> list[bool]:
+        return self.tier.contains_many(keys)
+
+    def discard(self, key: bytes) -> None:
+        self.tier.discard(key)
+
+    def stats(self) -> TierStats:
+        return self.tier.stats()
+
+    def check_integrity(self) -> None:
+        self.tier.check_integrity()
+
+    def close(self) -> None:
+        self.tier.close()
+
+
 def rank_probes(config: OffloadConfig, namespaces: Sequence[bytes]) -> list[TierProbe]:
-    """The lower tiers as one scheduler sees them over ranks with ``namespaces``, in order."""
+    """The lower tiers as one scheduler sees them over ranks with ``namespaces``, in order.
+
+    Ranks that share a namespace (a replicated layout) share its chunks: one probe.
+    """
+    namespaces = list(dict.fromkeys(namespaces))
     per_rank = [lower_probes(config, namespace) for namespace in namespaces]
     if len(per_rank) == 1:
         return per_rank[0]

@@ -64,12 +64,23 @@ class SpecRow(NamedTuple):
     action: Action
     #: The group kind when served (see ``GROUP_KINDS``), else None.
     kind: str | None
-    #: Why, in one line: what a hit at H needs from such a group.
+    #: Why, in one line: what a hit at H needs from such a group (and, when replicated, why
+    #: every tensor-parallel rank holds the same bytes).
     reason: str
+    #: Every tensor-parallel rank holds the same bytes (vLLM does not split the group by
+    #: head): one copy of a chunk serves all ranks. False: each rank holds its shard.
+    replicated: bool = False
 
 
-def _serve(kind: str, reason: str) -> SpecRow:
-    return SpecRow(Action.SERVE, kind, reason)
+def _serve(kind: str, reason: str, *, replicated: bool = False) -> SpecRow:
+    return SpecRow(Action.SERVE, kind, reason, replicated)
+
+
+#: Why an MLA-family group is the same on every rank, appended to its row's reason.
+_LATENT = (
+    "; replicated: the latent comes from the layer's input through an unsharded projection "
+    "(vLLM's MLA splits the query heads, never the latent), so every rank holds these bytes"
+)
 
 
 def _skip(reason: str) -> SpecRow:
@@ -89,13 +100,17 @@ SPEC_TABLE: Mapping[str, SpecRow] = MappingProxyType({
         "prefix's KV depends on what follows it, so vLLM turns its prefix cache off as well"),
     "SinkFullAttentionSpec": _serve("full", "full attention over the request's blocks; the "
         "static sink sits in blocks of its own, never in a request's"),
-    "MLAAttentionSpec": _serve("mla", "one latent per token, attended over the whole prefix"),
+    "MLAAttentionSpec": _serve("mla", "one latent per token, attended over the whole prefix"
+        + _LATENT, replicated=True),
     "MLAAttentionSpec/compressed": _serve("compressed_mla", "one entry per tokens_per_state "
-        "tokens (DeepSeek-V4's C4/C128 caches, its indexer's keys), read over the whole prefix"),
-    "HiddenStateCacheSpec": _serve("mla", "each token's hidden state, a function of its prefix"),
+        "tokens (DeepSeek-V4's C4/C128 caches, its indexer's keys), read over the whole prefix"
+        + _LATENT, replicated=True),
+    "HiddenStateCacheSpec": _serve("mla", "each token's hidden state, a function of its prefix; "
+        "replicated: a layer's output after the all-reduce, the same on every rank",
+        replicated=True),
     "SlidingWindowSpec": _serve("sliding", "attends to the last sliding_window tokens only"),
     "SlidingWindowMLASpec": _serve("sliding_mla", "MLA entries needed over the window only "
-        "(DeepSeek-V4's SWA cache and compressor states)"),
+        "(DeepSeek-V4's SWA cache and compressor states)" + _LATENT, replicated=True),
     "SlidingWindowMLASpec/bounded_replay": _skip("not prefix-cacheable: vLLM recomputes the "
         "window after a hit whose load does not restore it (DeepSeek-V4.1)"),
     "ChunkedLocalAttentionSpec": _serve("chunked_local", "attends within its attention chunk: "
@@ -340,6 +355,7 @@ def group_map(kv_cache_config: KVCacheConfig) -> GroupMap:
                 layer_names=tuple(group.layer_names),
                 page_bytes=max(pages),
                 layer_page_bytes=pages,
+                replicated=row.replicated,
                 **_window(row.kind, first),
             )
         )

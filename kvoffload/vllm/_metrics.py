@@ -136,9 +136,14 @@ _BY_LABEL = {"miss_lookups_by_reason": "lookup_misses",
 
 
 def worker_series(
-    tiers: Mapping[str, TierStats], jobs: Mapping[str, int], rank: int
+    tiers: Mapping[str, TierStats], jobs: Mapping[str, int], rank: int, *, one_copy: bool = False
 ) -> tuple[dict[str, float], dict[str, float]]:
-    """Cumulative counters and gauges of one worker: its tiers and its job counters."""
+    """Cumulative counters and gauges of one worker: its tiers and its job counters.
+
+    ``one_copy``: the ranks hold one copy of every chunk (a replicated layout's
+    shared tiers), so only rank 0 sends the usage gauges, which the exporter
+    would otherwise add up ``world_size`` times.
+    """
     counters = {key(name): float(n) for name, n in jobs.items()}
     gauges: dict[str, float] = {}
     for tier, s in tiers.items():
@@ -150,7 +155,7 @@ def worker_series(
             counters[key("skipped_stores", tier)] = s.counters["read_only_skips"]
         if tier != "cpu":  # the CPU tier's evictions are the index's (scheduler side)
             counters[key("evictions", tier)] = s.evictions
-        if s.capacity_bytes:  # a remote server's own usage is not known here
+        if s.capacity_bytes and not (one_copy and rank):  # a remote server's is not known
             gauges[key("usage_bytes", tier, rank)] = s.used_bytes
             gauges[key("usage_chunks", tier, rank)] = s.chunks
         if "queue_bytes" in s.gauges:
@@ -161,7 +166,8 @@ def worker_series(
 def worker_payload(worker: OffloadWorker, rank: int, deltas: Deltas) -> Payload | None:
     """One worker's payload of the step: its tiers, its job counters and the jobs' seconds."""
     jobs = {name: n for name, n in worker.stats().items() if name != "tiers"}
-    counters, gauges = worker_series(worker.engine.stats(), jobs, rank)
+    one_copy = worker.engine.cascade.cpu.ranks > 1  # every rank views the same slots
+    counters, gauges = worker_series(worker.engine.stats(), jobs, rank, one_copy=one_copy)
     samples = {key(f"{kind}_seconds"): v for kind, v in worker.take_seconds().items()}
     return deltas.take(counters, gauges, samples)
 

@@ -46,7 +46,7 @@ from kvoffload.config.layout import KVLayout
 from kvoffload.connector.loads import failures_by_block
 from kvoffload.connector.scheduler import OffloadScheduler, StepRequest
 from kvoffload.connector.worker import OffloadWorker
-from kvoffload.engine import JobKind, OffloadEngine
+from kvoffload.engine import JobKind
 from kvoffload.errors import ConfigError, ProtocolError
 from kvoffload.keys import namespace_of
 from kvoffload.messages import TransferOrder
@@ -56,6 +56,7 @@ from kvoffload.vllm._layout import GroupMap, boundary_states, group_map
 from kvoffload.vllm._messages import KVOffloadMetadata, KVOffloadWorkerMetadata
 from kvoffload.vllm._metrics import Deltas, scheduler_series, worker_payload
 from kvoffload.vllm._prom import KVOffloadPromMetrics, KVOffloadStats
+from kvoffload.vllm._ranks import tp_rank, worker_engine
 from kvoffload.vllm._startup import build_scheduler, check_engine, kv_identity
 
 if TYPE_CHECKING:
@@ -137,8 +138,9 @@ class KVOffloadConnector(KVConnectorBase_V1, SupportsHMA):
         _LIVE.add(self)
 
     def namespace(self, rank: int) -> bytes:
-        """Rank ``rank``'s namespace: ranks hold different shards of the same chunk."""
-        model = self._model_id if self.world_size == 1 else f"{self._model_id}#tp{rank}"
+        """Rank ``rank``'s namespace: its own if ranks hold shards, one if all is replicated."""
+        shards = self.world_size > 1 and not self.layout.replicated
+        model = f"{self._model_id}#tp{rank}" if shards else self._model_id
         return namespace_of(model, self._dtype, self.layout)
 
     def stats(self) -> dict[str, Any]:
@@ -285,13 +287,11 @@ class KVOffloadConnector(KVConnectorBase_V1, SupportsHMA):
     # Worker side
     # ==============================================================================
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
-
-        rank = self._rank = get_tensor_model_parallel_rank() if self.world_size > 1 else 0
+        rank = self._rank = tp_rank(self.world_size)
         # Only the served groups' layers: vLLM also registers skipped groups' layers and
         # layers that share another layer's KV (Gemma's num_kv_shared_layers).
         served = {name: kv_caches[name] for name in self.layout.layer_names if name in kv_caches}
-        engine = OffloadEngine.from_config(self.config, served, self.namespace(rank))
+        engine = worker_engine(self.config, served, self.namespace(rank), rank)
         by_block = failures_by_block(self.layout, self.groups.num_vllm_groups)
         self._worker = OffloadWorker(engine, report_blocks=by_block)
 

@@ -45,7 +45,8 @@ _SAFE_READ = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
 
 @dataclass(slots=True)
 class NamespaceReport:
-    """One namespace (a model, dtype and layout; one per tensor-parallel rank)."""
+    """One namespace (a model, dtype and layout; one per tensor-parallel rank of a sharded
+    layout, one for all ranks of a replicated one)."""
 
     namespace: str
     #: Chunk files found, and the bytes they occupy on disk.
