@@ -37,7 +37,7 @@ from _harness import (
 from test_connector import vllm_recovered_tokens
 from test_recurrent import QWEN_ENGINE, QWEN_PROMPTS
 
-#: The first load's last chunk in each group fails (the index then forgets the chunk).
+#: The first load's last chunk fails; vLLM's retry of a failed request loads it again.
 FAIL = {"KVOFFLOAD_FAILPOINTS": "load.fail_last_chunk=1"}
 
 

@@ -74,20 +74,29 @@ def test_kvoffload_answers_equal_an_engine_that_keeps_everything(
 
 
 def test_timed_modes_report_hits_only_where_kvoffload_can_serve(llama: str, tmp_path: Path) -> None:
-    """The timed path: vLLM alone and kvoffload, chat and unique prompts, concurrency 2."""
+    """The timed path: vLLM alone, kvoffload and the limit (vLLM with room for every
+    conversation, chat only), chat and unique prompts, concurrency 2."""
     result = run_json(
         llama, tmp_path, "--workloads", "chat,unique", "--conversations", str(CONVERSATIONS),
         "--unique-prompts", "3", "--unique-tokens", "300", "--dtype", "float32",
     )  # fmt: skip
     modes = result["modes"]
-    assert set(modes) == {"vllm", "kvoffload"}
+    assert set(modes) == {"vllm", "kvoffload", "limit"}
+    limit = modes["limit"]["chat"]
+    assert "unique" not in modes["limit"] and limit["connector_hit_tokens"] == 0
+    # Its own cache kept every history: it computes less than vLLM alone with 15 blocks.
+    assert limit["engine_hit_tokens"] > modes["vllm"]["chat"]["engine_hit_tokens"]
+    against = result["against_limit"]
+    assert set(against) == {"limit_speedup", "share_of_saving", "ttft_vs_limit"}
     for figures in modes.values():
-        chat, unique = figures["chat"], figures["unique"]
-        assert chat["requests"] == CONVERSATIONS * TURNS and unique["requests"] == 3
+        chat = figures["chat"]
+        assert chat["requests"] == CONVERSATIONS * TURNS
         assert chat["generated_tokens"] == 8 * chat["requests"]
         assert len(chat["per_turn"]) == TURNS
         assert all(0 < t["ttft_median_s"] <= t["ttft_p90_s"] for t in chat["per_turn"])
-        assert unique["connector_hit_tokens"] == 0  # nothing to hit
+        if "unique" in figures:
+            assert figures["unique"]["requests"] == 3
+            assert figures["unique"]["connector_hit_tokens"] == 0  # nothing to hit
         assert not group_alive(figures["server"]["pgid"])
         # The cores are pinned the same way in both modes (one reserved, as asked).
         assert figures["server"]["engine_cores"] == modes["vllm"]["server"]["engine_cores"]

@@ -159,13 +159,10 @@ class LoadPlanner:
     def complete(self, req: RequestState | None, job: JobState, report: JobReport) -> None:
         """Every rank reported the load: unpin, record promotions, count, mark KV valid.
 
-        A promoted chunk is stored in the CPU tier only where every rank promoted it; a
-        CPU-tier chunk that failed to load is dropped from the index.
+        A promoted chunk is stored in the CPU tier only where every rank promoted it.
         """
         self.index.complete_load(job.pinned)
         failed = report.failed_keys
-        if failed:  # forgotten, or the retry that follows (a new lookup) fails on them again
-            self.index.discard(k for k in job.pinned if k in failed)
         world = self.jobs.world_size
         everywhere = {k for k, ranks in report.promoted.items() if ranks >= world}
         unpromoted = {k for k in job.promoted if k in failed or k not in everywhere}
