@@ -88,7 +88,12 @@ def test_llama_round_trip(  # noqa: PLR0917 - pytest passes fixtures and paramet
     result = engine(**spec)
     assert_served_by_connector(result, expected)
     hits = result["passes"][1]["cached"]
-    assert hits == [connector_hit(p, chunk_tokens) for p in LLAMA_PROMPTS]
+    # The first prompt's hit is the connector's; the others, looked up in the same step,
+    # may take its blocks from vLLM's own cache (a load in the step is cached at once,
+    # with the blocks the step computes), down to vLLM's 32-token blocks.
+    assert hits[0] == connector_hit(LLAMA_PROMPTS[0], chunk_tokens)
+    for hit, prompt in zip(hits, LLAMA_PROMPTS, strict=True):
+        assert connector_hit(prompt, chunk_tokens) <= hit <= connector_hit(prompt, 32), hits
     if fault is not None:  # the negative control (block_size=64 is the same path as bpc 2)
         negative_control(engine, lambda r: assert_same_output(r, expected), fault, **spec)
 

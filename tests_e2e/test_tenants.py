@@ -1,7 +1,8 @@
 """Tenants and LoRA adapters on a real engine: each is offloaded, and only ever served its own KV.
 
 Every pass but the first resets vLLM's prefix cache, so a cached token is
-one the connector loaded. A pass whose requests must not hit shows 0 cached
+one the connector loaded, or one vLLM's cache took from the blocks of a load
+in the same step (a tenant's own). A pass whose requests must not hit shows 0 cached
 tokens and no loaded tokens; a pass whose requests must hit shows the
 connector's whole-chunk hit; and every request generates the tokens it
 generates without the connector.
