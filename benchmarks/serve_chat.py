@@ -65,6 +65,7 @@ from _models import MODELS, build, kv_bytes_per_token
 from _serve import Server, ServerError, ServerSpec, complete, running
 
 WORKLOADS = ("chat", "unique", "check")
+MODES = ("vllm", "kvoffload", "limit")
 REQUEST_TIMEOUT_S = 1800.0
 
 
@@ -325,6 +326,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="VLLM_CPU_NUM_OF_RESERVED_CPU of every engine: cores kept from its OpenMP threads",
     )
     add("--workloads", default=",".join(WORKLOADS), help="a comma list of chat, unique, check")
+    add("--modes", default=",".join(MODES),
+        help="the timed servers, a comma list of vllm, kvoffload, limit and next-step "
+             "(kvoffload with load_in_step: never, every hit loaded a step later)")  # fmt: skip
     add("--start-timeout", type=float, default=900.0, help="seconds for a server to start")
     add("--model-dir", type=Path, help="build the model here once and reuse it")
     add("--keep", type=Path, help="keep the servers' logs here")
@@ -333,6 +337,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args.workloads = [w for w in args.workloads.split(",") if w]
     if not args.workloads or set(args.workloads) - set(WORKLOADS):
         parser.error(f"--workloads: a comma list of {', '.join(WORKLOADS)}")
+    args.modes = [m for m in args.modes.split(",") if m]
+    if set(args.modes) - {*MODES, "next-step"}:
+        parser.error(f"--modes: a comma list of {', '.join(MODES)} and next-step")
     sizes = ("conversations", "turns", "system_tokens", "user_tokens", "answer_tokens",
              "concurrency", "unique_prompts", "unique_tokens", "check_conversations",
              "engine_blocks", "block_size", "blocks_per_chunk")  # fmt: skip
@@ -354,14 +361,18 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         build(MODELS[args.model], model)
         print(f"model {model}; servers (logs in {work}):", file=sys.stderr)
         modes: dict[str, dict[str, Any]] = {}
-        both = ("chat", "unique")
-        if {"chat", "unique"} & set(args.workloads):
-            modes["vllm"] = timed_mode(args, p, spec(args, p, "vllm"), work, both)
-            kv = spec(args, p, "kvoffload", connector=connector(args))
-            modes["kvoffload"] = timed_mode(args, p, kv, work, both)
-        if "chat" in args.workloads:
-            limit = spec(args, p, "limit", engine_blocks=p.limit_blocks)
-            modes["limit"] = timed_mode(args, p, limit, work, ("chat",))
+        both, chat_only = ("chat", "unique"), ("chat",)
+        servers = {
+            "vllm": (spec(args, p, "vllm"), both),
+            "kvoffload": (spec(args, p, "kvoffload", connector=connector(args)), both),
+            "next-step": (spec(args, p, "next-step",
+                               connector={**connector(args), "load_in_step": "never"}), both),
+            "limit": (spec(args, p, "limit", engine_blocks=p.limit_blocks), chat_only),
+        }  # fmt: skip
+        for name in args.modes:
+            server, workloads = servers[name]
+            if set(workloads) & set(args.workloads):
+                modes[name] = timed_mode(args, p, server, work, workloads)
         checked = check(args, p, work) if "check" in args.workloads else None
     ok = checked is None or (
         checked["identical"] == checked["answers"] and checked["oracle_reused_all_history"]
