@@ -38,11 +38,11 @@ import dataclasses
 import logging
 import threading
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import NoReturn, Protocol
 
 from kvoffload.errors import ConfigError, TierError
-from kvoffload.tiers.base import ChunkBuffer, Tier
+from kvoffload.tiers.base import ChunkBuffer, Tier, WrappedTier
 from kvoffload.tiers.stats import TierCounters, TierStats
 
 __all__ = ["StagedTier", "WriteBehind"]
@@ -58,7 +58,7 @@ class StagedTier(Protocol):
     def stage_put(self, key: bytes, data: ChunkBuffer) -> Callable[[], None]: ...
 
 
-class WriteBehind(Tier):
+class WriteBehind(WrappedTier):
     """``tier`` written from a queue of at most ``max_bytes`` staged bytes; see the module doc.
 
     At least one chunk is always accepted when the queue is empty, so a
@@ -70,8 +70,7 @@ class WriteBehind(Tier):
     def __init__(self, tier: Tier, max_bytes: int) -> None:
         if not callable(getattr(tier, "stage_put", None)):
             raise ConfigError(f"write-behind needs a tier with stage_put (remote), got {tier!r}")
-        self.tier = tier
-        self.name = tier.name
+        super().__init__(tier)
         self.max_bytes = max_bytes
         self._staged: StagedTier = tier  # type: ignore[assignment]
         self._cond = threading.Condition()
@@ -111,15 +110,6 @@ class WriteBehind(Tier):
             self._refused("its write queue is closed")
         self._counters.add(queued=1)
 
-    def get_into(self, key: bytes, out: ChunkBuffer) -> bool:
-        return self.tier.get_into(key, out)
-
-    def contains_many(self, keys: Sequence[bytes]) -> list[bool]:
-        return self.tier.contains_many(keys)
-
-    def discard(self, key: bytes) -> None:
-        self.tier.discard(key)
-
     def drain(self, timeout: float | None = None) -> bool:
         """Wait until every queued write finished (stored or failed) and was logged.
 
@@ -140,9 +130,6 @@ class WriteBehind(Tier):
             counters={**inner.counters, **mine.counters},
             gauges={**inner.gauges, **gauges},
         )
-
-    def check_integrity(self) -> None:
-        self.tier.check_integrity()
 
     def close(self, timeout: float = 10.0) -> None:
         """Refuse new writes, finish queued ones for up to ``timeout`` s, drop the rest, close."""

@@ -44,7 +44,7 @@ import numpy.typing as npt
 
 from kvoffload.tiers.stats import TierStats
 
-__all__ = ["ChunkBuffer", "Tier", "TierProbe"]
+__all__ = ["ChunkBuffer", "Tier", "TierProbe", "WrappedTier"]
 
 #: A chunk's bytes: a 1-D contiguous uint8 numpy array.
 ChunkBuffer = npt.NDArray[np.uint8]
@@ -81,6 +81,28 @@ class Tier(ABC):
 
     def close(self) -> None:
         """Release resources; safe to call twice."""
+
+
+class WrappedTier(Tier):
+    """A tier in front of ``tier`` that changes how chunks are written (its ``put``) and
+    reads, probes and discards through it unchanged: the write-behind queue, the ranks
+    that take turns writing."""
+
+    def __init__(self, tier: Tier) -> None:
+        self.tier = tier
+        self.name = tier.name
+
+    def get_into(self, key: bytes, out: ChunkBuffer) -> bool:
+        return self.tier.get_into(key, out)
+
+    def contains_many(self, keys: Sequence[bytes]) -> list[bool]:
+        return self.tier.contains_many(keys)
+
+    def discard(self, key: bytes) -> None:
+        self.tier.discard(key)
+
+    def check_integrity(self) -> None:
+        self.tier.check_integrity()
 
 
 class TierProbe(Protocol):

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 
 from kvoffload.registry import TIERS
 from kvoffload.tiers._write_behind import WriteBehind
-from kvoffload.tiers.base import ChunkBuffer, Tier, TierProbe
+from kvoffload.tiers.base import ChunkBuffer, Tier, TierProbe, WrappedTier
 from kvoffload.tiers.stats import TierStats
 
 if TYPE_CHECKING:
@@ -94,7 +94,7 @@ class AllRanksProbe:
             probe.close()
 
 
-class TakingTurns(Tier):
+class TakingTurns(WrappedTier):
     """A lower tier that ``ranks`` ranks share for chunks they hold alike, written in turns.
 
     Every rank of a replicated layout runs every store with the same bytes
@@ -108,8 +108,8 @@ class TakingTurns(Tier):
     """
 
     def __init__(self, tier: Tier, rank: int, ranks: int) -> None:
-        self.tier, self.rank, self.ranks = tier, rank, ranks
-        self.name = tier.name
+        super().__init__(tier)
+        self.rank, self.ranks = rank, ranks
         #: Stores left to the rank whose turn they were.
         self.others_turns = 0
 
@@ -123,20 +123,8 @@ class TakingTurns(Tier):
         else:
             self.others_turns += 1
 
-    def get_into(self, key: bytes, out: ChunkBuffer) -> bool:
-        return self.tier.get_into(key, out)
-
-    def contains_many(self, keys: Sequence[bytes]) -> list[bool]:
-        return self.tier.contains_many(keys)
-
-    def discard(self, key: bytes) -> None:
-        self.tier.discard(key)
-
     def stats(self) -> TierStats:
         return self.tier.stats()
-
-    def check_integrity(self) -> None:
-        self.tier.check_integrity()
 
     def close(self) -> None:
         self.tier.close()
