@@ -15,6 +15,7 @@ import pytest
 from test_standin import GEMMA, LLAMA, make, tokens
 
 from kvoffload.config.layout import KVLayout
+from kvoffload.connector.scheduler import MAX_FAILED_LOADS
 from kvoffload.engine.failpoints import ENV, POINTS, FailPoints
 from kvoffload.errors import ConfigError
 
@@ -149,6 +150,19 @@ def test_a_failed_load_is_reported_and_recomputed(
     # voiding the stores of that step; Gemma's request starts over, lookup included.
     assert (figures["in_step_load_jobs"] > 0) == (layout is LLAMA)
     assert figures["voided_store_orders"] == 0 or layout is LLAMA
+
+
+def test_a_chunk_that_fails_every_time_is_not_offered_forever(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """Gemma's failed request starts over, lookup included: after MAX_FAILED_LOADS failed
+    loads the request is offered nothing more, and the engine computes it."""
+    monkeypatch.setenv(ENV, "load.fail_last_chunk")  # every load, every time
+    stats, figures = serve(GEMMA, tmp_path)
+    assert stats.requests == 8 and stats.mismatched_blocks == 0
+    hits = figures["hit_requests"]
+    assert 0 < figures["failed_loads"] == hits <= 4 * MAX_FAILED_LOADS  # 4 prompts hit
+    assert figures["miss_lookups_by_reason"]["failed_load"] > 0
 
 
 def test_a_dropped_store_is_loaded_later_as_wrong_bytes(

@@ -67,6 +67,8 @@ class RequestState:
     offered: int = 0
     #: Whether that hit loads in the step that asks for it (every chunk in the CPU tier).
     in_step: bool = False
+    #: Its loads that failed (see ``scheduler.MAX_FAILED_LOADS``).
+    failed_loads: int = 0
     #: Whether this admission's use was told to the index (once per lookup: vLLM calls
     #: update_state_after_alloc again when a request resumes after its load).
     use_recorded: bool = False

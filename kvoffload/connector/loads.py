@@ -174,6 +174,8 @@ class LoadPlanner:
         stats.loads += 1
         if not report.ok:
             stats.failed_loads += 1
+            if req is not None:
+                req.failed_loads += 1
             stats.failed_load_tokens += job.tokens
             self.misses.count(MissReason.FAILED_LOAD, job.tokens)
             return

@@ -52,7 +52,12 @@ from kvoffload.manager.results import IndexEvent
 from kvoffload.messages import JobKind, JobReport, TransferOrder
 from kvoffload.tiers.base import TierProbe
 
-__all__ = ["OffloadScheduler", "StepRequest", "TierProbe"]
+__all__ = ["MAX_FAILED_LOADS", "OffloadScheduler", "StepRequest", "TierProbe"]
+
+#: Failed loads after which a request is offered nothing more: vLLM starts a request whose
+#: load failed over, lookup included, and a chunk that fails every time (only a bug can
+#: make one) would have it retried forever.
+MAX_FAILED_LOADS = 2
 
 logger = logging.getLogger("kvoffload")
 
@@ -144,6 +149,9 @@ class OffloadScheduler:
         # Keys even when vLLM's own cache serves everything: plan_load records their use.
         requests.extend_keys(req, token_ids, block_hashes, top)
         if top <= local_hit and not self.tails.candidates(block_top, top, local_hit):
+            return 0
+        if req.failed_loads >= MAX_FAILED_LOADS:  # the engine computes it from here on
+            self.misses.count(MissReason.FAILED_LOAD, top - local_hit)
             return 0
         hit = self.hits.find(req.keys, local_hit, top, self.alignment)
         if self.tails:
