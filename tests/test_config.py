@@ -294,36 +294,35 @@ def test_a_key_left_out_takes_the_default_the_key_table_shows(hetero_layout: KVL
     assert cfg.disk_path is None and cfg.disk_bytes_to_use == 0  # no disk tier: no default shown
 
 
-@pytest.mark.parametrize(("raw", "expected"), [("AUTO", "auto"), (" always ", "always"),
-                                               ("off", "off")])  # fmt: skip
-def test_transfer_kernel_takes_its_three_choices(
-    hetero_layout: KVLayout, raw: str, expected: str
+#: Keys that take one of a few names: (key, accepted spellings -> value, refused values, the
+#: choices the refusal names).
+CHOICE_KEYS = [
+    ("transfer_kernel", {"AUTO": "auto", " always ": "always", "off": "off"},
+     ["on", "", 1, True, None], "'off' or 'auto' or 'always'"),
+    ("load_in_step", {"AUTO": "auto", " always ": "always", "Never": "never"},
+     ["sync", "", 1, True, None], "'auto' or 'always' or 'never'"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("key", "raw", "expected"),
+    [(key, raw, value) for key, taken, _, _ in CHOICE_KEYS for raw, value in taken.items()],
+)
+def test_a_choice_key_takes_its_choices_in_any_case(
+    hetero_layout: KVLayout, key: str, raw: str, expected: str
 ) -> None:
-    assert build(hetero_layout, transfer_kernel=raw).transfer_kernel == expected
+    assert getattr(build(hetero_layout, **{key: raw}), key) == expected
 
 
-@pytest.mark.parametrize("raw", ["on", "", 1, True, None])
-def test_transfer_kernel_refuses_anything_else_naming_the_choices(
-    hetero_layout: KVLayout, raw: object
+@pytest.mark.parametrize(
+    ("key", "raw", "choices"),
+    [(key, raw, choices) for key, _, refused, choices in CHOICE_KEYS for raw in refused],
+)
+def test_a_choice_key_refuses_anything_else_naming_the_choices(
+    hetero_layout: KVLayout, key: str, raw: object, choices: str
 ) -> None:
-    with pytest.raises(ConfigError, match=r"transfer_kernel.*'off' or 'auto' or 'always'"):
-        build(hetero_layout, transfer_kernel=raw)
-
-
-@pytest.mark.parametrize(("raw", "expected"), [("AUTO", "auto"), (" always ", "always"),
-                                               ("Never", "never")])  # fmt: skip
-def test_load_in_step_takes_its_three_choices(
-    hetero_layout: KVLayout, raw: str, expected: str
-) -> None:
-    assert build(hetero_layout, load_in_step=raw).load_in_step == expected
-
-
-@pytest.mark.parametrize("raw", ["sync", "", 1, True, None])
-def test_load_in_step_refuses_anything_else_naming_the_choices(
-    hetero_layout: KVLayout, raw: object
-) -> None:
-    with pytest.raises(ConfigError, match=r"load_in_step.*'auto' or 'always' or 'never'"):
-        build(hetero_layout, load_in_step=raw)
+    with pytest.raises(ConfigError, match=rf"{key}.*{choices}"):
+        build(hetero_layout, **{key: raw})
 
 
 # -- rule 11: nothing but ConfigError escapes, for any value, huge and non-finite included --

@@ -162,9 +162,9 @@ class LoadPlanner:
         A promoted chunk is stored in the CPU tier only where every rank promoted it.
         """
         self.index.complete_load(job.pinned)
-        failed = report.failed_keys
         world = self.jobs.world_size
         everywhere = {k for k, ranks in report.promoted.items() if ranks >= world}
+        failed = report.failed_keys
         unpromoted = {k for k in job.promoted if k in failed or k not in everywhere}
         promoted = record_stored(
             self.index, self.retention, req, job, keys=job.promoted, failed=unpromoted

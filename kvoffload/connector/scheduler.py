@@ -181,7 +181,7 @@ class OffloadScheduler:
         else up. A hit that needs a lower tier loads over later steps.
         """
         req = self.requests.get(req_id)
-        return req is not None and req.in_step and req.offered > 0
+        return req is not None and req.in_step
 
     def _tail_hit(
         self,

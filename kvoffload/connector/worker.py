@@ -123,7 +123,7 @@ class OffloadWorker:
                 self._stats.voided_store_orders += 1
             if not order.spans or self._suspended or voided:
                 self._instant.append(order)
-                self._step_failed |= order.in_step and not voided
+                self._step_failed |= order.in_step
                 continue
             try:
                 if order.in_step:
@@ -202,8 +202,8 @@ class OffloadWorker:
         else:  # load_in_step "always" on a layout vLLM cannot recompute by block
             self._stats.unrecoverable_load_jobs += 1
             logger.error(
-                "kvoffload: a same-step load for request %s failed on a layout of several KV "
-                "cache groups, which vLLM cannot recompute: its output may be wrong (set "
+                "kvoffload: a same-step load for request %s failed on a layout where vLLM "
+                "cannot recompute it block by block: its output may be wrong (set "
                 "load_in_step to auto)",
                 order.req_id,
             )

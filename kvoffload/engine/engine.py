@@ -43,7 +43,7 @@ from __future__ import annotations
 import itertools
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack
 from functools import partial
@@ -158,13 +158,10 @@ class OffloadEngine:
         """
         for span in spans:
             self._check_span(span)
-        results: list[JobResult] = []
-        job_id = next(self._ids)
         with self._cond:
             self._pending += 1
-        self._run(job_id, JobKind.LOAD, tuple(spans), self._engine_event(), time.perf_counter(),
-                  deliver=results.append)  # fmt: skip
-        return results[0]
+        return self._run(next(self._ids), JobKind.LOAD, tuple(spans), self._engine_event(),
+                         time.perf_counter(), keep=False)  # fmt: skip
 
     def get_finished(self) -> list[JobResult]:
         """Jobs finished since the last call, each reported exactly once."""
@@ -247,8 +244,9 @@ class OffloadEngine:
         after: torch.cuda.Event | None,
         submitted: float,
         *,
-        deliver: Callable[[JobResult], None] | None = None,
-    ) -> None:
+        keep: bool = True,
+    ) -> JobResult:
+        """Run one job; its result waits in ``get_finished`` when ``keep``, and is returned."""
         outcome = Outcome()
         reading = kind is JobKind.STORE
         try:
@@ -267,7 +265,9 @@ class OffloadEngine:
             self._crashed(kind, spans, outcome, exc)
         if reading:
             self._sources_released()
-        self._finish(outcome.result(job_id, kind, time.perf_counter() - submitted), deliver)
+        result = outcome.result(job_id, kind, time.perf_counter() - submitted)
+        self._finish(result, keep=keep)
+        return result
 
     def _sources_released(self) -> None:
         with self._cond:
@@ -298,9 +298,10 @@ class OffloadEngine:
             stack.enter_context(self._locks[stripe])
         return stack
 
-    def _finish(self, result: JobResult, deliver: Callable[[JobResult], None] | None) -> None:
+    def _finish(self, result: JobResult, *, keep: bool) -> None:
         with self._cond:
-            (self._finished.append if deliver is None else deliver)(result)
+            if keep:
+                self._finished.append(result)
             self._pending -= 1
             self._cond.notify_all()
 

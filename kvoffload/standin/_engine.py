@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Collection, Iterable, Sequence
 
 from kvoffload.config.layout import KVLayout, Reuse
 from kvoffload.connector._hits import needed_tokens
@@ -297,28 +297,29 @@ class StandIn:
                 if req.req_id in result.failed_recving:
                     self._received[req.req_id] = False
                     continue
-                bad = [i for i, b in enumerate(req.blocks[0]) if b in result.failed_blocks]
-                if bad and len(self.layout.groups) == 1:
-                    computed = bad[0] * self.layout.groups[0].tokens_per_block
-                    self.stats.failed_load_tokens += req.computed - computed
-                    req.computed = computed
+                self._cut_at_failed_block(req, result.failed_blocks)
                 self._received[req.req_id] = True
 
-    def _loaded_in_step(self, req: SimRequest, result: WorkerResult) -> bool:
-        """vLLM's ``_handle_invalid_blocks`` for a load the step ran: ``False`` if it failed.
+    def _cut_at_failed_block(self, req: SimRequest, failed_blocks: Collection[int]) -> bool:
+        """vLLM's ``_update_requests_with_invalid_blocks``: with block ids (one group), the
+        request's computed tokens go back to its first failed block; ``True`` if one was."""
+        if len(self.layout.groups) != 1:
+            return False
+        tpb = self.layout.groups[0].tokens_per_block
+        for i, block in enumerate(req.blocks[0][: -(-req.computed // tpb)]):
+            if block in failed_blocks:
+                self.stats.failed_load_tokens += req.computed - i * tpb
+                req.computed = i * tpb
+                return True
+        return False
 
-        Only layouts of one group load in the step by block failures (see
-        :func:`kvoffload.connector.loads.loads_in_step`); a failed one goes back
-        to its first failed block, as vLLM sets ``num_computed_tokens``.
-        """
+    def _loaded_in_step(self, req: SimRequest, result: WorkerResult) -> bool:
+        """vLLM's ``_handle_invalid_blocks`` for a load the step ran: ``False`` if it failed
+        (only layouts of one group load in the step, see
+        :func:`kvoffload.connector.loads.loads_in_step`)."""
         loaded = req.computed - req.local_hit
-        bad = [i for i, b in enumerate(req.blocks[0]) if b in result.failed_blocks]
-        if bad and len(self.layout.groups) == 1:
-            computed = min(req.computed, bad[0] * self.layout.groups[0].tokens_per_block)
-            if computed < req.computed:
-                self.stats.failed_load_tokens += req.computed - computed
-                req.computed = computed
-                return False
+        if self._cut_at_failed_block(req, result.failed_blocks):
+            return False
         self.stats.loaded_tokens += loaded
         if loaded and self.kv is not None:
             self._verify(req, req.local_hit, req.computed)
