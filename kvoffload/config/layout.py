@@ -189,8 +189,15 @@ class KVLayout:
     """An ordered tuple of groups; the group index is part of every chunk key."""
 
     groups: tuple[CacheGroup, ...]
+    #: Tokens after a position that its KV depends on too: 0, except with an EAGLE-like
+    #: drafter (EAGLE, EAGLE-3, MTP), whose layers read the target's hidden state at a
+    #: position with the embedding of the token after it (vLLM's
+    #: ``num_prefill_lookahead_tokens``: 1, or the drafted tokens of a multi-module MTP).
+    #: A chunk's key then names these tokens too (:func:`~kvoffload.keys.extend_prefix_keys`).
+    lookahead: int = 0
 
     def __post_init__(self) -> None:
+        checked_int("KVLayout lookahead", self.lookahead, minimum=0)
         groups = self.groups
         if not isinstance(groups, tuple | list) or not groups:
             raise ConfigError(f"KVLayout needs at least one CacheGroup, got {groups!r}")

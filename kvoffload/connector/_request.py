@@ -154,18 +154,22 @@ class RequestState:
         *,
         engine: EngineHashes | None = None,
         block_hashes: Sequence[bytes] = (),
+        lookahead: int = 0,
     ) -> None:
         """Make ``keys[g]`` name every full chunk of group ``g`` in the first ``tokens`` tokens:
         from ``token_ids``, or with ``engine`` from the engine's ``block_hashes`` (as far as
-        they go)."""
+        they go). With ``lookahead``, a chunk's key names that many tokens after it, so only
+        chunks that many tokens before the end of ``token_ids`` get one."""
+        if lookahead:
+            tokens = min(tokens, len(token_ids) - lookahead)
         for g, span in enumerate(tokens_per_chunk):
             keys, want = self.keys[g], tokens // span
             if len(keys) >= want:
                 continue
             if engine is None:
-                keys += extend_prefix_keys(
-                    keys, token_ids, span, g, namespace, extras=self.extras, stop=want * span
-                )
+                stop = want * span + lookahead
+                keys += extend_prefix_keys(keys, token_ids, span, g, namespace, extras=self.extras,
+                                           stop=stop, lookahead=lookahead)  # fmt: skip
             else:
                 keys += extend_engine_keys(keys, block_hashes, span, g, namespace, engine=engine,
                                            extras=self.extras, stop=want * span)  # fmt: skip

@@ -5,8 +5,9 @@ token again after the engine hashed it for its prefix cache; engine keys
 (:func:`~kvoffload.keys.extend_engine_keys`) chain the engine's own block hashes,
 almost free, but are only as stable as those. ``auto`` takes engine keys
 wherever that costs nothing: the engine's hashes are the same in every process,
-or nothing outlives the process anyway (no disk or remote tier), and every
-group's chunk ends on a block hash.
+or nothing outlives the process anyway (no disk or remote tier), every
+group's chunk ends on a block hash, and no drafter's KV reads past a chunk
+(the engine's hashes would not name those tokens).
 """
 
 from __future__ import annotations
@@ -17,9 +18,18 @@ from kvoffload.config import OffloadConfig
 from kvoffload.errors import ConfigError
 from kvoffload.keys import EngineHashes
 
-__all__ = ["choose_engine_hashes"]
+__all__ = ["choose_engine_hashes", "engine_keys_refusal"]
 
 logger = logging.getLogger("kvoffload")
+
+
+def engine_keys_refusal(lookahead: int) -> str:
+    """Why engine keys cannot serve a layout whose KV reads ``lookahead`` tokens ahead."""
+    return (
+        f"key_source='engine' with a drafter whose KV reads {lookahead} token(s) past each "
+        "chunk (EAGLE, EAGLE-3, MTP): the engine's block hashes do not name them; use "
+        "key_source='auto' or 'tokens'"
+    )
 
 
 def choose_engine_hashes(
@@ -33,8 +43,10 @@ def choose_engine_hashes(
     processes; ``auto`` falls back to token keys there instead.
     """
     source = config.key_source
-    if source == "tokens":
+    if source == "tokens" or (source == "auto" and config.layout.lookahead):
         return None
+    if source == "engine" and config.layout.lookahead:
+        raise ConfigError(engine_keys_refusal(config.layout.lookahead))
     lasting = config.disk_path is not None or config.remote_url is not None
     if source == "engine":
         for span in config.tokens_per_chunk:

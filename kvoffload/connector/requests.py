@@ -29,10 +29,16 @@ class RequestTable:
         *,
         plain: bool,
         engine_hashes: EngineHashes | None = None,
+        lookahead: int = 0,
     ) -> None:
         self.tokens_per_chunk = tuple(tokens_per_chunk)
         self.namespace = namespace
         self.engine_hashes = engine_hashes
+        #: Tokens after a chunk its KV depends on (``KVLayout.lookahead``).
+        self.lookahead = lookahead
+        #: Tokens at the end of a prompt no hit can cover: the one vLLM computes for the
+        #: logits, or the lookahead a key needs after its chunk.
+        self.unhittable = max(1, lookahead)
         #: One full-attention group: a request is keyed once its keys cover the tokens.
         self._plain = plain
         self._requests: dict[str, RequestState] = {}
@@ -72,6 +78,15 @@ class RequestTable:
             return tokens
         return min(tokens, len(block_hashes) * engine.block_size)
 
+    def storable(self, end: int, known: int) -> int:
+        """Of ``end`` tokens computed after a step, how many a store may cover (``known``:
+        the tokens the request has). With a lookahead, a key needs the tokens after its
+        chunk, and the KV of the last ``lookahead - 1`` computed tokens is not final: a
+        multi-token drafter computes it again from the next step's tokens (vLLM caches
+        none of them either)."""
+        k = self.lookahead
+        return end if not k else max(0, min(end - k + 1, known - k))
+
     def extend_keys(
         self,
         req: RequestState,
@@ -88,8 +103,8 @@ class RequestTable:
             )
         if self._plain and len(req.keys[0]) >= tokens // self.tokens_per_chunk[0]:
             return  # keyed already: most steps after a request's lookup
-        req.extend_keys(token_ids, tokens, self.tokens_per_chunk, self.namespace,
-                        engine=engine, block_hashes=block_hashes or ())  # fmt: skip
+        req.extend_keys(token_ids, tokens, self.tokens_per_chunk, self.namespace, engine=engine,
+                        block_hashes=block_hashes or (), lookahead=self.lookahead)  # fmt: skip
 
     def keys_for(
         self,

@@ -41,11 +41,13 @@ from kvoffload.connector._request import RequestState, StepRequest
 from kvoffload.connector._retention import Retention
 from kvoffload.connector._tails import Tails, with_tail
 from kvoffload.connector.jobs import JobBook
+from kvoffload.connector.key_source import engine_keys_refusal
 from kvoffload.connector.loads import LoadPlanner
 from kvoffload.connector.misses import MissLedger, MissReason
 from kvoffload.connector.requests import RequestTable
 from kvoffload.connector.stats import SchedulerStats
 from kvoffload.connector.stores import StorePlanner
+from kvoffload.errors import ConfigError
 from kvoffload.keys import EngineHashes, KeyExtras
 from kvoffload.manager.index import OffloadIndex
 from kvoffload.manager.results import IndexEvent
@@ -87,6 +89,8 @@ class OffloadScheduler:
         if engine_hashes is not None:
             for span in config.tokens_per_chunk:
                 engine_hashes.check_span(span)
+            if config.layout.lookahead:
+                raise ConfigError(engine_keys_refusal(config.layout.lookahead))
         self.config = config
         self.layout = config.layout
         self.index = OffloadIndex.from_config(config)
@@ -102,6 +106,7 @@ class OffloadScheduler:
             namespace,
             plain=self.retention.plain,
             engine_hashes=engine_hashes,
+            lookahead=self.layout.lookahead,
         )
         self.jobs = JobBook(world_size)
         self.load_in_step = load_in_step
@@ -142,7 +147,7 @@ class OffloadScheduler:
         self._stats.lookups += 1
         requests = self.requests
         req = requests.open(req_id, extras)
-        block_top = requests.keyable(len(token_ids) - 1, block_hashes)  # one token is computed
+        block_top = requests.keyable(len(token_ids) - requests.unhittable, block_hashes)
         top = block_top // self.alignment * self.alignment
         req.local_hit, req.offered, req.use_recorded, req.in_step = local_hit, 0, False, False
         req.tail_at, req.tail_keys = 0, ()

@@ -69,6 +69,7 @@ class StorePlanner:
         req = requests.open(req_id)
         end = min(computed + step.scheduled, len(step.token_ids))
         req.mark_valid(computed, end)
+        end = requests.storable(end, len(step.token_ids))
         if self._prompt_only:
             end = min(end, step.num_prompt_tokens)
         end = requests.keyable(end, block_hashes)

@@ -38,6 +38,8 @@ class _Layout(Protocol):
 
     @property
     def groups(self) -> Sequence[_Group]: ...
+    @property
+    def lookahead(self) -> int: ...
 
 
 def namespace_of(model_id: str, dtype: object, layout: _Layout) -> bytes:
@@ -45,7 +47,8 @@ def namespace_of(model_id: str, dtype: object, layout: _Layout) -> bytes:
 
     Model id, dtype and, per group in order: kind, tokens per block, layer
     names, page bytes, sliding window and, where set, attention chunk and
-    per-layer page bytes (absent ones leave older namespaces unchanged).
+    per-layer page bytes, and the layout's lookahead where set (absent ones
+    leave older namespaces unchanged).
     ``dtype`` may be a string or a ``torch.dtype``; ``"torch.bfloat16"`` and
     ``"bfloat16"`` agree.
     """
@@ -68,5 +71,7 @@ def namespace_of(model_id: str, dtype: object, layout: _Layout) -> bytes:
         if g.layer_page_bytes is not None:
             fields["layer_page_bytes"] = [int(p) for p in g.layer_page_bytes]
         groups.append(fields)
-    document = {"model": model_id, "dtype": dtype_name, "groups": groups}
+    document: dict[str, object] = {"model": model_id, "dtype": dtype_name, "groups": groups}
+    if layout.lookahead:
+        document["lookahead"] = int(layout.lookahead)
     return hashlib.blake2b(_NAMESPACE_TAG + canonical(document), digest_size=KEY_BYTES).digest()

@@ -56,8 +56,12 @@ def _packer(tokens_per_chunk: int) -> Callable[..., bytes]:
     return struct.Struct(f"<{tokens_per_chunk}q").pack
 
 
-def _list_chunks(token_ids: object, first: int, count: int, span: int) -> list[bytes] | None:
+def _list_chunks(
+    token_ids: object, first: int, count: int, span: int, lookahead: int = 0
+) -> list[bytes] | None:
     """The int64 bytes of ``count`` chunks of a list of ints from token ``first``, or ``None``.
+
+    Each chunk's bytes run ``lookahead`` tokens into the next (see :func:`extend_prefix_keys`).
 
     vLLM hands a connector Python lists. ``struct`` packs them chunk by chunk
     several times faster than ``array`` or numpy convert them (those parse or
@@ -68,9 +72,10 @@ def _list_chunks(token_ids: object, first: int, count: int, span: int) -> list[b
     """
     if type(token_ids) is not list or (token_ids and type(token_ids[0]) is bool):
         return None
-    pack = _packer(span)
+    pack, width = _packer(span + lookahead), span + lookahead
     try:
-        return [pack(*token_ids[lo : lo + span]) for lo in range(first, first + count * span, span)]
+        starts = range(first, first + count * span, span)
+        return [pack(*token_ids[lo : lo + width]) for lo in starts]
     except struct.error:
         return None
 
@@ -131,28 +136,35 @@ def chain(
 
 
 def _array_chunks(
-    tokens: npt.NDArray[np.int64], tokens_per_chunk: int
+    tokens: npt.NDArray[np.int64], tokens_per_chunk: int, lookahead: int = 0
 ) -> Sequence[bytes | memoryview]:
-    """The int64 bytes of each full chunk of ``tokens``, views of one buffer."""
-    count = len(tokens) // tokens_per_chunk
-    data = memoryview(tokens[: count * tokens_per_chunk].tobytes())
+    """The int64 bytes of each full chunk of ``tokens`` and the ``lookahead`` tokens after it,
+    views of one buffer."""
+    count = max(0, len(tokens) - lookahead) // tokens_per_chunk
+    data = memoryview(tokens[: count * tokens_per_chunk + lookahead].tobytes())
     step = tokens_per_chunk * _INT64.itemsize
-    return [data[start : start + step] for start in range(0, count * step, step)]
+    width = step + lookahead * _INT64.itemsize
+    return [data[start : start + width] for start in range(0, count * step, step)]
 
 
 def _chunk_bytes(
-    token_ids: Sequence[int] | npt.NDArray[np.integer], start: int, stop: int, span: int
+    token_ids: Sequence[int] | npt.NDArray[np.integer],
+    start: int,
+    stop: int,
+    span: int,
+    lookahead: int = 0,
 ) -> Sequence[bytes | memoryview]:
-    """The int64 bytes of the full chunks of ``token_ids[start * span : stop]``."""
+    """The int64 bytes of the full chunks of ``token_ids[start * span : stop]`` that have
+    ``lookahead`` more tokens before ``stop``, each with them."""
     first = start * span
-    count = max(0, stop - first) // span
+    count = max(0, stop - first - lookahead) // span
     ids: object = token_ids
-    if type(ids) is not list and not isinstance(ids, np.ndarray):
-        ids, first = token_ids[first : first + count * span], 0  # vLLM's ConstantList -> list
-    packed = _list_chunks(ids, first, count, span)
+    if type(ids) is not list and not isinstance(ids, np.ndarray):  # vLLM's ConstantList -> list
+        ids, first = token_ids[first : first + count * span + lookahead], 0
+    packed = _list_chunks(ids, first, count, span, lookahead)
     if packed is not None:
         return packed
-    return _array_chunks(_token_array(token_ids[start * span : stop]), span)
+    return _array_chunks(_token_array(token_ids[start * span : stop]), span, lookahead)
 
 
 def prefix_keys(
@@ -184,6 +196,7 @@ def extend_prefix_keys(
     *,
     extras: KeyExtras | None = None,
     stop: int | None = None,
+    lookahead: int = 0,
 ) -> list[bytes]:
     """The keys of ``token_ids`` after the ``len(keys)`` already computed by :func:`prefix_keys`.
 
@@ -191,8 +204,15 @@ def extend_prefix_keys(
     grew by some tokens hashes only its new full chunks:
     ``keys + extend_prefix_keys(keys, ...) == prefix_keys(...)``. With
     ``stop``, only ``token_ids[:stop]`` counts (no copy of the rest is made).
+
+    ``lookahead``: tokens after a chunk that its KV depends on too (an
+    EAGLE-like drafter's KV at a position reads the next token). Each key
+    then hashes them after the chunk's own, so a chunk gets its key only
+    once they are known, and two prefixes that go on differently right
+    after it never share it.
     """
     tokens_per_chunk = checked_int("tokens_per_chunk", tokens_per_chunk)
+    lookahead = checked_int("lookahead", lookahead, minimum=0)
     seed = chain_seed(group_idx, tokens_per_chunk, namespace, extras)
     done = len(keys)
     length = len(token_ids) if stop is None else min(stop, len(token_ids))
@@ -203,7 +223,7 @@ def extend_prefix_keys(
         )
     previous = keys[-1] if done else seed
     # Only the new tokens are converted: a growing request pays for its growth.
-    chunks = _chunk_bytes(token_ids, done, length, tokens_per_chunk)
+    chunks = _chunk_bytes(token_ids, done, length, tokens_per_chunk, lookahead)
     return chain(previous, chunks, tokens_per_chunk, done, extras)
 
 

@@ -328,8 +328,9 @@ def _window(kind: str, spec: Any) -> dict[str, int]:
     return {}
 
 
-def group_map(kv_cache_config: KVCacheConfig) -> GroupMap:
-    """Decide every group of ``kv_cache_config`` (see the module docstring).
+def group_map(kv_cache_config: KVCacheConfig, lookahead: int = 0) -> GroupMap:
+    """Decide every group of ``kv_cache_config`` (see the module docstring); ``lookahead``
+    as :attr:`KVLayout.lookahead` (:func:`~kvoffload.vllm._startup.drafter_lookahead`).
 
     Raises ``ConfigError`` naming the first refused group and the reason.
     """
@@ -367,7 +368,7 @@ def group_map(kv_cache_config: KVCacheConfig) -> GroupMap:
             f"(skipped: {skipped or 'none'}); run it without the connector"
         )
     return GroupMap(
-        KVLayout(tuple(groups)),
+        KVLayout(tuple(groups), lookahead),
         tuple(ids),
         tuple(skipped),
         len(kv_cache_config.kv_cache_groups),

@@ -19,7 +19,14 @@ from kvoffload.tiers.from_config import rank_probes
 from kvoffload.vllm._key_source import vllm_hashes_reproducible
 from kvoffload.vllm._layout import GroupMap
 
-__all__ = ["SERVED_DRAFTERS", "build_scheduler", "check_engine", "kv_identity", "refuse_draft_kv"]
+__all__ = [
+    "SERVED_DRAFTERS",
+    "build_scheduler",
+    "check_engine",
+    "drafter_lookahead",
+    "kv_identity",
+    "refuse_draft_kv",
+]
 
 
 def check_engine(vllm_config: Any) -> None:
@@ -36,15 +43,19 @@ def check_engine(vllm_config: Any) -> None:
 def kv_identity(vllm_config: Any, groups: GroupMap) -> str:
     """What besides dtype and layout the KV bytes depend on, for the key namespace.
 
-    The model, the draft model whose layers share the chunks (two drafters of
-    one shape write different KV), and the spec fields that order a page's
-    bytes otherwise (:data:`~kvoffload.vllm._layout.SPEC_FIELDS`). A field
-    at its default adds nothing, so vLLM versions without it share chunks.
+    The model, the drafter whose layers share the chunks (two drafters of one
+    shape write different KV; an EAGLE-like one with its method), and the
+    spec fields that order a page's bytes otherwise
+    (:data:`~kvoffload.vllm._layout.SPEC_FIELDS`). A field at its default
+    adds nothing, so vLLM versions without it share chunks.
     """
     parts = [str(vllm_config.model_config.model)]
     spec = vllm_config.speculative_config
     if spec is not None and spec.method in SERVED_DRAFTERS:
         parts.append(f"draft={spec.draft_model_config.model}")
+    elif spec is not None and spec.use_eagle():  # its layers may share the target's names
+        draft = getattr(spec.draft_model_config, "model", None)
+        parts.append(f"{spec.method}={draft}")
     parts += [f"{name}={value}" for name, value in groups.page_format]
     return "|".join(parts)
 
@@ -69,42 +80,52 @@ def build_scheduler(
     )
 
 
-#: Drafters whose KV kvoffload offloads with the target's: a separate draft model reads the
-#: target's tokens unshifted, so its KV at a position depends on the tokens up to it alone.
+#: Drafters whose KV kvoffload offloads with the target's, besides the EAGLE-like ones
+#: (``SpeculativeConfig.use_eagle()``): a separate draft model reads the target's tokens
+#: unshifted, so its KV at a position depends on the tokens up to it alone.
 SERVED_DRAFTERS = ("draft_model",)
 
 
 def refuse_draft_kv(vllm_config: Any) -> None:
     """Speculative methods whose drafter's KV kvoffload cannot offload exactly are refused, by name.
 
-    A separate draft model (``draft_model``) writes KV from the target's own
-    tokens, so its KV up to a position depends on the tokens up to it, as the
-    target's does: its layers are served in the groups vLLM puts them in. vLLM
-    runs the drafter before the connector's ``wait_for_save`` (0.32 defers it
-    when a drafter runs), and a store covers only tokens the target computed,
-    whose drafter KV that step has written for good; the positions a rejected
-    draft can still rewrite lie past them.
-
-    EAGLE-like drafters (``eagle``, ``eagle3``, ``mtp``, ``dflash``, ``dspark``)
-    read the target's hidden states shifted by one token: their KV at a
-    block's last position depends on the token after the block, which a
-    chunk's key does not name (vLLM drops that block from every prefix-cache
-    hit for them, or from 0.34 hashes the tokens after it). ``extract_hidden_states``
-    keeps hidden states, not KV a later request's prefill recomputes. Both are
-    refused; methods without drafter KV (ngram, suffix; medusa and
-    mlp_speculator before 0.34) are served.
+    Every drafter whose KV a later request's prefill would compute again is
+    served: a separate draft model (``draft_model``), and the EAGLE-like ones
+    (``eagle``, ``eagle3``, ``mtp`` and the ``*_mtp`` methods, ``dflash``,
+    ``dspark``), whose KV reads past a chunk (:func:`drafter_lookahead`).
+    vLLM runs the drafter before the connector's ``wait_for_save`` (0.32
+    defers it when a drafter runs), and a store covers only tokens whose
+    drafter KV that step has written for good; the positions a rejected draft
+    can still rewrite lie past them. ``extract_hidden_states`` keeps hidden
+    states for another consumer, not KV a prefix hit could restore: refused.
+    Methods without drafter KV (ngram, suffix, medusa) need nothing.
     """
     spec = vllm_config.speculative_config
     if spec is None or not spec.uses_draft_kv_cache() or spec.method in SERVED_DRAFTERS:
         return
-    why = (
-        "its drafter's KV at a chunk's last token depends on the token after the chunk, which "
-        "the chunk's key does not name"
-        if spec.use_eagle()
-        else "its drafter keeps hidden states that no prefix hit restores"
-    )
+    if spec.use_eagle():
+        return
     raise ConfigError(
-        f"KVOffloadConnector: speculative decoding with method {spec.method!r} is not offloaded "
-        f"yet: {why}; use a separate draft model (method 'draft_model') or a method without "
-        "drafter KV (ngram, suffix), or run without the connector"
+        f"KVOffloadConnector: speculative decoding with method {spec.method!r} is not offloaded: "
+        "its drafter keeps hidden states that no prefix hit restores; use a drafter "
+        "(draft_model, eagle, eagle3, mtp) or a method without drafter KV (ngram, suffix), or "
+        "run without the connector"
     )
+
+
+def drafter_lookahead(vllm_config: Any) -> int:
+    """Tokens after a position that the drafter's KV there depends on (0 without such a drafter).
+
+    An EAGLE-like drafter computes its KV at position ``p`` from the target's
+    hidden state at ``p`` and the token at ``p + 1`` (a multi-module MTP: up
+    to ``p + k``), so the KV of a chunk's last positions depends on tokens
+    after the chunk. vLLM's own prefix cache drops the last block of every hit
+    for them (0.34: or hashes the tokens after each block). kvoffload's keys
+    name those tokens instead (:attr:`KVLayout.lookahead`), so a hit loses
+    nothing when the request goes on as the stored one did. vLLM names the
+    count once, for every consumer: ``VllmConfig.num_prefill_lookahead_tokens``.
+    """
+    spec = vllm_config.speculative_config
+    if spec is None or not spec.use_eagle():
+        return 0
+    return max(1, int(getattr(vllm_config, "num_prefill_lookahead_tokens", 1)))

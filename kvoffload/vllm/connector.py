@@ -57,7 +57,7 @@ from kvoffload.vllm._messages import KVOffloadMetadata, KVOffloadWorkerMetadata
 from kvoffload.vllm._metrics import Deltas, scheduler_series, worker_payload
 from kvoffload.vllm._prom import KVOffloadPromMetrics, KVOffloadStats
 from kvoffload.vllm._ranks import tp_rank, worker_engine
-from kvoffload.vllm._startup import build_scheduler, check_engine, kv_identity
+from kvoffload.vllm._startup import build_scheduler, check_engine, drafter_lookahead, kv_identity
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -104,7 +104,7 @@ class KVOffloadConnector(KVConnectorBase_V1, SupportsHMA):
         super().__init__(vllm_config, role, kv_cache_config)
         check_engine(vllm_config)
         #: vLLM's groups as served (the layout) or skipped; see ``kvoffload.vllm._layout``.
-        self.groups: GroupMap = group_map(kv_cache_config)
+        self.groups: GroupMap = group_map(kv_cache_config, drafter_lookahead(vllm_config))
         self.layout: KVLayout = self.groups.layout
         extra = dict(vllm_config.kv_transfer_config.kv_connector_extra_config or {})
         self.world_size = vllm_config.parallel_config.tensor_parallel_size
