@@ -10,6 +10,7 @@ import json
 import os
 import shutil
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -199,10 +200,13 @@ BIG_LLAMA: dict[str, Any] = {
 SERVE_LLAMA: dict[str, Any] = {**BIG_LLAMA, "num_hidden_layers": 6}
 
 
-def build(config: dict[str, Any], path: Path, seed: int = 0) -> Path:
+def build(
+    config: dict[str, Any], path: Path, seed: int = 0, adjust: Callable[[Any], None] | None = None
+) -> Path:
     """Save a randomly initialised bfloat16 model of ``config`` under ``path`` (once).
 
-    The weights depend only on ``config`` and ``seed``. The model is written
+    The weights depend only on ``config``, ``seed`` and ``adjust`` (what to do to
+    them before saving; by default :data:`ADJUST`'s for the model type). The model is written
     to a sibling directory and renamed into place, so an interrupted build
     never leaves a half-written ``path`` that a later call would take as done.
     """
@@ -215,7 +219,7 @@ def build(config: dict[str, Any], path: Path, seed: int = 0) -> Path:
     torch.manual_seed(seed)
     hf_config = AutoConfig.for_model(**config)
     model = AutoModelForCausalLM.from_config(hf_config).to(torch.bfloat16)
-    adjust = ADJUST.get(config["model_type"])
+    adjust = adjust or ADJUST.get(config["model_type"])
     if adjust is not None:
         adjust(model)
     partial = path.with_name(f"{path.name}.partial-{os.getpid()}")

@@ -26,7 +26,7 @@ from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, SupportsHMA
 
 from kvoffload.errors import ConfigError
-from kvoffload.vllm._startup import refuse_draft_kv
+from kvoffload.vllm._startup import drafter_lookahead, refuse_draft_kv
 from kvoffload.vllm.connector import KVOffloadConnector
 
 #: vLLM versions this suite is run against (DEVELOPERS.md says how).
@@ -105,9 +105,10 @@ def test_the_workers_reach_the_kv_cache_in_process_as_vllm_034_assumes() -> None
     assert access == KVCacheAccess.IN_PROCESS and not access.needs_single_chunk()
 
 
-def test_lookahead_block_hashes_are_declined() -> None:
-    """Only EAGLE-like drafters use them, and those are refused (see the refusal test)."""
-    assert KVOffloadConnector.supports_lookahead_block_hashes(CONFIG) is False
+def test_lookahead_block_hashes_are_taken() -> None:
+    """EAGLE-like drafters' chunk keys name the tokens after each chunk, as vLLM 0.34's
+    lookahead hashes do; the connector makes them from token ids, whatever vLLM hashes."""
+    assert KVOffloadConnector.supports_lookahead_block_hashes(CONFIG) is True
 
 
 def scheduler_side(tmp_path: Path, *, inflight: int | None, disk: bool) -> KVOffloadConnector:
@@ -180,8 +181,9 @@ def _literal_values(kind: Any) -> list[str]:
 
 
 def test_every_speculative_method_is_served_or_refused_by_name() -> None:
-    """vLLM's own classification of each method: a separate draft model's KV is offloaded,
-    EAGLE-like drafters (their KV reads the token after a chunk) are refused by name."""
+    """vLLM's own classification of each method: a separate draft model's KV and the EAGLE-like
+    drafters' (their KV reads the tokens after a chunk: keys name them) are offloaded; a
+    method keeping hidden states for another consumer is refused by name."""
     from vllm.config.speculative import SpeculativeConfig, SpeculativeMethod
 
     served, refused = set(), set()
@@ -191,10 +193,25 @@ def test_every_speculative_method_is_served_or_refused_by_name() -> None:
         try:
             refuse_draft_kv(SimpleNamespace(speculative_config=spec))
         except ConfigError as exc:
-            assert f"method {method!r}" in str(exc) and "'draft_model'" in str(exc), str(exc)
-            assert spec.uses_draft_kv_cache()
+            assert f"method {method!r}" in str(exc) and "eagle3" in str(exc), str(exc)
+            assert spec.uses_draft_kv_cache() and not spec.use_eagle()
             refused.add(method)
         else:
             served.add(method)
-    assert {"draft_model", "ngram", "suffix"} <= served
-    assert {"eagle", "eagle3", "mtp", "dflash", "extract_hidden_states"} <= refused
+    assert {"draft_model", "ngram", "suffix", "eagle", "eagle3", "mtp", "dflash"} <= served
+    assert refused == {"extract_hidden_states"}
+
+
+def test_the_drafters_lookahead_is_the_count_vllm_names_for_every_consumer() -> None:
+    """``VllmConfig.num_prefill_lookahead_tokens`` (1 for EAGLE, the drafted tokens for a
+    multi-module MTP) is what the keys name after each chunk; none without such a drafter."""
+    from vllm.config import VllmConfig
+
+    assert isinstance(inspect.getattr_static(VllmConfig, "num_prefill_lookahead_tokens"), property)
+    eagle = SimpleNamespace(use_eagle=lambda: True)
+    for count in (1, 3):
+        config = SimpleNamespace(speculative_config=eagle, num_prefill_lookahead_tokens=count)
+        assert drafter_lookahead(config) == count
+    draft = SimpleNamespace(use_eagle=lambda: False)
+    assert drafter_lookahead(SimpleNamespace(speculative_config=draft)) == 0
+    assert drafter_lookahead(SimpleNamespace(speculative_config=None)) == 0

@@ -195,10 +195,10 @@ class KVOffloadConnector(KVConnectorBase_V1, SupportsHMA):
 
     @classmethod
     def supports_lookahead_block_hashes(cls, kv_transfer_config: Any) -> bool:
-        """False: vLLM 0.34 hashes the tokens after a block for EAGLE-like drafters only, which
-        kvoffload refuses (:func:`~kvoffload.vllm._startup.refuse_draft_kv`); its keys end at a
-        chunk's last token."""
-        return False
+        """True: vLLM 0.34 may hash the tokens after each block for an EAGLE-like drafter, as
+        kvoffload's keys name them (:func:`~kvoffload.vllm._startup.drafter_lookahead`), so
+        its own prefix cache stops dropping a block from every hit; keys come from tokens."""
+        return True
 
     def update_state_after_alloc(
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
