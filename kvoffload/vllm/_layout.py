@@ -37,6 +37,7 @@ if TYPE_CHECKING:
 __all__ = [
     "SPEC_FIELDS",
     "SPEC_TABLE",
+    "SPECULATIVE_STATE",
     "Action",
     "FieldRow",
     "GroupMap",
@@ -293,14 +294,31 @@ def _decide(g: int, group: KVCacheGroupSpec) -> tuple[SpecRow, KVCacheSpec]:
     return row, first
 
 
+#: Why a recurrent group with speculative decoding is refused (``state_refusal``).
+SPECULATIVE_STATE = (
+    "a recurrent group with speculative decoding ({blocks} speculative state blocks) is not "
+    "offloaded: vLLM writes the state after each draft position into the request's last "
+    "{trailing} state blocks and moves the accepted one between blocks by the accepted count "
+    "(preprocess_mamba, postprocess_mamba), which kvoffload has not been proven to store and "
+    "load exactly. vLLM 0.32's CPU build cannot run it at all: in mamba_cache_mode='align' "
+    "with speculative decoding it copies states with its Triton kernel "
+    "precopy_mamba_align_fused_kernel, which fails there (TypeError: 'function' object is not "
+    "subscriptable), so no engine proves it yet. Run without speculative decoding"
+)
+
+
 def state_refusal(spec: Any) -> str | None:
     """Why a recurrent group cannot be served exactly, naming the fix; None if it can.
 
     A hit at ``H`` needs the state after exactly ``H`` tokens. vLLM keeps one
     at each block boundary it scheduled to only with ``mamba_cache_mode="align"``
     (which ``enable_prefix_caching=True`` turns on); otherwise each request has
-    one running state and nothing a hit could restore. Speculative decoding
-    moves states between blocks in ways not served yet.
+    one running state and nothing a hit could restore. With speculative
+    decoding (``num_speculative_blocks`` > 0) the GDN/Mamba kernel writes the
+    state after each draft position into the request's trailing
+    ``1 + num_speculative_blocks`` blocks, and vLLM moves the accepted one
+    between blocks by the accepted count: refused (:data:`SPECULATIVE_STATE`
+    says why), since no engine here can prove it.
     """
     mode = getattr(spec, "mamba_cache_mode", None)
     if mode != "align":
@@ -310,11 +328,9 @@ def state_refusal(spec: Any) -> str | None:
             f'enable_prefix_caching=True and mamba_cache_mode="align" (--enable-prefix-caching '
             f"--mamba-cache-mode align)"
         )
-    if getattr(spec, "num_speculative_blocks", 0):
-        return (
-            f"a recurrent group with speculative decoding ({spec.num_speculative_blocks} "
-            "speculative state blocks) is not offloaded yet; run without speculative decoding"
-        )
+    blocks = getattr(spec, "num_speculative_blocks", 0)
+    if blocks:
+        return SPECULATIVE_STATE.format(blocks=blocks, trailing=1 + blocks)
     return None
 
 

@@ -1,0 +1,42 @@
+"""Why a recurrent (Mamba / gated DeltaNet) group is refused at engine start, in words.
+
+``state_refusal`` reads a vLLM ``MambaSpec``'s fields only, so plain objects
+with those fields stand in for it here; ``tests_e2e/test_spec_kinds.py`` and
+``tests_e2e/test_speculative_recurrent.py`` check the same on vLLM's own specs
+and a real engine.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+from kvoffload.vllm._layout import state_refusal
+
+
+def spec(mode: str | None, speculative_blocks: int = 0) -> SimpleNamespace:
+    return SimpleNamespace(mamba_cache_mode=mode, num_speculative_blocks=speculative_blocks)
+
+
+def test_align_mode_without_speculative_decoding_is_served() -> None:
+    assert state_refusal(spec("align")) is None
+
+
+def test_no_boundary_states_names_the_settings_that_keep_them() -> None:
+    why = state_refusal(spec("none"))
+    assert why is not None and "mamba_cache_mode is 'none'" in why
+    assert 'enable_prefix_caching=True and mamba_cache_mode="align"' in why
+
+
+def test_speculative_decoding_names_what_vllm_does_and_why_it_is_unproven() -> None:
+    """MTP with one speculative token: vLLM keeps 1 speculative state block (measured on a
+    tiny Qwen3-Next with an MTP layer), two trailing blocks in all; its CPU build fails in
+    the Triton kernel the message names, before the first step ends."""
+    why = state_refusal(spec("align", speculative_blocks=1))
+    assert why is not None
+    assert why.startswith("a recurrent group with speculative decoding (1 speculative state")
+    assert "into the request's last 2 state blocks" in why
+    assert "vLLM 0.32's CPU build cannot run it at all" in why
+    assert "precopy_mamba_align_fused_kernel" in why
+    assert "'function' object is not subscriptable" in why
+    assert why.endswith("Run without speculative decoding")
+    assert "last 4 state blocks" in str(state_refusal(spec("align", speculative_blocks=3)))
