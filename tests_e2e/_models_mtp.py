@@ -1,4 +1,6 @@
-"""A tiny Qwen3-Next with one MTP layer (``speculative_config={"method": "mtp"}``).
+"""Tiny targets with one MTP layer (``speculative_config={"method": "mtp"}``).
+
+**Qwen3-Next** (recurrent: vLLM 0.32's CPU build cannot run it with prefix caching).
 
 The target is ``_models.QWEN3_NEXT`` (its state made to last, as there) with
 ``num_nextn_predict_layers: 1``; vLLM's ``Qwen3NextMTP`` reads the
@@ -17,7 +19,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from _models import QWEN3_NEXT, build
+from _models import DEEPSEEK_V2, QWEN3_NEXT, build
 
 #: QWEN3_NEXT with one multi-token-prediction layer.
 QWEN3_NEXT_MTP: dict[str, Any] = {**QWEN3_NEXT, "num_nextn_predict_layers": 1}
@@ -57,6 +59,71 @@ def build_mtp(path: Path, seed: int = 0) -> Path:
     weights = partial / "model.safetensors"
     tensors = load_file(str(weights))
     tensors.update(mtp_weights(tensors, QWEN3_NEXT_MTP["hidden_size"], seed))
+    save_file(tensors, str(weights), metadata={"format": "pt"})
+    shutil.rmtree(path, ignore_errors=True)
+    partial.rename(path)
+    return path
+
+
+#: A DeepSeek-V3-style MLA model (DEEPSEEK_V2's sizes) with one MTP layer, a mixture of
+#: experts from layer 1 on (the MTP layer is layer 2, a copy of layer 1).
+DEEPSEEK_V3_MTP: dict[str, Any] = {
+    **DEEPSEEK_V2,
+    "architectures": ["DeepseekV3ForCausalLM"],
+    "model_type": "deepseek_v3",
+    "first_k_dense_replace": 1,
+    "n_group": 1,
+    "topk_group": 1,
+    "topk_method": "noaux_tc",
+    "scoring_func": "sigmoid",
+    "norm_topk_prob": True,
+    "routed_scaling_factor": 1.0,
+    "num_nextn_predict_layers": 1,
+}
+
+
+def _peaked(model: Any) -> None:
+    """A scaled-up ``lm_head``: greedy choices far from ties (the MTP head shares it)."""
+    import torch
+
+    with torch.no_grad():
+        model.lm_head.weight.mul_(30.0)
+
+
+def build_deepseek_mtp(path: Path, seed: int = 0) -> Path:
+    """Save DEEPSEEK_V3_MTP under ``path`` (once), with vLLM's ``DeepSeekMTP`` weights.
+
+    vLLM reads the MTP layer as ``model.layers.N.*`` after the target's N layers: a
+    decoder layer (here layer N - 1's copy), ``enorm`` / ``hnorm`` over the embedding and
+    the hidden state, ``eh_proj`` of the two, and a ``shared_head`` (norm and the target's
+    ``lm_head``); ``deepseek_mtp.py`` in vLLM.
+    """
+    path = Path(path)
+    if (path / "config.json").exists():
+        return path
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    partial = path.with_name(f"{path.name}.partial-{os.getpid()}")
+    shutil.rmtree(partial, ignore_errors=True)
+    build(DEEPSEEK_V3_MTP, partial, seed=seed, adjust=_peaked)
+    weights = partial / "model.safetensors"
+    tensors = load_file(str(weights))
+    n, hidden = DEEPSEEK_V3_MTP["num_hidden_layers"], DEEPSEEK_V3_MTP["hidden_size"]
+    last, mtp = f"model.layers.{n - 1}.", f"model.layers.{n}."
+    tensors.update(
+        {mtp + k[len(last) :]: t.clone() for k, t in tensors.items() if k.startswith(last)}
+    )
+    generator = torch.Generator().manual_seed(seed)
+    ones = torch.ones(hidden, dtype=torch.bfloat16)
+    tensors.update({
+        mtp + "enorm.weight": ones, mtp + "hnorm.weight": ones.clone(),
+        mtp + "eh_proj.weight": (torch.randn(hidden, 2 * hidden, generator=generator)
+                                 * (2 * hidden) ** -0.5).to(torch.bfloat16),
+        mtp + "shared_head.norm.weight": ones.clone(),
+        mtp + "shared_head.head.weight": tensors["lm_head.weight"].clone(),
+        mtp + "embed_tokens.weight": tensors["model.embed_tokens.weight"].clone(),
+    })  # fmt: skip
     save_file(tensors, str(weights), metadata={"format": "pt"})
     shutil.rmtree(path, ignore_errors=True)
     partial.rename(path)

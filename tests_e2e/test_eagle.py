@@ -34,6 +34,7 @@ from _harness import (
     random_prompts,
 )
 from _models import build
+from _models_mtp import build_deepseek_mtp
 
 ACCEPTED = "vllm:spec_decode_num_accepted_tokens"
 DRAFTED = "vllm:spec_decode_num_draft_tokens"
@@ -135,6 +136,39 @@ def test_eagle3_kv_is_offloaded_with_the_targets(engine: Engine, models: Path, b
     assert_matches(result, expected)
     assert result["kv_cache_groups"] == [32]
     assert result["passes"][1]["cached"][0] == connector_hit(LLAMA_PROMPTS[0], 32 * bpc) > 0
+    assert_loaded_tokens_match(result, 1)
+    assert result["metrics"].get(DRAFTED, 0) > 0
+    assert result["metrics"].get(ACCEPTED, 0) == expected["metrics"].get(ACCEPTED, 0)
+
+
+@pytest.mark.parametrize("bpc", [1, 2])
+def test_mtp_kv_of_an_mla_model_is_offloaded_with_the_targets(
+    engine: Engine, models: Path, bpc: int
+) -> None:
+    """A DeepSeek-V3-style MLA model with one MTP layer (vLLM's ``DeepSeekMTP``): the MTP
+    layer joins the target's group. vLLM's CPU build turns its own prefix cache off for
+    MLA, so the oracle is the run without the connector, whose second pass recomputes: in
+    float32, since a recompute under other chunking flips this tiny model's near-tied
+    tokens in bfloat16. Logprobs are not compared: MLA's attention over loaded latents
+    (vLLM's path for a prompt with context) rounds otherwise than over a whole prompt,
+    0.02 to 0.05 apart here, where one damaged block moves them by more than 1."""
+    target = str(build_deepseek_mtp(models / "deepseek_v3_mtp"))
+    spec = {"method": "mtp", "num_speculative_tokens": 1}
+    args = {"block_size": 16, "max_model_len": 1024, "speculative_config": spec,
+            "dtype": "float32", "disable_log_stats": False}  # fmt: skip
+    expected = engine(model=target, engine=args, prompts=LLAMA_PROMPTS, passes=[{}, {}],
+                      max_tokens=32)  # fmt: skip
+    assert expected["error"] is None, expected["error"]
+    assert expected["passes"][1]["cached"] == [0, 0, 0]  # no prefix cache for MLA here
+    connector = {"blocks_per_chunk": bpc, "cpu_bytes_to_use": "64MiB"}
+    result = engine(model=target, engine=args, prompts=LLAMA_PROMPTS,
+                    passes=[{}, {"reset": True}], connector=connector, max_tokens=32)  # fmt: skip
+    assert result["error"] is None, result["error"]
+    assert result["kv_cache_groups"] == [16]
+    for n in (0, 1):
+        assert result["passes"][n]["tokens"] == expected["passes"][n]["tokens"], f"pass {n}"
+    hits = [connector_hit(p, 16 * bpc) for p in LLAMA_PROMPTS]
+    assert result["passes"][1]["cached"] == hits
     assert_loaded_tokens_match(result, 1)
     assert result["metrics"].get(DRAFTED, 0) > 0
     assert result["metrics"].get(ACCEPTED, 0) == expected["metrics"].get(ACCEPTED, 0)
