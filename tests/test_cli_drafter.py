@@ -156,3 +156,12 @@ def test_the_replay_runs_a_drafter_in_the_engine_only(
     assert cli.main([*base, "--index-only", "--drafter", "eagle"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "--drafter eagle needs the engine replay" in err
+
+
+def test_a_drafters_pages_are_one_ranks_as_the_targets(capsys: pytest.CaptureFixture[str]) -> None:
+    """vLLM runs the drafter at the target's tensor parallelism: its KV heads split too."""
+    for method in ("draft_model", "eagle"):
+        assert cli.main(["plan", "tiny_llama", "--world-size", "2", "--draft-model", "tiny_llama",
+                         "--speculative-method", method, "--json"]) == 0  # fmt: skip
+        (group,) = json.loads(capsys.readouterr().out)["groups"]
+        assert group["page_bytes"] == 2048 and group["drafter_chunk_bytes"] == 2 * 2048

@@ -80,8 +80,9 @@ def plan_layout(
     draft = source(args.draft_model)
     if args.speculative_method in ("eagle", "eagle3"):
         target = source(args.model)
-        return with_eagle_head(layout, target, draft, args.dtype, args.block_size)
-    return with_draft_model(layout, draft, args.dtype, args.block_size)
+        return with_eagle_head(layout, target, draft, args.dtype, args.block_size,
+                               tensor_parallel_size=args.world_size)  # fmt: skip
+    return with_draft_model(layout, draft, args.dtype, args.block_size, args.world_size)
 
 
 def drafter_summary(

@@ -96,13 +96,17 @@ def with_eagle_head(
     head: str | Path | Mapping[str, Any],
     dtype: str = "bfloat16",
     block_size: int = 16,
+    *,
+    tensor_parallel_size: int = 1,
 ) -> KVLayout:
     """``layout`` (of ``target``) with the layers of EAGLE head ``head`` in the target's
-    full-attention group, named as vLLM names them, and a lookahead of 1."""
+    full-attention group, named as vLLM names them, and a lookahead of 1 (one rank's pages
+    at ``tensor_parallel_size``, as the target's)."""
     layers = load_hf_config(target).get("num_hidden_layers")
     if type(layers) is not int or layers < 1:
         raise ConfigError("the target's config has no num_hidden_layers to name the head's after")
-    drafter = layout_from_hf_config(head, dtype=dtype, block_size=block_size, hybrid=False)
+    drafter = layout_from_hf_config(head, dtype=dtype, block_size=block_size, hybrid=False,
+                                    tensor_parallel_size=tensor_parallel_size)  # fmt: skip
     pages = tuple(p for g in drafter.groups for p in g.layer_pages)
     tokens = {g.tokens_per_block for g in drafter.groups}
     if len(tokens) > 1 or any(g.kind != "full" for g in drafter.groups):
@@ -133,13 +137,17 @@ def with_draft_model(
     draft: str | Path | Mapping[str, Any],
     dtype: str = "bfloat16",
     block_size: int = 16,
+    tensor_parallel_size: int = 1,
 ) -> KVLayout:
     """``layout`` (the target's) with the layers of draft model ``draft`` where vLLM puts them.
 
-    Raises ``ConfigError`` for a drafter vLLM cannot place: one with other
-    than full-attention layers, or of several layers beside a hybrid target.
+    ``tensor_parallel_size``: one rank's layers, as the target's (vLLM runs the drafter at
+    the target's tensor parallelism). Raises ``ConfigError`` for a drafter vLLM cannot
+    place: one with other than full-attention layers, or of several layers beside a hybrid
+    target.
     """
-    drafter = layout_from_hf_config(draft, dtype=dtype, block_size=block_size, hybrid=False)
+    drafter = layout_from_hf_config(draft, dtype=dtype, block_size=block_size, hybrid=False,
+                                    tensor_parallel_size=tensor_parallel_size)  # fmt: skip
     names = tuple(DRAFT_PREFIX + name for g in drafter.groups for name in g.layer_names)
     pages = tuple(p for g in drafter.groups for p in g.layer_pages)
     tokens = {g.tokens_per_block for g in drafter.groups}
