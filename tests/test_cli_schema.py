@@ -52,6 +52,8 @@ def test_plan_json_is_the_documented_schema(tmp_path: Path) -> None:
     runs = kvoffload_all([
         ["plan", "tiny_qwen3_next", "--extra-config", extra, "--json"],
         ["plan", "tiny_deepseek_v4", "--dtype", "fp8_ds_mla", "--json"],
+        ["plan", "tiny_llama", "--draft-model", "tiny_llama", "--speculative-method", "eagle",
+         "--json"],
     ])  # fmt: skip
     for ran in runs:
         assert ran.code == 0, ran.err
@@ -61,7 +63,8 @@ def test_plan_json_is_the_documented_schema(tmp_path: Path) -> None:
         assert_matches(plan, "plan-json", optional={"groups"})
         for group in groups:
             assert_matches(group, "plan-json-groups",
-                           optional={"cpu_tokens_if_alone", "cpu_states_if_alone"})  # fmt: skip
+                           optional={"cpu_tokens_if_alone", "cpu_states_if_alone",
+                                     "drafter_layers", "drafter_chunk_bytes"})  # fmt: skip
     plan = json.loads(runs[0].out)
     # What the issue found missing is there, with the values given.
     assert plan["store_threshold"] == 2 and plan["key_source"] == "tokens"
@@ -69,6 +72,10 @@ def test_plan_json_is_the_documented_schema(tmp_path: Path) -> None:
     assert plan["disk_bytes_to_use"] == 1 << 30 and plan["remote_url"] == "redis://127.0.0.1:1/0"
     assert plan["retention_interval"] == 16384
     assert plan["groups"][0]["needs"].startswith("the state at H")
+    assert (plan["speculative_method"], plan["lookahead"]) == (None, 0)
+    eagle = json.loads(runs[2].out)  # a drafter's fields, documented and filled in
+    assert (eagle["speculative_method"], eagle["lookahead"]) == ("eagle", 1)
+    assert eagle["groups"][0]["drafter_layers"] == 2
 
 
 def test_plan_json_tells_every_field_the_table_shows() -> None:

@@ -24,8 +24,10 @@ from typing import Any
 
 import torch
 
+from kvoffload.cli._drafter import add_drafter_flag
 from kvoffload.cli._flags import HelpFormatter, int_in, physical_memory, warn_line
 from kvoffload.config import build_offloading_config
+from kvoffload.config.hf_drafter import with_drafter_layer
 from kvoffload.config.hf_layout import layout_from_hf_config
 from kvoffload.config.values import Bounds, format_bytes, to_size
 from kvoffload.errors import ConfigError
@@ -83,6 +85,7 @@ def register(subparsers: Any) -> None:
     parser.add_argument(
         "--device", choices=("cpu", "cuda"), default="cpu", help="where the KV tensors live"
     )
+    add_drafter_flag(parser)
     parser.add_argument("--json", action="store_true", help="print the report as JSON")
     parser.add_argument(
         "--no-progress",
@@ -97,7 +100,8 @@ def serve(args: argparse.Namespace, disk_path: str) -> dict[str, Any]:
     _check_memory(args.cpu_bytes)
     if args.device == "cuda" and not torch.cuda.is_available():
         raise ConfigError("--device cuda: torch sees no CUDA device here; use --device cpu")
-    layout = layout_from_hf_config(_bundled("tiny_gemma4.json"), "bfloat16", 16)
+    target = layout_from_hf_config(_bundled("tiny_gemma4.json"), "bfloat16", 16)
+    layout = with_drafter_layer(target, args.drafter)
     extra = {
         "cpu_bytes_to_use": args.cpu_bytes,
         "blocks_per_chunk": args.blocks_per_chunk,
@@ -126,7 +130,8 @@ def serve(args: argparse.Namespace, disk_path: str) -> dict[str, Any]:
     return {
         "ok": stats.mismatched_blocks == 0 and failed_stores == 0,
         "requests": stats.requests, "seconds": stats.seconds, "steps": stats.steps,
-        "gpu_blocks": args.gpu_blocks, "device": args.device,
+        "gpu_blocks": args.gpu_blocks, "device": args.device, "drafter": args.drafter,
+        "lookahead": layout.lookahead,
         "prompt_tokens": stats.prompt_tokens,
         "gpu_hit_tokens": stats.gpu_hit_tokens, "loaded_tokens": stats.loaded_tokens,
         "failed_load_tokens": stats.failed_load_tokens,
@@ -175,6 +180,14 @@ def run(args: argparse.Namespace) -> int:
     return 0 if report["ok"] else 1
 
 
+def _drafter_text(report: dict[str, Any]) -> str:
+    drafter = report.get("drafter", "none")
+    if drafter == "none":
+        return ""
+    ahead = f", lookahead {report['lookahead']}" if report.get("lookahead") else ""
+    return f", drafter: {drafter}{ahead}"
+
+
 def _share(tokens: int, prompt: int) -> str:
     return f"{tokens:>8}  {tokens / prompt:6.1%}"
 
@@ -185,7 +198,7 @@ def render(report: dict[str, Any]) -> str:
     lines = [
         f"kvoffload demo: {report['requests']} requests in {report['seconds']:.1f} s "
         f"({report['steps']} engine steps, GPU prefix cache of {report['gpu_blocks']} blocks, "
-        f"KV tensors on {report['device']})",
+        f"KV tensors on {report['device']}{_drafter_text(report)})",
         "",
         f"prompt tokens         {report['prompt_tokens']:>8}",
         f"  GPU prefix cache    {_share(report['gpu_hit_tokens'], prompt)}",

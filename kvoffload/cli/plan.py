@@ -14,9 +14,16 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
+from kvoffload.cli._drafter import (
+    DRAFTER_FIELDS,
+    add_plan_flags,
+    check_plan_flags,
+    drafter_note,
+    drafter_summary,
+)
+from kvoffload.cli._drafter import plan_layout as with_drafter
 from kvoffload.cli._flags import HelpFormatter, int_in, warn_line
 from kvoffload.config import OffloadConfig, build_offloading_config
-from kvoffload.config.hf_drafter import with_draft_model
 from kvoffload.config.hf_layout import layout_from_hf_config
 from kvoffload.config.keys import IGNORED_KEYS, KEYS
 from kvoffload.config.layout import CacheGroup, Reuse
@@ -115,10 +122,7 @@ def register(subparsers: Any) -> None:
         help="vLLM's hybrid KV cache allocator (auto: vLLM's default, off for chunked local "
         "attention unless VLLM_ALLOW_CHUNKED_LOCAL_ATTN_WITH_HYBRID_KV_CACHE=1)",
     )
-    parser.add_argument(
-        "--draft-model",
-        help="a draft model (speculative method draft_model): its layers where vLLM puts them",
-    )
+    add_plan_flags(parser)
     parser.add_argument(
         "--json", action="store_true", help="print JSON instead of a table (schema: docs/cli.md)"
     )
@@ -327,25 +331,29 @@ def _holds(config: OffloadConfig, summary: dict[str, Any]) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    layout = layout_from_hf_config(
+    check_plan_flags(args)
+    target = layout_from_hf_config(
         _model_source(args.model),
         dtype=args.dtype,
         block_size=args.block_size,
         hybrid=_HYBRID[args.hybrid],
         tensor_parallel_size=args.world_size,
     )
-    if args.draft_model:
-        layout = with_draft_model(layout, _model_source(args.draft_model), args.dtype,
-                                  args.block_size)  # fmt: skip
+    layout = with_drafter(args, target, _model_source)
     config = build_offloading_config(
         _extra_config(args.extra_config),
         layout,
         world_size=args.world_size,
         warn=warn_line("plan"),
     )
+    drafter = drafter_summary(args, config, target)
     summary = plan_summary(
-        config, model=args.model, dtype=args.dtype, block_size=args.block_size, hybrid=args.hybrid
-    )
+        config, model=args.model, dtype=args.dtype, block_size=args.block_size,
+        hybrid=args.hybrid, **{k: drafter[k] for k in DRAFTER_FIELDS},
+    )  # fmt: skip
+    if drafter["speculative_method"] is not None:
+        for entry, extra in zip(summary["groups"], drafter["groups"], strict=True):
+            entry.update(extra)
     if args.json:
         print(json.dumps(summary, indent=2))
         return 0
@@ -354,4 +362,6 @@ def run(args: argparse.Namespace) -> int:
     print("\n".join(_group_table(summary)))
     if (coarse := coarse_state_hits(config.layout, config.tokens_per_chunk)) is not None:
         print(f"\nNote: {coarse}.")
+    if note := drafter_note(summary):
+        print("\n" + "\n".join(textwrap.wrap(note, _HELP_WIDTH)))
     return 0

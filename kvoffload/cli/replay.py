@@ -16,6 +16,7 @@ import json
 import sys
 from typing import Any
 
+from kvoffload.cli._drafter import add_drafter_flag
 from kvoffload.cli._flags import HelpFormatter, int_in
 from kvoffload.errors import ConfigError
 from kvoffload.registry import DEFAULT_POLICY, POLICIES
@@ -94,6 +95,7 @@ def register(subparsers: Any) -> None:
         "--limit", type=int_in(1, 1 << 40), help="replay only the first N requests of the trace"
     )
     parser.add_argument("--no-bound", action="store_true", help="skip the Belady bound")
+    add_drafter_flag(parser)
     parser.add_argument("--json", action="store_true", help="print the rows as a JSON list")
     parser.add_argument(
         "--plot",
@@ -104,10 +106,22 @@ def register(subparsers: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from kvoffload.config.hf_drafter import with_drafter_layer
     from kvoffload.replay import format_table, load_trace, plot_hit_ratio, sweep
-    from kvoffload.replay.engine import EngineSettings, format_engine_table, replay_engine
+    from kvoffload.replay.engine import (
+        EngineSettings,
+        format_engine_table,
+        replay_engine,
+        trace_layout,
+    )
     from kvoffload.replay.plot import check_plot_path
 
+    if args.index_only and args.drafter != "none":
+        raise ConfigError(
+            f"--drafter {args.drafter} needs the engine replay: --index-only replays the offload "
+            "index alone, with no KV for a drafter to add to"
+        )
+    layout = with_drafter_layer(trace_layout(), args.drafter)
     if args.capacity is not None:
         capacities = parse_capacities(args.capacity, "--capacity")
     elif args.capacities is not None:
@@ -127,7 +141,9 @@ def run(args: argparse.Namespace) -> int:
     else:
         settings = EngineSettings(gpu_blocks=args.gpu_blocks, step_tokens=args.step_tokens)
         rows = [
-            replay_engine(trace, capacity, name, settings=settings, progress=progress)
+            replay_engine(
+                trace, capacity, name, layout=layout, settings=settings, progress=progress
+            )
             for capacity in capacities
             for name in policies
         ]
@@ -135,9 +151,11 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps([row.as_dict() for row in rows], indent=1))
     else:
+        drafter = f"; drafter: {args.drafter}" if args.drafter != "none" else ""
+        ahead = f" (lookahead {layout.lookahead})" if layout.lookahead else ""
         print(
             f"{trace.name}: {len(trace.requests):,} requests, {trace.num_blocks:,} blocks, "
-            f"{trace.num_unique:,} distinct"
+            f"{trace.num_unique:,} distinct{drafter}{ahead}"
         )
         print(table)
     if args.plot:

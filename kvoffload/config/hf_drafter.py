@@ -1,4 +1,4 @@
-"""A draft model's layers beside the target's (``method: draft_model``), as vLLM 0.32 groups them.
+"""A drafter's layers beside the target's, where vLLM 0.32 puts them, and what its KV reads ahead.
 
 vLLM registers the drafter's attention layers as ``draft_model.<name>`` and
 groups them with the target's (measured on vLLM 0.32's CPU build, and held
@@ -11,23 +11,125 @@ to vLLM's grouping code by ``tests_e2e/test_spec_kinds.py``):
   of its own under the same rules as the target's, with the common page; vLLM
   then requires all drafter layers in one group, so a drafter of more than
   one layer there is refused, as vLLM refuses it.
+
+An EAGLE head (``eagle``, ``eagle3``) is registered under the target's own
+names, ``model.layers.{N + i}.self_attn.attn`` after a target of ``N``
+layers, and its layers join the target's full-attention group. Its KV at a
+position reads the token after it, so the layout gets a lookahead of 1
+(``KVLayout.lookahead``: every chunk key names that token). ``mtp`` is not
+planned: its layers come from the target's own config
+(``num_nextn_predict_layers``), in each family's own shape, and a
+multi-module MTP reads more tokens ahead; no rule here is held to vLLM's.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from pathlib import Path
 from typing import Any
 
-from kvoffload.config.hf_layout import layout_from_hf_config
+from kvoffload.config.hf_layout import layout_from_hf_config, load_hf_config
 from kvoffload.config.layout import CacheGroup, KVLayout
 from kvoffload.errors import ConfigError
 
-__all__ = ["DRAFT_PREFIX", "with_draft_model"]
+__all__ = [
+    "DRAFTERS",
+    "DRAFT_PREFIX",
+    "SPECULATIVE_METHODS",
+    "drafter_layers",
+    "with_draft_model",
+    "with_drafter_layer",
+    "with_eagle_head",
+]
 
 #: vLLM's prefix of the drafter's layer names.
 DRAFT_PREFIX = "draft_model."
+#: ``kvoffload plan --speculative-method``: vLLM's methods with drafter KV that plan knows.
+SPECULATIVE_METHODS = ("draft_model", "eagle", "eagle3", "mtp")
+#: The drafters of the demo and the replay (``--drafter``): one layer each.
+DRAFTERS = ("none", "draft_model", "eagle")
+
+
+def _eagle_name(layer: int) -> str:
+    return f"model.layers.{layer}.self_attn.attn"
+
+
+def drafter_layers(layout: KVLayout, target_layers: Collection[str]) -> list[list[str]]:
+    """Per group of ``layout``, its layers that are not the target's (the drafter's)."""
+    return [[n for n in g.layer_names if n not in target_layers] for g in layout.groups]
+
+
+def _join_full(layout: KVLayout, names: tuple[str, ...], pages: tuple[int, ...], tokens: int,
+               lookahead: int) -> KVLayout:  # fmt: skip
+    """``layout`` with layers ``names`` (pages ``pages``) in its first full-attention group."""
+    full = [i for i, g in enumerate(layout.groups) if g.kind == "full"]
+    if not full:
+        raise ConfigError(
+            "an EAGLE-like drafter beside a target without full-attention layers: vLLM puts "
+            "the head's layers in the target's full-attention group, and this target has none"
+        )
+    target = layout.groups[full[0]]
+    if tokens != target.tokens_per_block:
+        raise ConfigError(
+            f"the drafter's blocks hold {tokens} tokens, the target's full-attention group's "
+            f"{target.tokens_per_block}; vLLM keeps them in one group only at one block size"
+        )
+    if len(layout.groups) > 1 and set(pages) != {target.page_bytes}:
+        raise ConfigError(
+            f"an EAGLE head beside a hybrid target is placed only at the target's page of "
+            f"{target.page_bytes} bytes (vLLM's hybrid allocator unifies page sizes by block "
+            f"size, which would take it out of the group); this head's pages: {sorted(set(pages))}"
+        )
+    all_pages = target.layer_pages + pages
+    joined = dataclasses.replace(
+        target, layer_names=target.layer_names + names, page_bytes=max(all_pages),
+        layer_page_bytes=all_pages,
+    )  # fmt: skip
+    groups = tuple(joined if i == full[0] else g for i, g in enumerate(layout.groups))
+    return KVLayout(groups, lookahead)
+
+
+def with_eagle_head(
+    layout: KVLayout,
+    target: str | Path | Mapping[str, Any],
+    head: str | Path | Mapping[str, Any],
+    dtype: str = "bfloat16",
+    block_size: int = 16,
+    *,
+    tensor_parallel_size: int = 1,
+) -> KVLayout:
+    """``layout`` (of ``target``) with the layers of EAGLE head ``head`` in the target's
+    full-attention group, named as vLLM names them, and a lookahead of 1 (one rank's pages
+    at ``tensor_parallel_size``, as the target's)."""
+    layers = load_hf_config(target).get("num_hidden_layers")
+    if type(layers) is not int or layers < 1:
+        raise ConfigError("the target's config has no num_hidden_layers to name the head's after")
+    drafter = layout_from_hf_config(head, dtype=dtype, block_size=block_size, hybrid=False,
+                                    tensor_parallel_size=tensor_parallel_size)  # fmt: skip
+    pages = tuple(p for g in drafter.groups for p in g.layer_pages)
+    tokens = {g.tokens_per_block for g in drafter.groups}
+    if len(tokens) > 1 or any(g.kind != "full" for g in drafter.groups):
+        raise ConfigError("an EAGLE head of other than full-attention layers: vLLM has none")
+    names = tuple(_eagle_name(layers + i) for i in range(len(pages)))
+    return _join_full(layout, names, pages, tokens.pop(), lookahead=1)
+
+
+def with_drafter_layer(layout: KVLayout, drafter: str) -> KVLayout:
+    """``layout`` with one drafter layer (``drafter``: one of :data:`DRAFTERS`) in its first
+    full-attention group, of a target layer's page: the demo's and the replay's drafter.
+    ``eagle`` names it after the target's layers, as vLLM does, with a lookahead of 1."""
+    if drafter == "none":
+        return layout
+    full = next((g for g in layout.groups if g.kind == "full"), None)
+    if full is None:
+        raise ConfigError(f"--drafter {drafter}: the layout has no full-attention group")
+    if drafter == "eagle":
+        name, lookahead = _eagle_name(len(layout.layer_names)), 1
+    else:
+        name, lookahead = DRAFT_PREFIX + _eagle_name(0), 0
+    page = full.layer_pages[0]
+    return _join_full(layout, (name,), (page,), full.tokens_per_block, lookahead)
 
 
 def with_draft_model(
@@ -35,13 +137,17 @@ def with_draft_model(
     draft: str | Path | Mapping[str, Any],
     dtype: str = "bfloat16",
     block_size: int = 16,
+    tensor_parallel_size: int = 1,
 ) -> KVLayout:
     """``layout`` (the target's) with the layers of draft model ``draft`` where vLLM puts them.
 
-    Raises ``ConfigError`` for a drafter vLLM cannot place: one with other
-    than full-attention layers, or of several layers beside a hybrid target.
+    ``tensor_parallel_size``: one rank's layers, as the target's (vLLM runs the drafter at
+    the target's tensor parallelism). Raises ``ConfigError`` for a drafter vLLM cannot
+    place: one with other than full-attention layers, or of several layers beside a hybrid
+    target.
     """
-    drafter = layout_from_hf_config(draft, dtype=dtype, block_size=block_size, hybrid=False)
+    drafter = layout_from_hf_config(draft, dtype=dtype, block_size=block_size, hybrid=False,
+                                    tensor_parallel_size=tensor_parallel_size)  # fmt: skip
     names = tuple(DRAFT_PREFIX + name for g in drafter.groups for name in g.layer_names)
     pages = tuple(p for g in drafter.groups for p in g.layer_pages)
     tokens = {g.tokens_per_block for g in drafter.groups}

@@ -17,6 +17,12 @@ what a connector can observe of vLLM and nothing else:
   connector's own rule (:func:`kvoffload.connector._hits.needed_tokens`), so a
   new group kind is served here as soon as the scheduler knows it.
   ``prefix_caching=False`` turns it off (vLLM's ``enable_prefix_caching``).
+* **An EAGLE-like drafter** (``KVLayout.lookahead = k``): a block's KV is a
+  function of the tokens up to its end and the ``k`` after it, and final
+  only once the drafter's KV of its last position is; until then the
+  forward writes other bytes (:mod:`kvoffload.standin._forward`). The GPU
+  cache hashes blocks with those tokens (vLLM 0.34's lookahead block hashes)
+  and caches final blocks only; every load is checked against the final KV.
 * **A step** is vLLM's ``schedule`` / ``execute_model`` / ``update_from_output``:
   running requests continue (prefill or decode) within ``step_tokens``; waiting
   ones get their local hit, then ``get_num_new_matched_tokens`` (``None``

@@ -6,13 +6,13 @@ import math
 import time
 from collections.abc import Collection, Iterable, Sequence
 
-from kvoffload.config.layout import KVLayout, Reuse
-from kvoffload.connector._hits import needed_tokens
+from kvoffload.config.layout import KVLayout
 from kvoffload.errors import ConfigError, IntegrityError
-from kvoffload.keys import KeyExtras, prefix_keys, prefix_keys_for_layout
+from kvoffload.keys import KeyExtras, extend_prefix_keys, prefix_keys, prefix_keys_for_layout
+from kvoffload.standin._forward import check_lookahead, final_tokens, verify_blocks, write_step
 from kvoffload.standin._kv import KVPages
-from kvoffload.standin._prefix_cache import NULL_BLOCK, PrefixCache
-from kvoffload.standin._state import aligned_stop, state_block_size, state_key
+from kvoffload.standin._prefix_cache import PrefixCache
+from kvoffload.standin._state import aligned_stop, state_block_size
 from kvoffload.standin._types import (
     ConnectorSide,
     SimRequest,
@@ -64,6 +64,7 @@ class StandIn:
             )
         if decode_tokens < 1:
             raise ConfigError(f"decode_tokens={decode_tokens}: a decode step computes 1 or more")
+        check_lookahead(layout)
         self.layout, self.side, self.kv = layout, side, kv
         self.cache = PrefixCache(layout, gpu_blocks, caching=prefix_caching)
         #: Tokens per ``SimRequest.block_hashes`` entry (vLLM's ``hash_block_size``).
@@ -104,16 +105,24 @@ class StandIn:
         flat = self.request_hashes(tokens, extras, known=hashes)
         req = SimRequest(req_id, tokens, hashes, [[] for _ in range(groups)], extras,
                          told=[0] * groups, num_prompt=num_prompt, block_hashes=flat)  # fmt: skip
+        if self.layout.lookahead and self.kv is not None:  # what a block holds until final
+            req.provisional = self.block_hashes(tokens, extras, lookahead=0)
         self.side.add_request(req)
         self.waiting.append(req)
         return req
 
     def block_hashes(
-        self, tokens: Sequence[int], extras: KeyExtras | None = None
+        self, tokens: Sequence[int], extras: KeyExtras | None = None, lookahead: int | None = None
     ) -> list[list[bytes]]:
-        """Per group, the GPU prefix cache's hash of each full block (vLLM's, salts included)."""
+        """Per group, the GPU prefix cache's hash of each full block (vLLM's, salts included):
+        with the layout's lookahead (or ``lookahead``), of the tokens after it too, as vLLM
+        0.34's lookahead block hashes, so only blocks with those tokens have one."""
         tpb = self.layout.tokens_per_block
-        return prefix_keys_for_layout(tokens, tpb, _GPU_NAMESPACE, extras=extras)
+        k = self.layout.lookahead if lookahead is None else lookahead
+        if not k:
+            return prefix_keys_for_layout(tokens, tpb, _GPU_NAMESPACE, extras=extras)
+        return [extend_prefix_keys([], tokens, t, g, _GPU_NAMESPACE, extras=extras, lookahead=k)
+                for g, t in enumerate(tpb)]  # fmt: skip
 
     def request_hashes(
         self,
@@ -124,11 +133,14 @@ class StandIn:
     ) -> list[bytes]:
         """vLLM's ``request.block_hashes``: one per :attr:`hash_block_size` tokens, as a
         connector reads them. They are the :meth:`block_hashes` of the first group of that
-        block size, if any (taken from ``known`` when given there)."""
-        size, sizes = self.hash_block_size, self.layout.tokens_per_block
+        block size, if any (taken from ``known`` when given there), with the lookahead."""
+        size, sizes, k = self.hash_block_size, self.layout.tokens_per_block, self.layout.lookahead
         g = sizes.index(size) if size in sizes else 0
-        if g < len(known) and sizes[g] == size and len(known[g]) == len(tokens) // size:
+        if g < len(known) and sizes[g] == size and len(known[g]) == max(0, len(tokens) - k) // size:
             return list(known[g])
+        if k:
+            return extend_prefix_keys([], tokens, size, g, _GPU_NAMESPACE, extras=extras,
+                                      lookahead=k)  # fmt: skip
         return prefix_keys(tokens, size, g, _GPU_NAMESPACE, extras=extras)
 
     def run(
@@ -175,6 +187,7 @@ class StandIn:
             if req.req_id in plan.in_step and not self._loaded_in_step(req, result):
                 continue  # vLLM drops the step's output and recomputes from the failed block
             req.computed += n
+            req.final = self._final(req, req.computed)
             if req.computed >= req.last:
                 self._finish(req)
         self.side.update_connector_output(result)
@@ -204,7 +217,7 @@ class StandIn:
             if not self.cache.allocate(req.blocks, None, req.computed, req.computed + n):
                 msg = f"request {req.req_id!r} found no blocks: the reserve is wrong"
                 raise IntegrityError(msg)
-            self.cache.cache(req.blocks, req.hashes, req.computed + n)
+            self.cache.cache(req.blocks, req.hashes, self._final(req, req.computed + n))
             plan.scheduled.append((req, n))
             budget -= n
         return budget
@@ -223,7 +236,9 @@ class StandIn:
                 break
             in_step = False
             if req.computed == 0:
-                local, hit = self.cache.longest_hit(req.hashes, req.num_prompt)
+                # A hit leaves a token to compute, and the lookahead after it in the prompt.
+                unhit = max(0, self.layout.lookahead - 1)
+                local, hit = self.cache.longest_hit(req.hashes, req.num_prompt - unhit)
                 offered = self.side.get_num_new_matched_tokens(req, local)
                 if offered is None:
                     self.stats.deferred_lookups += 1
@@ -239,8 +254,8 @@ class StandIn:
                 req.computed -= local + external
                 break
             self.side.update_state_after_alloc(req, external)
-            if hit is not None:
-                req.local_hit, req.external = local, external
+            if hit is not None:  # what it hit and loads is final KV
+                req.local_hit, req.external, req.final = local, external, req.computed
                 self.stats.gpu_hit_tokens += local
                 self.stats.external_tokens += external
             if external and not in_step:
@@ -249,7 +264,7 @@ class StandIn:
                 continue
             if in_step:  # vLLM caches a same-step load's blocks at once, as computed
                 plan.in_step.add(req.req_id)
-            self.cache.cache(req.blocks, req.hashes, req.computed + n)
+            self.cache.cache(req.blocks, req.hashes, self._final(req, req.computed + n))
             self.waiting.pop(i)
             self.running.append(req)
             req.status = Status.RUNNING
@@ -309,7 +324,7 @@ class StandIn:
         for i, block in enumerate(req.blocks[0][: -(-req.computed // tpb)]):
             if block in failed_blocks:
                 self.stats.failed_load_tokens += req.computed - i * tpb
-                req.computed = i * tpb
+                req.computed = req.final = i * tpb
                 return True
         return False
 
@@ -329,7 +344,7 @@ class StandIn:
         """vLLM's ``_update_waiting_for_remote_kv``: cache what is valid, or start over."""
         if not ok:  # a failed request (hybrid layouts): vLLM starts it over, lookups included
             self.stats.failed_load_tokens += req.computed - req.local_hit
-            req.computed = 0
+            req.computed = req.final = 0
         loaded = max(0, req.computed - req.local_hit)
         self.stats.loaded_tokens += loaded
         if loaded and self.kv is not None:
@@ -342,36 +357,19 @@ class StandIn:
         req.status = Status.WAITING
 
     # -- the forward pass -----------------------------------------------------------------
+    def _final(self, req: SimRequest, computed: int) -> int:
+        """Tokens of ``req`` whose KV is final once ``computed`` are (see ``_forward``)."""
+        return max(req.final, final_tokens(self.layout.lookahead, computed, req.num_tokens))
+
     def _forward(self, plan: StepPlan) -> None:
-        """Write the KV of every full block the step computes (with ``kv`` pages)."""
-        kv = self.kv
-        if kv is None:
-            return
-        for req, n in plan.scheduled:
-            end = min(req.computed + n, req.num_tokens)
-            for g, group in enumerate(self.layout.groups):
-                tpb, blocks, hashes = group.tokens_per_block, req.blocks[g], req.hashes[g]
-                if group.reuse is Reuse.STATE:  # the state after the step, in its last block
-                    if n and blocks[(end - 1) // tpb] != NULL_BLOCK:
-                        kv.write(
-                            g, blocks[(end - 1) // tpb], state_key(hashes, req.tokens, end, tpb)
-                        )
-                    continue
-                for b in range(req.computed // tpb, end // tpb):
-                    if blocks[b] != NULL_BLOCK:
-                        kv.write(g, blocks[b], hashes[b])
+        """Write the KV of every full block the step computes or makes final (with ``kv``)."""
+        if self.kv is not None:
+            for req, n in plan.scheduled:
+                write_step(self.kv, self.layout, req, n)
 
     def _verify(self, req: SimRequest, start: int, stop: int) -> None:
         """Check every full block a load of tokens ``[start, stop)`` filled, bit-exact."""
         assert self.kv is not None
-        for g, group in enumerate(self.layout.groups):
-            tpb = group.tokens_per_block
-            first, _ = needed_tokens(group, start, stop)
-            for b in range(first // tpb, stop // tpb):
-                block = req.blocks[g][b]
-                if block == NULL_BLOCK:
-                    continue
-                if self.kv.holds(g, block, req.hashes[g][b]):
-                    self.stats.verified_blocks += 1
-                else:
-                    self.stats.mismatched_blocks += 1
+        exact, wrong = verify_blocks(self.kv, self.layout, req, start, stop)
+        self.stats.verified_blocks += exact
+        self.stats.mismatched_blocks += wrong

@@ -34,7 +34,8 @@ class SimRequest:
 
     req_id: str
     tokens: Sequence[int]
-    #: Per group, the hash of each full block (every token up to its end).
+    #: Per group, the hash of each full block (every token up to its end, and the layout's
+    #: lookahead after it: a block without those tokens has none): what its final KV is of.
     hashes: list[list[bytes]]
     blocks: list[list[int]]
     #: What its KV depends on besides its tokens (salt, LoRA adapter, ...), keyed with them.
@@ -50,6 +51,11 @@ class SimRequest:
     num_prompt: int = 0
     #: vLLM's ``request.block_hashes``: one per ``StandIn.hash_block_size`` tokens.
     block_hashes: list[bytes] = field(default_factory=list)
+    #: Tokens whose KV is final (with a lookahead, behind ``computed``: ``standin._forward``).
+    final: int = 0
+    #: With a lookahead and KV pages, per group, each full block's hash without it: what the
+    #: block holds until its KV is final.
+    provisional: list[list[bytes]] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.num_prompt = self.num_prompt or len(self.tokens)

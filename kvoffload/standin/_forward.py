@@ -1,0 +1,102 @@
+"""The stand-in's forward pass: which KV each step writes, final or not yet, and the check of loads.
+
+Without a drafter a block's KV is a function of the tokens up to its end, and
+the step that computes its last token writes it for good. An EAGLE-like
+drafter (``KVLayout.lookahead = k``) reads the target's hidden state at a
+position with the embedding of the token after it (a multi-module MTP: the
+``k`` tokens after it), so a block's KV is a function of the tokens up to
+its end *and* the ``k`` after it (its hash names them: a lookahead block
+hash, as vLLM 0.34 makes them). It is final only once the drafter's KV of
+the block's last position ``p`` is: vLLM computes it again from the next
+step's tokens until the request's computed tokens exceed ``p + k - 1``, and
+it never exists without the ``k`` tokens after ``p``. Until then the step
+writes a *provisional* KV (other bytes, :func:`provisional_key`), and the
+step in which it becomes final writes the final one. A connector that
+stores a block before then, or keys it without the tokens after it, hands a
+later request bytes other than the final ones, and the check after every
+load (:func:`verify_blocks`) counts the block as mismatched.
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+from kvoffload.config.layout import KVLayout, Reuse
+from kvoffload.connector._hits import needed_tokens
+from kvoffload.errors import ConfigError
+from kvoffload.standin._kv import KVPages
+from kvoffload.standin._prefix_cache import NULL_BLOCK
+from kvoffload.standin._state import state_key
+from kvoffload.standin._types import SimRequest
+
+__all__ = ["check_lookahead", "final_tokens", "provisional_key", "verify_blocks", "write_step"]
+
+
+def check_lookahead(layout: KVLayout) -> None:
+    """A lookahead beside a recurrent state group is refused, as vLLM refuses that engine.
+
+    vLLM 0.32 cannot run speculative decoding with a recurrent group in
+    align mode (see ``docs/vllm.md``), so no rule of its is known to follow.
+    """
+    if layout.lookahead and any(g.reuse is Reuse.STATE for g in layout.groups):
+        raise ConfigError(
+            f"a lookahead of {layout.lookahead} beside recurrent state groups: vLLM runs no "
+            "EAGLE-like drafter with a recurrent group, so the stand-in has no rule to follow"
+        )
+
+
+def final_tokens(lookahead: int, computed: int, num_tokens: int) -> int:
+    """Tokens at the start of a request of ``num_tokens`` whose KV is final once ``computed``
+    are computed: position ``p`` is when ``computed > p + lookahead - 1`` and the ``lookahead``
+    tokens after it exist (vLLM's rule; the request's whole token list is known here)."""
+    if not lookahead:
+        return computed
+    return max(0, min(computed - lookahead + 1, num_tokens - lookahead))
+
+
+def provisional_key(block_hash: bytes) -> bytes:
+    """What a block's KV is a function of before it is final (``block_hash``: its hash without
+    the lookahead): bytes that differ from the final ones."""
+    return hashlib.blake2b(b"provisional" + block_hash, digest_size=16).digest()
+
+
+def write_step(kv: KVPages, layout: KVLayout, req: SimRequest, n: int) -> None:
+    """Write the KV of every full block a step of ``n`` tokens of ``req`` computes, and with a
+    lookahead the final KV of those it makes final (``req.final``: final before the step)."""
+    end = min(req.computed + n, req.num_tokens)
+    final = max(req.final, final_tokens(layout.lookahead, end, req.num_tokens))
+    for g, group in enumerate(layout.groups):
+        tpb, blocks, hashes = group.tokens_per_block, req.blocks[g], req.hashes[g]
+        if group.reuse is Reuse.STATE:  # the state after the step, in its last block
+            if n and blocks[(end - 1) // tpb] != NULL_BLOCK:
+                kv.write(g, blocks[(end - 1) // tpb], state_key(hashes, req.tokens, end, tpb))
+            continue
+        # Blocks whose KV turns final this step, then those it computes (never a hit's).
+        for b in range(min(req.final, req.computed) // tpb, end // tpb):
+            if blocks[b] == NULL_BLOCK:
+                continue
+            if (b + 1) * tpb <= final:
+                kv.write(g, blocks[b], hashes[b])
+            else:
+                kv.write(g, blocks[b], provisional_key(req.provisional[g][b]))
+
+
+def verify_blocks(kv: KVPages, layout: KVLayout, req: SimRequest, start: int, stop: int) -> tuple[
+    int, int
+]:  # fmt: skip
+    """``(exact, wrong)``: the full blocks a load of tokens ``[start, stop)`` filled, checked
+    bit-exact against their final KV. A block that cannot be final (the tokens after it do
+    not exist) is wrong whatever it holds."""
+    exact = wrong = 0
+    for g, group in enumerate(layout.groups):
+        tpb, hashes = group.tokens_per_block, req.hashes[g]
+        first, _ = needed_tokens(group, start, stop)
+        for b in range(first // tpb, stop // tpb):
+            block = req.blocks[g][b]
+            if block == NULL_BLOCK:
+                continue
+            if b < len(hashes) and kv.holds(g, block, hashes[b]):
+                exact += 1
+            else:
+                wrong += 1
+    return exact, wrong
