@@ -165,3 +165,32 @@ def test_a_drafters_pages_are_one_ranks_as_the_targets(capsys: pytest.CaptureFix
                          "--speculative-method", method, "--json"]) == 0  # fmt: skip
         (group,) = json.loads(capsys.readouterr().out)["groups"]
         assert group["page_bytes"] == 2048 and group["drafter_chunk_bytes"] == 2 * 2048
+
+
+@pytest.mark.parametrize(
+    ("args", "resolved"),
+    [
+        (["tiny_llama"], {"key_source": "engine", "load_in_step": "in_step"}),
+        (["tiny_gemma4", "--block-size", "32"], {"key_source": "engine",
+                                                 "load_in_step": "next_step"}),
+        (["tiny_qwen3_next"], {"key_source": "engine", "load_in_step": "next_step"}),
+        (["tiny_llama", "--speculative-method", "eagle"], {"key_source": "tokens",
+                                                          "load_in_step": "in_step"}),
+        (["tiny_llama", "--extra-config", '{"key_source": "tokens", "load_in_step": "never",'
+          ' "cpu_bytes_to_use": "1GiB"}'], {}),
+    ],
+)  # fmt: skip
+def test_plan_says_what_auto_becomes_as_the_engine_resolves_it(
+    head: Path, capsys: pytest.CaptureFixture[str], args: list[str], resolved: dict[str, str]
+) -> None:
+    """The connector's own rules, asked by plan: engine keys unless a drafter reads past a
+    chunk; CPU-tier hits in the step on one group keeping the whole prefix, without a state."""
+    if "--speculative-method" in args:
+        args = [*args, "--draft-model", str(head)]
+    assert cli.main(["plan", *args, "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["resolved"] == resolved
+    assert cli.main(["plan", *args]) == 0
+    lines = [line for line in capsys.readouterr().out.splitlines() if "(auto)" in line]
+    assert [line.split()[0] for line in lines] == list(resolved)
+    for line, choice in zip(lines, resolved.values(), strict=True):
+        assert f"{choice} here: " in line

@@ -17,6 +17,7 @@ _TYPES = {
     "bool": bool,
     "number": float,
     "list": list,
+    "object": dict,
     "null": type(None),
 }
 

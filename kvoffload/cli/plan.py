@@ -23,6 +23,7 @@ from kvoffload.cli._drafter import (
 )
 from kvoffload.cli._drafter import plan_layout as with_drafter
 from kvoffload.cli._flags import HelpFormatter, int_in, warn_line
+from kvoffload.cli._resolved import resolved_choices
 from kvoffload.config import OffloadConfig, build_offloading_config
 from kvoffload.config.hf_layout import layout_from_hf_config
 from kvoffload.config.keys import IGNORED_KEYS, KEYS
@@ -264,6 +265,7 @@ def plan_summary(config: OffloadConfig, **model: Any) -> dict[str, Any]:
         "hit_alignment": config.hit_alignment,
         "retention_step": config.retention_step,
         "disk_chunks": config.num_disk_chunks,
+        "resolved": {name: choice for name, (choice, _) in resolved_choices(config).items()},
     }
 
 
@@ -358,6 +360,8 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps(summary, indent=2))
         return 0
     print(config)
+    for name, (choice, why) in resolved_choices(config).items():
+        print(f"{name + ' (auto)':<20} {choice} here: {why}")
     print(f"\n{_holds(config, summary)}\n")
     print("\n".join(_group_table(summary)))
     if (coarse := coarse_state_hits(config.layout, config.tokens_per_chunk)) is not None:
