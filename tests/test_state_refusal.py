@@ -27,16 +27,17 @@ def test_no_boundary_states_names_the_settings_that_keep_them() -> None:
     assert 'enable_prefix_caching=True and mamba_cache_mode="align"' in why
 
 
-def test_speculative_decoding_names_what_vllm_does_and_why_it_is_unproven() -> None:
+def test_one_speculative_state_block_is_served() -> None:
     """MTP with one speculative token: vLLM keeps 1 speculative state block (measured on a
-    tiny Qwen3-Next with an MTP layer), two trailing blocks in all; its CPU build fails in
-    the Triton kernel the message names, before the first step ends."""
-    why = state_refusal(spec("align", speculative_blocks=1))
+    tiny Qwen3-Next with an MTP layer), proven exact on a real engine."""
+    assert state_refusal(spec("align", speculative_blocks=1)) is None
+
+
+def test_more_speculative_state_blocks_name_what_vllm_does_and_the_fix() -> None:
+    why = state_refusal(spec("align", speculative_blocks=2))
     assert why is not None
-    assert why.startswith("a recurrent group with speculative decoding (1 speculative state")
-    assert "into the request's last 2 state blocks" in why
-    assert "vLLM 0.32's CPU build cannot run it at all" in why
-    assert "precopy_mamba_align_fused_kernel" in why
-    assert "'function' object is not subscriptable" in why
-    assert why.endswith("Run without speculative decoding")
+    assert why.startswith("a recurrent group with 2 speculative state blocks is not offloaded")
+    assert "into the request's last 3 state blocks" in why
+    assert "proven exact with one speculative state block" in why
+    assert why.endswith("Use num_speculative_tokens 1, or run without speculative decoding")
     assert "last 4 state blocks" in str(state_refusal(spec("align", speculative_blocks=3)))

@@ -22,7 +22,8 @@ The spec (every key but ``model`` and ``prompts`` optional)::
       "kv_events": true,                         # vLLM's KV events on, published over ZMQ
                                                  #   to this process (each pass's "events")
       "env": {"KVOFFLOAD_FAILPOINTS": "..."}     # set in this process before vLLM starts
-    }                                            #   (fault points: docs/failpoints.md)
+    }                                            #   (fault points: docs/failpoints.md;
+                                                 #   PYTHONPATH goes on sys.path too)
 
 Each pass may first act: ``reset`` (``llm.reset_prefix_cache()``, vLLM's own
 cache only), ``reset_connector`` (the same with ``reset_connector=True``),
@@ -359,10 +360,13 @@ def shared_cpu_tier() -> list[dict[str, Any]]:
 
 
 def _environment(spec: dict[str, Any]) -> None:
-    """Before vLLM is imported: CPU KV cache of 1 GiB, the engine in this process, the spec's."""
+    """Before vLLM is imported: CPU KV cache of 1 GiB, the engine in this process, the spec's
+    (its ``PYTHONPATH`` on ``sys.path`` too: found by imports and entry points alike)."""
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-    os.environ.update(spec.get("env", {}))
+    env = spec.get("env", {})
+    os.environ.update(env)
+    sys.path[:0] = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
 
 
 def run(spec: dict[str, Any]) -> dict[str, Any]:

@@ -294,16 +294,16 @@ def _decide(g: int, group: KVCacheGroupSpec) -> tuple[SpecRow, KVCacheSpec]:
     return row, first
 
 
-#: Why a recurrent group with speculative decoding is refused (``state_refusal``).
+#: Why a recurrent group with more than one speculative state block is refused
+#: (``state_refusal``).
 SPECULATIVE_STATE = (
-    "a recurrent group with speculative decoding ({blocks} speculative state blocks) is not "
-    "offloaded: vLLM writes the state after each draft position into the request's last "
-    "{trailing} state blocks and moves the accepted one between blocks by the accepted count "
-    "(preprocess_mamba, postprocess_mamba), which kvoffload has not been proven to store and "
-    "load exactly. vLLM 0.32's CPU build cannot run it at all: in mamba_cache_mode='align' "
-    "with speculative decoding it copies states with its Triton kernel "
-    "precopy_mamba_align_fused_kernel, which fails there (TypeError: 'function' object is not "
-    "subscriptable), so no engine proves it yet. Run without speculative decoding"
+    "a recurrent group with {blocks} speculative state blocks is not offloaded: vLLM writes "
+    "the state after each draft position into the request's last {trailing} state blocks "
+    "and moves the accepted one between blocks by the accepted count (preprocess_mamba, "
+    "postprocess_mamba); kvoffload is proven exact with one speculative state block (one "
+    "speculative token, Qwen3-Next's MTP on vLLM 0.32's CPU build under Triton's "
+    "interpreter), not with more. Use num_speculative_tokens 1, or run without "
+    "speculative decoding"
 )
 
 
@@ -317,8 +317,10 @@ def state_refusal(spec: Any) -> str | None:
     decoding (``num_speculative_blocks`` > 0) the GDN/Mamba kernel writes the
     state after each draft position into the request's trailing
     ``1 + num_speculative_blocks`` blocks, and vLLM moves the accepted one
-    between blocks by the accepted count: refused (:data:`SPECULATIVE_STATE`
-    says why), since no engine here can prove it.
+    between blocks by the accepted count. One speculative block is served
+    (proven on a real engine: ``tests_e2e/test_speculative_recurrent.py``);
+    more are refused (:data:`SPECULATIVE_STATE` says why), since no engine
+    here has proven them.
     """
     mode = getattr(spec, "mamba_cache_mode", None)
     if mode != "align":
@@ -329,7 +331,7 @@ def state_refusal(spec: Any) -> str | None:
             f"--mamba-cache-mode align)"
         )
     blocks = getattr(spec, "num_speculative_blocks", 0)
-    if blocks:
+    if blocks > 1:
         return SPECULATIVE_STATE.format(blocks=blocks, trailing=1 + blocks)
     return None
 
