@@ -27,17 +27,14 @@ def test_no_boundary_states_names_the_settings_that_keep_them() -> None:
     assert 'enable_prefix_caching=True and mamba_cache_mode="align"' in why
 
 
-def test_one_speculative_state_block_is_served() -> None:
+def test_speculative_decoding_names_what_vllm_does_and_why_no_state_is_known_right() -> None:
     """MTP with one speculative token: vLLM keeps 1 speculative state block (measured on a
-    tiny Qwen3-Next with an MTP layer), proven exact on a real engine."""
-    assert state_refusal(spec("align", speculative_blocks=1)) is None
-
-
-def test_more_speculative_state_blocks_name_what_vllm_does_and_the_fix() -> None:
-    why = state_refusal(spec("align", speculative_blocks=2))
+    tiny Qwen3-Next with an MTP layer), two trailing blocks in all; a state vLLM keeps at a
+    boundary its accepted drafts crossed is not a recompute's (test_speculative_recurrent)."""
+    why = state_refusal(spec("align", speculative_blocks=1))
     assert why is not None
-    assert why.startswith("a recurrent group with 2 speculative state blocks is not offloaded")
-    assert "into the request's last 3 state blocks" in why
-    assert "proven exact with one speculative state block" in why
-    assert why.endswith("Use num_speculative_tokens 1, or run without speculative decoding")
+    assert why.startswith("a recurrent group with speculative decoding (1 speculative state")
+    assert "into the request's last 2 state blocks" in why
+    assert "crossed by accepted drafts is not the state a recompute gives" in why
+    assert why.endswith("Run without speculative decoding, or without the connector")
     assert "last 4 state blocks" in str(state_refusal(spec("align", speculative_blocks=3)))

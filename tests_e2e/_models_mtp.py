@@ -46,8 +46,32 @@ def mtp_weights(tensors: dict[str, Any], hidden: int, seed: int) -> dict[str, An
     return out
 
 
-def build_mtp(path: Path, seed: int = 0) -> Path:
-    """Save QWEN3_NEXT_MTP under ``path`` (once): ``build``'s model plus the ``mtp.*`` weights."""
+#: Branch outputs (attention, linear attention, experts) of the agreeing model, scaled by this.
+BRANCH_SCALE = 0.1
+
+
+def _agreeing(tensors: dict[str, Any], hidden: int) -> None:
+    """Make the MTP layer agree with its target: most drafts are then accepted, so the
+    steps that move a state between blocks by the accepted count run, and are checked.
+
+    Every branch's output is scaled down (``BRANCH_SCALE``): the target's next token is
+    then nearly a function of the current one (its residual stream is the embedding, plus
+    a little that the state and the attention still move, enough for the logprob checks).
+    The MTP layer's ``fc`` keeps the embedding of the token after ``p`` and drops the
+    hidden state: it predicts, from that token, what the target predicts from it.
+    """
+    import torch
+
+    for name, tensor in tensors.items():
+        if name.endswith(("o_proj.weight", "out_proj.weight", "down_proj.weight")):
+            tensors[name] = tensor * BRANCH_SCALE
+    fc = torch.cat([torch.eye(hidden), torch.zeros(hidden, hidden)], 1)
+    tensors["mtp.fc.weight"] = fc.to(torch.bfloat16)
+
+
+def build_mtp(path: Path, seed: int = 0, *, agreeing: bool = False) -> Path:
+    """Save QWEN3_NEXT_MTP under ``path`` (once): ``build``'s model plus the ``mtp.*`` weights;
+    ``agreeing``: its MTP layer drafts what the target generates, nearly always."""
     path = Path(path)
     if (path / "config.json").exists():
         return path
@@ -59,6 +83,8 @@ def build_mtp(path: Path, seed: int = 0) -> Path:
     weights = partial / "model.safetensors"
     tensors = load_file(str(weights))
     tensors.update(mtp_weights(tensors, QWEN3_NEXT_MTP["hidden_size"], seed))
+    if agreeing:
+        _agreeing(tensors, QWEN3_NEXT_MTP["hidden_size"])
     save_file(tensors, str(weights), metadata={"format": "pt"})
     shutil.rmtree(path, ignore_errors=True)
     partial.rename(path)

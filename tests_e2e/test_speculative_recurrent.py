@@ -9,12 +9,18 @@ target's attention layer and the MTP layer's (``mtp.layers.0``) alike.
 vLLM's CPU build copies those states with a Triton kernel
 (``precopy_mamba_align_fused_kernel``) and has no Triton: the engine fails in
 its first step. Under Triton's interpreter (``_triton_interp.py``) it runs,
-and generates the tokens of the same engine without prefix caching. The
-connector is then held to vLLM's own prefix cache with the same speculative
-settings and ``disable_eagle_block_drop`` (see ``test_eagle.py``): tokens,
-logprobs, hits and accepted draft tokens. The drafter is random, so few drafts
-are accepted: these runs prove the states at prefill boundaries and at a
-boundary crossed while decoding, not a state moved by an accepted draft.
+and generates the tokens of the same engine without prefix caching.
+
+The connector refuses this layout at start. With an MTP layer that agrees with
+its target (most drafts accepted), a second turn that vLLM's own prefix cache
+resumes at a block boundary its accepted drafts crossed generates other tokens
+than a recompute of the same turn: the state vLLM keeps there is not the one a
+recompute gives, so no state stored at such a boundary is known to be right.
+(The connector, allowed to serve it for a measurement, resumed that turn at a
+prefill boundary and gave the recompute's tokens; its hits otherwise equalled
+vLLM's own cache's, with a random and with an agreeing drafter.) The test below
+holds vLLM's side of that: the day vLLM's kept state matches a recompute, it
+fails, and the refusal can be revisited.
 """
 
 from __future__ import annotations
@@ -23,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from _harness import Engine, assert_loaded_tokens_match, differences, shared_prefix_prompts
+from _harness import Engine, differences, shared_prefix_prompts
 from _models_mtp import build_mtp
 from _triton_interp import interpreter_env
 
@@ -80,64 +86,44 @@ def test_vllm_cpu_runs_it_under_tritons_interpreter_only(
         assert done["tokens"] == cold["passes"][0]["tokens"], f"pass {n}"
 
 
-def assert_like_the_oracle(result: dict[str, Any], oracle: dict[str, Any]) -> None:
-    """Pass by pass the oracle's tokens, logprobs and hits; its accepted drafts."""
-    assert result["error"] is None, result["error"]
-    for n, (done, want) in enumerate(zip(result["passes"], oracle["passes"], strict=True)):
-        found = differences(done, want)
-        assert not found, f"pass {n}: " + "; ".join(found)
-        assert done["cached"] == want["cached"], f"pass {n}"
-    assert_loaded_tokens_match(result, 1)
-    assert result["stats"]["scheduler"]["failed_loads"] == 0
-    assert result["metrics"][DRAFTED] == oracle["metrics"][DRAFTED] > 0
-    assert result["metrics"].get(ACCEPTED, 0) == oracle["metrics"].get(ACCEPTED, 0)
+@pytest.fixture(scope="module")
+def agreeing_mtp(models: Path) -> str:
+    return str(build_mtp(models / "qwen3_next_mtp_agreeing", agreeing=True))
 
 
-@pytest.mark.parametrize("blocks_per_chunk", [1, 2])
-def test_the_connector_serves_it_as_vllms_own_cache(
-    engine: Engine, qwen3_next_mtp: str, interpret: dict[str, str], blocks_per_chunk: int
+def test_vllms_own_cache_keeps_a_state_a_recompute_does_not_give_once_drafts_are_accepted(
+    engine: Engine, agreeing_mtp: str, interpret: dict[str, str]
 ) -> None:
-    """After a reset the connector serves the shared prefix's chunks, the states at their
-    ends among them, as vLLM's own cache serves its blocks in the oracle's second pass."""
-    run = {"model": qwen3_next_mtp, "engine": ORACLE, "prompts": PROMPTS, "max_tokens": 16,
-           "env": interpret}  # fmt: skip
-    oracle = engine(**run, passes=[{}, {}])
-    assert oracle["error"] is None, oracle["error"]
-    assert min(oracle["passes"][1]["cached"]) > 0
-    connector = {"blocks_per_chunk": blocks_per_chunk, "cpu_bytes_to_use": "64MiB"}
-    result = engine(**run, passes=[{}, {"reset": True}], connector=connector)
-    assert_like_the_oracle(result, oracle)
-    assert result["stats"]["scheduler"]["hit_tokens"] == sum(result["passes"][1]["cached"])
-
-
-def test_the_next_turn_hits_a_state_taken_while_drafting(
-    engine: Engine, qwen3_next_mtp: str, interpret: dict[str, str]
-) -> None:
-    """A second turn (prompt, 200 generated tokens, 40 more) resumes at the output's last
-    block boundary, whose state vLLM wrote in a step that verified a draft."""
+    """A second turn (prompt, 200 generated tokens, 40 more), from vLLM's own cache (it
+    resumes at the output's last block boundary) and recomputed after a reset."""
     prompts = PROMPTS[:2]
     args = {**ORACLE, "prefix_cache_retention_interval": None}
-    run = {"model": qwen3_next_mtp, "engine": args, "prompts": prompts, "max_tokens": 200,
+    run = {"model": agreeing_mtp, "engine": args, "prompts": prompts, "max_tokens": 200,
            "env": interpret}  # fmt: skip
-    oracle = engine(**run, passes=[{}, {"follow_up": 40}])
-    assert oracle["error"] is None, oracle["error"]
-    block = oracle["kv_cache_groups"][0]
+    cached = engine(**run, passes=[{}, {"follow_up": 40}])
+    assert cached["error"] is None, cached["error"]
+    assert cached["metrics"][ACCEPTED] > 0.5 * cached["metrics"][DRAFTED]  # drafts accepted
+    block = cached["kv_cache_groups"][0]
     ends = [(len(p) + 200 - 1) // block * block for p in prompts]
-    assert oracle["passes"][1]["cached"] == ends and min(ends) > len(prompts[1]), ends
-    connector = {"blocks_per_chunk": 1, "cpu_bytes_to_use": "256MiB"}
-    result = engine(**run, passes=[{}, {"reset": True, "follow_up": 40}], connector=connector)
-    assert_like_the_oracle(result, oracle)
+    assert cached["passes"][1]["cached"] == ends and min(ends) > len(prompts[1]), ends
+    recomputed = engine(**run, passes=[{}, {"reset": True, "follow_up": 40}])
+    assert recomputed["error"] is None, recomputed["error"]
+    assert recomputed["passes"][1]["cached"] == [0, 0]
+    assert not differences(recomputed["passes"][0], cached["passes"][0])  # the first turn
+    found = differences(cached["passes"][1], recomputed["passes"][1])
+    assert found, "vLLM's kept state now equals a recompute's: revisit SPECULATIVE_STATE"
+    print(f"\nvLLM's own cache against a recompute, second turn: {'; '.join(found)}")
 
 
-def test_two_speculative_tokens_are_refused_at_start_saying_why(
-    engine: Engine, qwen3_next_mtp: str
+@pytest.mark.parametrize("tokens", [1, 2])
+def test_speculative_decoding_is_refused_at_start_saying_why(
+    engine: Engine, qwen3_next_mtp: str, tokens: int
 ) -> None:
-    """Two speculative state blocks are not proven: refused, naming the fix."""
-    args = {**ALIGN_MTP, "speculative_config": {**MTP, "num_speculative_tokens": 2}}
+    args = {**ALIGN_MTP, "speculative_config": {**MTP, "num_speculative_tokens": tokens}}
     connector = {"blocks_per_chunk": 1, "cpu_bytes_to_use": "64MiB"}
     result = engine(model=qwen3_next_mtp, engine=args, prompts=PROMPTS[:1], connector=connector)
     error = result["error"]
     assert error is not None, "the engine started"
     assert "ConfigError" in error and "KVOffloadConnector cannot offload KV cache group" in error
-    assert "a recurrent group with 2 speculative state blocks is not offloaded" in error
-    assert "Use num_speculative_tokens 1" in error
+    assert f"a recurrent group with speculative decoding ({tokens} speculative state" in error
+    assert "Run without speculative decoding, or without the connector" in error

@@ -294,16 +294,16 @@ def _decide(g: int, group: KVCacheGroupSpec) -> tuple[SpecRow, KVCacheSpec]:
     return row, first
 
 
-#: Why a recurrent group with more than one speculative state block is refused
-#: (``state_refusal``).
+#: Why a recurrent group with speculative decoding is refused (``state_refusal``).
 SPECULATIVE_STATE = (
-    "a recurrent group with {blocks} speculative state blocks is not offloaded: vLLM writes "
-    "the state after each draft position into the request's last {trailing} state blocks "
-    "and moves the accepted one between blocks by the accepted count (preprocess_mamba, "
-    "postprocess_mamba); kvoffload is proven exact with one speculative state block (one "
-    "speculative token, Qwen3-Next's MTP on vLLM 0.32's CPU build under Triton's "
-    "interpreter), not with more. Use num_speculative_tokens 1, or run without "
-    "speculative decoding"
+    "a recurrent group with speculative decoding ({blocks} speculative state blocks) is not "
+    "offloaded: vLLM writes the state after each draft position into the request's last "
+    "{trailing} state blocks and moves the accepted one between blocks by the accepted "
+    "count (preprocess_mamba, postprocess_mamba), and a state it keeps at a block boundary "
+    "crossed by accepted drafts is not the state a recompute gives (measured: vLLM's own "
+    "prefix cache served one that changed the next turn's tokens, Qwen3-Next's MTP on "
+    "vLLM 0.32's CPU build under Triton's interpreter), so no state stored there is known "
+    "to be right. Run without speculative decoding, or without the connector"
 )
 
 
@@ -317,10 +317,8 @@ def state_refusal(spec: Any) -> str | None:
     decoding (``num_speculative_blocks`` > 0) the GDN/Mamba kernel writes the
     state after each draft position into the request's trailing
     ``1 + num_speculative_blocks`` blocks, and vLLM moves the accepted one
-    between blocks by the accepted count. One speculative block is served
-    (proven on a real engine: ``tests_e2e/test_speculative_recurrent.py``);
-    more are refused (:data:`SPECULATIVE_STATE` says why), since no engine
-    here has proven them.
+    between blocks by the accepted count: refused (:data:`SPECULATIVE_STATE`
+    says why; ``tests_e2e/test_speculative_recurrent.py`` holds the evidence).
     """
     mode = getattr(spec, "mamba_cache_mode", None)
     if mode != "align":
@@ -331,7 +329,7 @@ def state_refusal(spec: Any) -> str | None:
             f"--mamba-cache-mode align)"
         )
     blocks = getattr(spec, "num_speculative_blocks", 0)
-    if blocks > 1:
+    if blocks:
         return SPECULATIVE_STATE.format(blocks=blocks, trailing=1 + blocks)
     return None
 
