@@ -60,6 +60,15 @@ def drafter_layers(layout: KVLayout, target_layers: Collection[str]) -> list[lis
     return [[n for n in g.layer_names if n not in target_layers] for g in layout.groups]
 
 
+def _with_layers(group: CacheGroup, names: tuple[str, ...], pages: tuple[int, ...]) -> CacheGroup:
+    """``group`` with the drafter's layers ``names`` (of pages ``pages``) after its own."""
+    all_pages = group.layer_pages + pages
+    return dataclasses.replace(
+        group, layer_names=group.layer_names + names, page_bytes=max(all_pages),
+        layer_page_bytes=all_pages,
+    )  # fmt: skip
+
+
 def _join_full(layout: KVLayout, names: tuple[str, ...], pages: tuple[int, ...], tokens: int,
                lookahead: int) -> KVLayout:  # fmt: skip
     """``layout`` with layers ``names`` (pages ``pages``) in its first full-attention group."""
@@ -81,11 +90,7 @@ def _join_full(layout: KVLayout, names: tuple[str, ...], pages: tuple[int, ...],
             f"{target.page_bytes} bytes (vLLM's hybrid allocator unifies page sizes by block "
             f"size, which would take it out of the group); this head's pages: {sorted(set(pages))}"
         )
-    all_pages = target.layer_pages + pages
-    joined = dataclasses.replace(
-        target, layer_names=target.layer_names + names, page_bytes=max(all_pages),
-        layer_page_bytes=all_pages,
-    )  # fmt: skip
+    joined = _with_layers(target, names, pages)
     groups = tuple(joined if i == full[0] else g for i, g in enumerate(layout.groups))
     return KVLayout(groups, lookahead)
 
@@ -158,12 +163,7 @@ def with_draft_model(
                 f"the draft model's blocks hold {sorted(tokens)} tokens, the target's "
                 f"{target.tokens_per_block}; vLLM keeps them in one group only at one block size"
             )
-        all_pages = target.layer_pages + pages
-        joined = dataclasses.replace(
-            target, layer_names=target.layer_names + names, page_bytes=max(all_pages),
-            layer_page_bytes=all_pages,
-        )  # fmt: skip
-        return KVLayout((joined,))
+        return KVLayout((_with_layers(target, names, pages),))
     if len(names) != 1:
         raise ConfigError(
             f"a draft model of {len(names)} layers beside a hybrid target: vLLM 0.32 splits "

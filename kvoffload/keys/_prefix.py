@@ -174,17 +174,18 @@ def prefix_keys(
     namespace: bytes = b"",
     *,
     extras: KeyExtras | None = None,
+    lookahead: int = 0,
 ) -> list[bytes]:
     """One key per *full* chunk of ``token_ids``; a trailing partial chunk gets none.
 
     ``key[i]`` names tokens ``[0, (i + 1) * tokens_per_chunk)`` of group
-    ``group_idx`` in ``namespace`` (see :func:`namespace_of`), and whatever
-    ``extras`` says those tokens depend on.
+    ``group_idx`` in ``namespace`` (see :func:`namespace_of`), whatever
+    ``extras`` says those tokens depend on, and the ``lookahead`` tokens after
+    them (see :func:`extend_prefix_keys`).
     """
-    tokens_per_chunk = checked_int("tokens_per_chunk", tokens_per_chunk)
-    seed = chain_seed(group_idx, tokens_per_chunk, namespace, extras)
-    chunks = _chunk_bytes(token_ids, 0, len(token_ids), tokens_per_chunk)
-    return chain(seed, chunks, tokens_per_chunk, 0, extras)
+    return extend_prefix_keys(
+        [], token_ids, tokens_per_chunk, group_idx, namespace, extras=extras, lookahead=lookahead
+    )
 
 
 def extend_prefix_keys(
@@ -233,22 +234,25 @@ def prefix_keys_for_layout(
     namespace: bytes = b"",
     *,
     extras: KeyExtras | None = None,
+    lookahead: int = 0,
 ) -> list[list[bytes]]:
     """Keys of every group: ``tokens_per_chunk[g]`` is group ``g``'s chunk span in tokens.
 
     With several groups, token ids are converted once and shared by all of
-    them, which is the cost that matters for hybrid layouts.
+    them, which is the cost that matters for hybrid layouts. ``lookahead`` as
+    in :func:`extend_prefix_keys`.
     """
     if isinstance(tokens_per_chunk, str | bytes) or not isinstance(tokens_per_chunk, Sequence):
         raise ConfigError(
             f"tokens_per_chunk must be a sequence of ints (one per group), got {tokens_per_chunk!r}"
         )
     spans = [checked_int(f"tokens_per_chunk[{g}]", t) for g, t in enumerate(tokens_per_chunk)]
+    lookahead = checked_int("lookahead", lookahead, minimum=0)
     if len(spans) == 1:
-        return [prefix_keys(token_ids, spans[0], 0, namespace, extras=extras)]
+        return [prefix_keys(token_ids, spans[0], 0, namespace, extras=extras, lookahead=lookahead)]
     tokens = _token_array(token_ids)
     seeds = [chain_seed(g, span, namespace, extras) for g, span in enumerate(spans)]
     return [
-        chain(seed, _array_chunks(tokens, span), span, 0, extras)
+        chain(seed, _array_chunks(tokens, span, lookahead), span, 0, extras)
         for seed, span in zip(seeds, spans, strict=True)
     ]

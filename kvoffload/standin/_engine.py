@@ -8,8 +8,8 @@ from collections.abc import Collection, Iterable, Sequence
 
 from kvoffload.config.layout import KVLayout
 from kvoffload.errors import ConfigError, IntegrityError
-from kvoffload.keys import KeyExtras, extend_prefix_keys, prefix_keys, prefix_keys_for_layout
-from kvoffload.standin._forward import check_lookahead, final_tokens, verify_blocks, write_step
+from kvoffload.keys import KeyExtras, prefix_keys, prefix_keys_for_layout
+from kvoffload.standin._forward import check_lookahead, final_after, verify_blocks, write_step
 from kvoffload.standin._kv import KVPages
 from kvoffload.standin._prefix_cache import PrefixCache
 from kvoffload.standin._state import aligned_stop, state_block_size
@@ -119,10 +119,7 @@ class StandIn:
         0.34's lookahead block hashes, so only blocks with those tokens have one."""
         tpb = self.layout.tokens_per_block
         k = self.layout.lookahead if lookahead is None else lookahead
-        if not k:
-            return prefix_keys_for_layout(tokens, tpb, _GPU_NAMESPACE, extras=extras)
-        return [extend_prefix_keys([], tokens, t, g, _GPU_NAMESPACE, extras=extras, lookahead=k)
-                for g, t in enumerate(tpb)]  # fmt: skip
+        return prefix_keys_for_layout(tokens, tpb, _GPU_NAMESPACE, extras=extras, lookahead=k)
 
     def request_hashes(
         self,
@@ -138,10 +135,7 @@ class StandIn:
         g = sizes.index(size) if size in sizes else 0
         if g < len(known) and sizes[g] == size and len(known[g]) == max(0, len(tokens) - k) // size:
             return list(known[g])
-        if k:
-            return extend_prefix_keys([], tokens, size, g, _GPU_NAMESPACE, extras=extras,
-                                      lookahead=k)  # fmt: skip
-        return prefix_keys(tokens, size, g, _GPU_NAMESPACE, extras=extras)
+        return prefix_keys(tokens, size, g, _GPU_NAMESPACE, extras=extras, lookahead=k)
 
     def run(
         self,
@@ -187,7 +181,7 @@ class StandIn:
             if req.req_id in plan.in_step and not self._loaded_in_step(req, result):
                 continue  # vLLM drops the step's output and recomputes from the failed block
             req.computed += n
-            req.final = self._final(req, req.computed)
+            req.final = final_after(self.layout, req, req.computed)
             if req.computed >= req.last:
                 self._finish(req)
         self.side.update_connector_output(result)
@@ -217,7 +211,8 @@ class StandIn:
             if not self.cache.allocate(req.blocks, None, req.computed, req.computed + n):
                 msg = f"request {req.req_id!r} found no blocks: the reserve is wrong"
                 raise IntegrityError(msg)
-            self.cache.cache(req.blocks, req.hashes, self._final(req, req.computed + n))
+            final = final_after(self.layout, req, req.computed + n)
+            self.cache.cache(req.blocks, req.hashes, final)
             plan.scheduled.append((req, n))
             budget -= n
         return budget
@@ -264,7 +259,8 @@ class StandIn:
                 continue
             if in_step:  # vLLM caches a same-step load's blocks at once, as computed
                 plan.in_step.add(req.req_id)
-            self.cache.cache(req.blocks, req.hashes, self._final(req, req.computed + n))
+            final = final_after(self.layout, req, req.computed + n)
+            self.cache.cache(req.blocks, req.hashes, final)
             self.waiting.pop(i)
             self.running.append(req)
             req.status = Status.RUNNING
@@ -357,10 +353,6 @@ class StandIn:
         req.status = Status.WAITING
 
     # -- the forward pass -----------------------------------------------------------------
-    def _final(self, req: SimRequest, computed: int) -> int:
-        """Tokens of ``req`` whose KV is final once ``computed`` are (see ``_forward``)."""
-        return max(req.final, final_tokens(self.layout.lookahead, computed, req.num_tokens))
-
     def _forward(self, plan: StepPlan) -> None:
         """Write the KV of every full block the step computes or makes final (with ``kv``)."""
         if self.kv is not None:

@@ -29,7 +29,14 @@ from kvoffload.standin._prefix_cache import NULL_BLOCK
 from kvoffload.standin._state import state_key
 from kvoffload.standin._types import SimRequest
 
-__all__ = ["check_lookahead", "final_tokens", "provisional_key", "verify_blocks", "write_step"]
+__all__ = [
+    "check_lookahead",
+    "final_after",
+    "final_tokens",
+    "provisional_key",
+    "verify_blocks",
+    "write_step",
+]
 
 
 def check_lookahead(layout: KVLayout) -> None:
@@ -54,6 +61,11 @@ def final_tokens(lookahead: int, computed: int, num_tokens: int) -> int:
     return max(0, min(computed - lookahead + 1, num_tokens - lookahead))
 
 
+def final_after(layout: KVLayout, req: SimRequest, computed: int) -> int:
+    """Tokens of ``req`` whose KV is final once ``computed`` are: what was final stays so."""
+    return max(req.final, final_tokens(layout.lookahead, computed, req.num_tokens))
+
+
 def provisional_key(block_hash: bytes) -> bytes:
     """What a block's KV is a function of before it is final (``block_hash``: its hash without
     the lookahead): bytes that differ from the final ones."""
@@ -64,7 +76,7 @@ def write_step(kv: KVPages, layout: KVLayout, req: SimRequest, n: int) -> None:
     """Write the KV of every full block a step of ``n`` tokens of ``req`` computes, and with a
     lookahead the final KV of those it makes final (``req.final``: final before the step)."""
     end = min(req.computed + n, req.num_tokens)
-    final = max(req.final, final_tokens(layout.lookahead, end, req.num_tokens))
+    final = final_after(layout, req, end)
     for g, group in enumerate(layout.groups):
         tpb, blocks, hashes = group.tokens_per_block, req.blocks[g], req.hashes[g]
         if group.reuse is Reuse.STATE:  # the state after the step, in its last block
