@@ -571,8 +571,15 @@ def test_a_hit_in_a_lower_tier_loads_over_later_steps(rigs: list[Rig], tmp_path:
     assert r.worker.stats()["in_step_load_jobs"] == 0
 
 
-def test_an_in_step_load_fills_the_blocks_before_submit_returns(rigs: list[Rig]) -> None:
-    """The forward pass reads them right after: nothing waits for a poll, nothing is received."""
+@pytest.mark.parametrize(("copies", "full_graph"), [("before", False), ("layer", True)])
+def test_an_in_step_load_fills_the_blocks_before_submit_returns(
+    rigs: list[Rig], monkeypatch: pytest.MonkeyPatch, copies: str, full_graph: bool
+) -> None:
+    """The forward pass reads them right after: nothing waits for a poll, nothing is received.
+
+    A CUDA graph replaying the whole forward pass calls no layer's wait, so
+    there the copies all end in ``submit`` whatever the copy mode."""
+    monkeypatch.setenv("KVOFFLOAD_IN_STEP_COPIES", copies)
     r = rig(rigs, llama_like())
     ids = tokens(70)
     r.serve("r1", ids)
@@ -581,7 +588,7 @@ def test_an_in_step_load_fills_the_blocks_before_submit_returns(rigs: list[Rig])
     table = r.table(len(ids), offered)
     order = r.scheduler.plan_load("r2", table, offered)
     assert order is not None and order.in_step
-    r.worker.submit(r.scheduler.take_orders(), JobKind.LOAD)
+    r.worker.submit(r.scheduler.take_orders(), JobKind.LOAD, full_graph=full_graph)
     kv, hashes = r.engine.kv, r.engine.block_hashes(ids)
     assert kv is not None
     assert all(kv.holds(0, table[0][b], hashes[0][b]) for b in range(offered // 4))
@@ -592,11 +599,16 @@ def test_an_in_step_load_fills_the_blocks_before_submit_returns(rigs: list[Rig])
     assert r.scheduler.stats()["loaded_tokens"] == offered
 
 
+@pytest.mark.parametrize("copies", ["before", "layer", "thread"])
 def test_a_failed_in_step_load_hands_back_its_blocks_and_voids_the_steps_stores(
-    rigs: list[Rig], monkeypatch: pytest.MonkeyPatch
+    rigs: list[Rig], monkeypatch: pytest.MonkeyPatch, copies: str
 ) -> None:
-    """The step computed on top of the failed load: what it wrote is not stored."""
+    """The step computed on top of the failed load: what it wrote is not stored.
+
+    Whichever way the load copies, its layers are done and its failure known
+    before the step's stores are submitted."""
     monkeypatch.setenv("KVOFFLOAD_FAILPOINTS", "load.fail_last_chunk=1")
+    monkeypatch.setenv("KVOFFLOAD_IN_STEP_COPIES", copies)
     r = rig(rigs, llama_like())
     ids = tokens(70)
     r.serve("r1", ids)
@@ -611,6 +623,8 @@ def test_a_failed_in_step_load_hands_back_its_blocks_and_voids_the_steps_stores(
     assert store is not None and store.spans
     r.worker.before_forward()
     r.worker.submit(loads, JobKind.LOAD)
+    assert r.worker.copies.value == copies
+    r.worker.wait_layer(r.config.layout.layer_names[0])
     r.worker.submit(r.scheduler.take_orders(), JobKind.STORE)
     polled = r.worker.poll()
     assert polled.finished_recving == polled.failed_recving == set()

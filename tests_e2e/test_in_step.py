@@ -37,6 +37,8 @@ from _harness import (
 from test_connector import vllm_recovered_tokens
 from test_recurrent import QWEN_ENGINE, QWEN_PROMPTS
 
+#: How a load in the step copies (``kvoffload.engine._layered``): each mode is served.
+COPIES = "KVOFFLOAD_IN_STEP_COPIES"
 #: The first load's last chunk fails; vLLM's retry of a failed request loads it again.
 FAIL = {"KVOFFLOAD_FAILPOINTS": "load.fail_last_chunk=1"}
 
@@ -46,17 +48,24 @@ def one_group(model: str) -> dict[str, Any]:
             "passes": TWO_PASSES, "connector": {"cpu_bytes_to_use": "64MiB"}}  # fmt: skip
 
 
-@pytest.mark.parametrize(("model_name", "in_step"), [("llama", True), ("sliding_mistral", False)])
+@pytest.mark.parametrize(
+    ("model_name", "in_step", "copies"),
+    [("llama", True, "before"), ("llama", True, "layer"), ("llama", True, "thread"),
+     ("sliding_mistral", False, "before")],
+)  # fmt: skip
 def test_whole_prefix_hits_load_in_the_step_that_asks(
     engine: Engine,
     reference: Reference,
     request: pytest.FixtureRequest,
     model_name: str,
     in_step: bool,
+    copies: str,
 ) -> None:
+    """``layer`` copies each layer only in vLLM's ``wait_for_layer_load`` for it: right tokens
+    there prove vLLM waits for each layer before its attention reads the KV."""
     spec = one_group(request.getfixturevalue(model_name))
     expected = reference(spec["model"], LLAMA_ENGINE, LLAMA_PROMPTS)
-    result = engine(**spec)
+    result = engine(**spec, env={COPIES: copies})
     assert len(result["kv_cache_groups"]) == 1
     assert_same_output(result, expected)
     assert result["passes"][1]["cached"][0] > 0
@@ -64,23 +73,28 @@ def test_whole_prefix_hits_load_in_the_step_that_asks(
     assert scheduler["loaded_tokens"] == scheduler["hit_tokens"] > 0  # counted once
     assert scheduler["in_step_hit_tokens"] == (scheduler["hit_tokens"] if in_step else 0)
     assert worker["in_step_load_jobs"] == (worker["load_jobs"] if in_step else 0)
+    assert (worker["in_step_layer_waits"] > 0) == in_step
     if model_name == "sliding_mistral":  # the Llama's round trip has its own controls
         negative_control(
             engine, lambda r: assert_same_output(r, expected), "load.corrupt_block", **spec
         )
 
 
-@pytest.mark.parametrize(("model_name", "by_block"), [("llama", True), ("sliding_mistral", False)])
+@pytest.mark.parametrize(
+    ("model_name", "by_block", "copies"),
+    [("llama", True, "before"), ("llama", True, "thread"), ("sliding_mistral", False, "before")],
+)
 def test_a_failed_load_is_recomputed_by_vllm(
     engine: Engine,
     reference: Reference,
     request: pytest.FixtureRequest,
     model_name: str,
     by_block: bool,
+    copies: str,
 ) -> None:
     spec = one_group(request.getfixturevalue(model_name))
     expected = reference(spec["model"], LLAMA_ENGINE, LLAMA_PROMPTS)
-    result = engine(**spec, env=FAIL, failure_policy="recompute")
+    result = engine(**spec, env={**FAIL, COPIES: copies}, failure_policy="recompute")
     assert failpoint_fired(result, "load.fail_last_chunk") > 0
     assert_same_output(result, expected)  # the worker lives on, and nothing wrong was used
     scheduler, worker = result["stats"]["scheduler"], result["stats"]["worker"]

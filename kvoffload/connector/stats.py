@@ -79,8 +79,10 @@ class WorkerStats:
     failed_load_chunks: int = 0
     #: Engine blocks of failed loads, handed back to the engine to recompute.
     failed_load_blocks: int = 0
-    #: Loads run before the forward pass of the step that asked for them (load_in_step).
+    #: Loads run in the step that asked for them (load_in_step), copied layer by layer.
     in_step_load_jobs: int = 0
+    #: ``wait_for_layer_load`` calls of steps with such loads: one per attention layer.
+    in_step_layer_waits: int = 0
     #: Store orders not run because an in-step load of their step failed.
     voided_store_orders: int = 0
     #: Failed in-step loads the engine could not recompute (load_in_step "always" only).

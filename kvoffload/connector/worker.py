@@ -44,7 +44,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvoffload.connector.stats import WorkerStats
-from kvoffload.engine import JobKind, OffloadEngine
+from kvoffload.engine import CopyMode, JobKind, LayeredLoad, OffloadEngine
 from kvoffload.messages import JobReport, JobResult, TransferOrder, merge_reports
 
 __all__ = ["IDLE_WAIT_S", "OffloadWorker", "PollResult"]
@@ -71,9 +71,13 @@ class OffloadWorker:
     single KV cache group); otherwise failed loads are reported per request.
     """
 
-    def __init__(self, engine: OffloadEngine, *, report_blocks: bool) -> None:
+    def __init__(
+        self, engine: OffloadEngine, *, report_blocks: bool, copies: CopyMode | None = None
+    ) -> None:
         self.engine = engine
         self.report_blocks = report_blocks
+        #: How loads in the step copy (:mod:`kvoffload.engine._layered`); measured per device.
+        self.copies = CopyMode.default(engine.transfer.is_cuda) if copies is None else copies
         self._orders: dict[int, TransferOrder] = {}  # engine job id -> order
         self._instant: list[TransferOrder] = []  # orders with nothing to run: failed at once
         self._loads = Counter[str]()
@@ -86,11 +90,14 @@ class OffloadWorker:
         self._suspended = False
         #: In-step loads run this step, with their results, until :meth:`poll`.
         self._in_step: list[tuple[TransferOrder, JobResult]] = []
+        #: This step's in-step loads while their layers copy, until :meth:`_end_in_step`.
+        self._copying: tuple[list[TransferOrder], LayeredLoad] | None = None
         #: An in-step load of this step failed: its stores are not run.
         self._step_failed = False
 
     def suspend(self) -> None:
         """The engine's KV memory is about to be released: wait for every job first."""
+        self._end_in_step()
         self.engine.wait()
         self._suspended = True
 
@@ -103,14 +110,21 @@ class OffloadWorker:
         self._step_failed = False
         self.engine.wait_for_sources()
 
-    def submit(self, orders: Iterable[TransferOrder], kind: JobKind) -> None:
+    def submit(
+        self, orders: Iterable[TransferOrder], kind: JobKind, *, full_graph: bool = False
+    ) -> None:
         """Start this step's orders of ``kind``; each is reported once by :meth:`poll`.
 
-        An ``in_step`` load runs to its end here, before the forward pass
-        reads its blocks. If one fails, every store of the step is failed
-        instead of run: the step computed on top of that load, and what it
-        wrote is recomputed once vLLM learns of the failure.
+        The ``in_step`` loads start here, before the forward pass, and copy
+        layer by layer (:meth:`wait_layer`); ``full_graph`` (a CUDA graph replays
+        the whole forward pass, so no layer waits) copies them all first. If one
+        fails, every store of the step is failed instead of run: the step
+        computed on top of that load, and what it wrote is recomputed once vLLM
+        learns of the failure.
         """
+        if kind is JobKind.STORE:
+            self._end_in_step()
+        in_step: list[TransferOrder] = []
         for order in orders:
             if order.kind is not kind:
                 continue
@@ -124,24 +138,54 @@ class OffloadWorker:
             if not order.spans or self._suspended or voided:
                 self._instant.append(order)
                 self._step_failed |= order.in_step
-                continue
-            try:
-                if order.in_step:
-                    result = self.engine.load_now(order.spans)
-                    self._in_step.append((order, result))
-                    self._step_failed |= not JobReport.of(order, result).ok
-                    continue
-                if kind is JobKind.LOAD:
-                    job_id = self.engine.submit_load(order.spans)
-                else:
-                    job_id = self.engine.submit_store(order.spans)
-            except Exception as exc:  # a bad order fails its job, never the step
-                logger.error("kvoffload: %s order %d refused: %s", kind.value, order.job_id, exc)
-                self._stats.refused_orders += 1
-                self._instant.append(order)
-                self._step_failed |= order.in_step
+            elif order.in_step:
+                in_step.append(order)
             else:
-                self._orders[job_id] = order
+                self._start(order, kind)
+        if in_step:
+            self._start_in_step(in_step, CopyMode.BEFORE if full_graph else self.copies)
+
+    def wait_layer(self, name: str) -> None:
+        """Return once layer ``name``'s in-step loads are in place (``wait_for_layer_load``)."""
+        if self._copying is not None:
+            self._stats.in_step_layer_waits += 1
+            self._copying[1].wait_layer(name)
+
+    def _start(self, order: TransferOrder, kind: JobKind) -> None:
+        try:
+            if kind is JobKind.LOAD:
+                job_id = self.engine.submit_load(order.spans)
+            else:
+                job_id = self.engine.submit_store(order.spans)
+        except Exception as exc:  # a bad order fails its job, never the step
+            self._refused(order, exc)
+        else:
+            self._orders[job_id] = order
+
+    def _start_in_step(self, orders: list[TransferOrder], copies: CopyMode) -> None:
+        try:
+            load = self.engine.load_by_layer([o.spans for o in orders], copies)
+        except Exception as exc:  # a bad order fails its job, never the step
+            for order in orders:
+                self._refused(order, exc)
+        else:
+            self._copying = (orders, load)
+
+    def _end_in_step(self) -> None:
+        """Wait for this step's in-step loads to finish copying, and keep their results."""
+        if self._copying is None:
+            return
+        orders, load = self._copying
+        self._copying = None
+        for order, result in zip(orders, load.join(), strict=True):
+            self._in_step.append((order, result))
+            self._step_failed |= not JobReport.of(order, result).ok
+
+    def _refused(self, order: TransferOrder, exc: Exception) -> None:
+        logger.error("kvoffload: %s order %d refused: %s", order.kind.value, order.job_id, exc)
+        self._stats.refused_orders += 1
+        self._instant.append(order)
+        self._step_failed |= order.in_step
 
     def poll(self, *, idle: bool = False) -> PollResult:
         """Wait for this step's stores to read their blocks, then collect finished jobs.
@@ -154,6 +198,7 @@ class OffloadWorker:
         tier took 150-400 ms that way, against a few ms while this thread
         sleeps.
         """
+        self._end_in_step()
         if idle and self._orders:
             self.engine.wait_for_any(IDLE_WAIT_S)
         self.engine.wait_for_sources()
@@ -223,6 +268,7 @@ class OffloadWorker:
 
     def take_failed_blocks(self) -> set[int]:
         """Engine block ids whose load failed since the last call (single-group layouts)."""
+        self._end_in_step()
         blocks, self._failed_blocks = self._failed_blocks, set()
         return blocks
 

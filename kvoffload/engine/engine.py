@@ -46,12 +46,13 @@ import time
 from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack
-from functools import partial
 
 import torch
 
 from kvoffload.config import OffloadConfig
+from kvoffload.engine._layered import CopyMode, LayeredLoad
 from kvoffload.engine._outcome import Outcome
+from kvoffload.engine._runs import load_span
 from kvoffload.engine.failpoints import FailPoints
 from kvoffload.errors import TransferError
 from kvoffload.messages import ChunkSpan, JobKind, JobResult
@@ -87,6 +88,7 @@ class OffloadEngine:
         self._pending = 0
         self._reading = 0  # store jobs still reading engine blocks
         self._closed = False
+        self._copier: ThreadPoolExecutor | None = None
 
     @classmethod
     def create(
@@ -149,19 +151,39 @@ class OffloadEngine:
             self._check_span(span)
         return self._submit(JobKind.LOAD, spans, self._engine_event())
 
-    def load_now(self, spans: Sequence[ChunkSpan]) -> JobResult:
-        """Run a load in the calling thread and return its result (not kept for ``get_finished``).
+    def load_by_layer(
+        self, jobs: Sequence[Sequence[ChunkSpan]], mode: CopyMode = CopyMode.BEFORE
+    ) -> LayeredLoad:
+        """Start the loads the engine's next forward pass reads, layer by layer (:mod:`._layered`).
 
-        For a load the engine's next forward pass reads: queued on the pool it
-        could wait behind store jobs writing to disk. It still takes the job
-        locks of its chunks, so it never races a store or a promotion of them.
+        Not queued on the pool, where they could wait behind store jobs
+        writing to disk. They still take the job locks of their chunks, so they
+        never race a store or a promotion of them. Their results come from
+        :meth:`LayeredLoad.join`, not :meth:`get_finished`.
         """
-        for span in spans:
-            self._check_span(span)
+        for spans in jobs:
+            for span in spans:
+                self._check_span(span)
         with self._cond:
             self._pending += 1
-        return self._run(next(self._ids), JobKind.LOAD, tuple(spans), self._engine_event(),
-                         time.perf_counter(), keep=False)  # fmt: skip
+        try:
+            return LayeredLoad(self, [tuple(s) for s in jobs], self._engine_event(), mode)
+        except BaseException:
+            self.job_ended()
+            raise
+
+    def new_job_id(self) -> int:
+        return next(self._ids)
+
+    def job_ended(self) -> None:
+        """A job run outside the pool (a load in the step) has ended."""
+        self._finish(None, keep=False)
+
+    def copy_thread(self) -> ThreadPoolExecutor:
+        """The one thread that copies loads in the step (:class:`CopyMode` ``thread``)."""
+        if self._copier is None:
+            self._copier = ThreadPoolExecutor(1, thread_name_prefix="kvoffload-layers")
+        return self._copier
 
     def get_finished(self) -> list[JobResult]:
         """Jobs finished since the last call, each reported exactly once."""
@@ -205,6 +227,8 @@ class OffloadEngine:
             return
         self._closed = True
         self._pool.shutdown(wait=True)
+        if self._copier is not None:
+            self._copier.shutdown(wait=True)
         self.cascade.close()
 
     # -- job plumbing ---------------------------------------------------------------
@@ -250,7 +274,7 @@ class OffloadEngine:
         outcome = Outcome()
         reading = kind is JobKind.STORE
         try:
-            with self._locked(spans):
+            with self.locked(spans):
                 if kind is JobKind.STORE:
                     gathered = [self._gather_span(span, after, outcome) for span in spans]
                     self._sources_released()
@@ -260,7 +284,7 @@ class OffloadEngine:
                             self._commit_span(span, outcome)
                 else:
                     for span in spans:
-                        self._load_span(span, after, outcome)
+                        load_span(self, span, after, outcome)
         except Exception as exc:  # a bug must still report the job, never hang the engine
             self._crashed(kind, spans, outcome, exc)
         if reading:
@@ -290,7 +314,8 @@ class OffloadEngine:
         done = set(outcome.done) | set(outcome.failed)
         outcome.failed += [k for s in spans for k in s.keys if k not in done]
 
-    def _locked(self, spans: Sequence[ChunkSpan]) -> ExitStack:
+    def locked(self, spans: Sequence[ChunkSpan]) -> ExitStack:
+        """The job locks over ``spans``' keys and slots, taken in one sorted order."""
         stripes = {hash(("k", k)) % _LOCK_STRIPES for s in spans for k in s.keys}
         stripes |= {hash(("s", slot)) % _LOCK_STRIPES for s in spans for slot in s.slots}
         stack = ExitStack()
@@ -298,9 +323,9 @@ class OffloadEngine:
             stack.enter_context(self._locks[stripe])
         return stack
 
-    def _finish(self, result: JobResult, *, keep: bool) -> None:
+    def _finish(self, result: JobResult | None, *, keep: bool) -> None:
         with self._cond:
-            if keep:
+            if keep and result is not None:
                 self._finished.append(result)
             self._pending -= 1
             self._cond.notify_all()
@@ -338,62 +363,3 @@ class OffloadEngine:
             cpu.bind(key, slot, nbytes)
             outcome.errors.extend(self.cascade.write_through(key, slot, nbytes))
             outcome.done.append(key)
-
-    def _load_span(self, span: ChunkSpan, after: torch.cuda.Event | None, outcome: Outcome) -> None:
-        nbytes = self.transfer.chunk_bytes(span.group)
-        ranges = span.blocks.chunk_ranges(self.transfer.chunk_blocks(span.group))
-        ok = []
-        for key, slot in zip(span.keys, span.slots, strict=True):
-            why: list[str] = []
-            source = self.cascade.fill(key, slot, nbytes, why)
-            ok.append(source is not None)
-            if source is not None and source is not self.cascade.cpu:
-                outcome.promoted.append(key)
-            if source is None:
-                detail = "; ".join(why) or "no tier holds it"
-                outcome.errors.append(f"no tier could load chunk {key.hex()[:16]} ({detail})")
-        if ok[-1] and self.faults is not None and self.faults.fails_load():
-            ok[-1] = False
-            outcome.errors.append("fault point load.fail_last_chunk: the last chunk failed")
-        start = 0
-        while start < len(ok):  # scatter each run of verified chunks with one call
-            stop = start + 1
-            while stop < len(ok) and ok[stop] == ok[start]:
-                stop += 1
-            keys = span.keys[start:stop]
-            if ok[start] and self._scatter(span, start, stop, after, outcome):
-                outcome.done.extend(keys)
-            else:
-                outcome.failed.extend(keys)
-                blocks = span.blocks.block_ids[ranges[start][0] : ranges[stop - 1][1]]
-                outcome.failed_blocks.setdefault(span.group, []).extend(blocks)
-            start = stop
-
-    def _scatter(
-        self,
-        span: ChunkSpan,
-        start: int,
-        stop: int,
-        after: torch.cuda.Event | None,
-        outcome: Outcome,
-    ) -> bool:
-        cpu, bpc = self.cascade.cpu, self.transfer.chunk_blocks(span.group)
-        nbytes = self.transfer.chunk_bytes(span.group)
-        sub = span.blocks.sub(start, stop, bpc)
-        begin = time.perf_counter()
-        try:
-            buffers = [cpu.slot(slot, nbytes) for slot in span.slots[start:stop]]
-            if self.faults is None:
-                self.transfer.scatter(span.group, sub, buffers, after=after)
-            else:
-                scatter = partial(self.transfer.scatter, after=after)
-                self.faults.scatter(scatter, bpc, span.group, sub, buffers)
-        except Exception as exc:  # the engine recomputes these blocks
-            cpu.counters.add(load_failures=stop - start)
-            outcome.errors.append(f"transfer: group {span.group}: {exc}")
-            return False
-        moved = len(sub.block_ids) * self.transfer.layout.groups[span.group].block_bytes
-        cpu.counters.add(loads=stop - start, load_bytes=moved,
-                         load_seconds=time.perf_counter() - begin)  # fmt: skip
-        outcome.nbytes += moved
-        return True

@@ -36,6 +36,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 
 import numpy as np
 import numpy.typing as npt
@@ -151,9 +152,19 @@ class KVTransfer:
         span: BlockSpan,
         chunks: Sequence[torch.Tensor],
         after: torch.cuda.Event | None = None,
+        layer: int | None = None,
     ) -> None:
-        """Copy ``chunks`` back into the span's engine blocks (after ``after``, on CUDA)."""
-        self._run(group, span, chunks, to_chunks=False, after=after)
+        """Copy ``chunks`` back into the span's engine blocks (after ``after``, on CUDA).
+
+        ``layer`` (an index into the group's layers) copies that layer's pages
+        only: a load in the step copies layer by layer, so the forward pass can
+        start on the first layers while later ones are still copying.
+        """
+        self._run(group, span, chunks, to_chunks=False, after=after, layer=layer)
+
+    def layer_index(self) -> dict[str, tuple[int, int]]:
+        """Each registered layer's ``(group, index in the group)``, by layer name."""
+        return {p.name: (g, i) for g, views in enumerate(self.groups) for i, p in enumerate(views)}
 
     # -- implementation ----------------------------------------------------------
     def _check(
@@ -194,14 +205,16 @@ class KVTransfer:
         *,
         to_chunks: bool,
         after: torch.cuda.Event | None,
+        layer: int | None = None,
     ) -> None:
         ids = self._check(group, span, chunks)
+        pages = _Pages.of(self, group, chunks, layer)
         if not self._cuda:
-            self._copy(group, span, ids, chunks, to_chunks=to_chunks, after=None)
+            self._copy(pages, span, ids, to_chunks=to_chunks, after=None)
             return
         stream = self._stream()
         with torch.cuda.stream(stream):
-            self._copy(group, span, ids, chunks, to_chunks=to_chunks, after=after)
+            self._copy(pages, span, ids, to_chunks=to_chunks, after=after)
         # This thread's stream only: never the engine's. Device temporaries (staging,
         # indices) were allocated on this stream, so their memory is reused only after it.
         stream.synchronize()
@@ -215,18 +228,18 @@ class KVTransfer:
 
     def _copy(
         self,
-        group: int,
+        pages: _Pages,
         span: BlockSpan,
         ids: npt.NDArray[np.int64],
-        chunks: Sequence[torch.Tensor],
         *,
         to_chunks: bool,
         after: torch.cuda.Event | None,
     ) -> None:
         """The kernel, staged or direct path, on the current stream (waiting for ``after``)."""
-        kernel = self._kernel
+        kernel, chunks, group = self._kernel, pages.chunks, pages.group
         if (
             kernel is not None
+            and pages.whole  # the kernel moves every layer of a group in one launch
             and kernel.accepts(chunks)
             and (self._choice is None or self._choice.use_kernel(group, to_chunks, len(chunks)))
         ):
@@ -235,26 +248,24 @@ class KVTransfer:
             kernel.copy(group, span, ids, chunks, to_chunks=to_chunks)
             return
         if self.staged:
-            staged_copy(self.groups[group], span, ids, chunks, self.chunk_blocks(group),
-                        self.chunk_bytes(group), to_chunks=to_chunks,
-                        max_staging_bytes=self.max_staging_bytes, after=after)  # fmt: skip
+            staged_copy(pages.layers, span, ids, chunks, pages.bpc, pages.size,
+                        to_chunks=to_chunks, max_staging_bytes=self.max_staging_bytes,
+                        after=after)  # fmt: skip
             return
         if after is not None:
             torch.cuda.current_stream(self.device).wait_event(after)
-        self._copy_chunks(group, span, ids, chunks, to_chunks=to_chunks)
+        self._copy_chunks(pages, span, ids, to_chunks=to_chunks)
 
+    @staticmethod
     def _copy_chunks(
-        self,
-        group: int,
+        pages: _Pages,
         span: BlockSpan,
         ids: npt.NDArray[np.int64],
-        chunks: Sequence[torch.Tensor],
         *,
         to_chunks: bool,
     ) -> None:
         """Split the span into runs (see :mod:`._moves`); one copy per layer per run."""
-        layers = self.groups[group]
-        bpc, size = self.chunk_blocks(group), self.chunk_bytes(group)
+        layers, chunks, bpc, size = pages.layers, pages.chunks, pages.bpc, pages.size
         ranges = span.chunk_ranges(bpc)
         c = 0
         while c < len(ranges):
@@ -265,16 +276,47 @@ class KVTransfer:
             index = None if bool((np.diff(run) == 1).all()) else run.reshape(m, -1)
             k = (stop - start) // m
             layer_start = 0  # layers' pages differ in size in DeepSeek-V4's packed groups
-            for pages in layers:
-                offset = layer_start + pos * pages.page_bytes
-                layer_start += bpc * pages.page_bytes
+            for layer in layers:
+                offset = layer_start + pos * layer.page_bytes
+                layer_start += bpc * layer.page_bytes
                 base = chunks[c]
                 dst = base.as_strided(
-                    (m, k, pages.page_bytes), (step, pages.page_bytes, 1),
+                    (m, k, layer.page_bytes), (step, layer.page_bytes, 1),
                     base.storage_offset() + offset,
                 )  # fmt: skip
-                move_run(pages, dst, int(run[0]), index, to_chunks=to_chunks)
+                move_run(layer, dst, int(run[0]), index, to_chunks=to_chunks)
             c += m
+
+
+@dataclass(frozen=True, slots=True)
+class _Pages:
+    """What one copy moves: some of a group's layers, and where their bytes lie in each chunk.
+
+    Every layer of the group (``whole``), or one layer: its bytes are one dense
+    run of each chunk (chunks are layer-major), so the chunk buffers are
+    narrowed to that run and the copy proceeds as for a group of one layer.
+    """
+
+    group: int
+    layers: tuple[LayerPages, ...]
+    chunks: Sequence[torch.Tensor]
+    bpc: int
+    size: int
+    whole: bool
+
+    @classmethod
+    def of(
+        cls, transfer: KVTransfer, group: int, chunks: Sequence[torch.Tensor], layer: int | None
+    ) -> _Pages:
+        layers, bpc = transfer.groups[group], transfer.chunk_blocks(group)
+        if layer is None:
+            return cls(group, layers, chunks, bpc, transfer.chunk_bytes(group), whole=True)
+        if not 0 <= layer < len(layers):
+            raise TransferError(f"group {group} has layers 0..{len(layers) - 1}, not {layer}")
+        start = bpc * sum(p.page_bytes for p in layers[:layer])
+        size = bpc * layers[layer].page_bytes
+        narrowed = [buf.narrow(0, start, size) for buf in chunks]
+        return cls(group, (layers[layer],), narrowed, bpc, size, whole=False)
 
 
 def _mergeable(

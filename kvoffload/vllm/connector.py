@@ -314,10 +314,11 @@ class KVOffloadConnector(KVConnectorBase_V1, SupportsHMA):
             self._worker.before_forward()
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
-        self._worker_side().submit(self._orders(), JobKind.LOAD)
+        graph = getattr(getattr(forward_context, "cudagraph_runtime_mode", None), "name", "")
+        self._worker_side().submit(self._orders(), JobKind.LOAD, full_graph=graph == "FULL")
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        return None  # in-step loads end in start_load_kv (docs/vllm.md: why not per layer)
+        self._worker_side().wait_layer(layer_name)  # in-step loads copy layer by layer
 
     def save_kv_layer(
         self,

@@ -1,0 +1,183 @@
+"""Loads in the step, copied layer by layer so the forward pass need not wait for all of them.
+
+vLLM calls the connector's ``wait_for_layer_load(layer)`` just before each
+attention layer reads its KV. A load in the step (a CPU-tier hit scheduled in
+the step that asked for it) therefore need only have *that* layer's blocks in
+place by then: the copies run in the model's layer order, and each layer's
+wait ends when its own copies are done, so later layers copy while earlier
+ones compute. How the copies run (:class:`CopyMode`):
+
+* ``thread``: a copy thread of its own, layer after layer; a wait blocks until
+  its layer is copied. On CUDA the thread's copies finish on its own stream
+  before the layer is released, so the forward pass never enqueues a kernel
+  ahead of the KV it reads.
+* ``layer``: each wait copies the layers up to its own in the calling thread
+  (no overlap, no thread).
+* ``before``: every copy before the forward pass, as a load job does.
+
+All of them first verify every chunk in its CPU slot, in ``start_load_kv``:
+what fails there is never copied. A copy that fails marks its run failed; its
+blocks are reported after the forward pass like any failed load's, and vLLM
+recomputes them. A wait for a layer the load does not know (a layer that reads
+another's KV, say) waits for every layer.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import threading
+import time
+from collections.abc import Sequence
+from concurrent.futures import Future
+from contextlib import ExitStack
+from enum import Enum
+from typing import TYPE_CHECKING
+
+import torch
+
+from kvoffload.engine._outcome import Outcome
+from kvoffload.engine._runs import scatter_run, settle, verified_runs
+from kvoffload.errors import ConfigError
+from kvoffload.messages import ChunkSpan, JobKind, JobResult
+
+if TYPE_CHECKING:
+    from kvoffload.engine.engine import OffloadEngine
+
+__all__ = ["COPY_MODE_ENV", "CopyMode", "LayeredLoad", "model_order"]
+
+#: Environment variable that picks the copy mode (for measurements; the default is measured).
+COPY_MODE_ENV = "KVOFFLOAD_IN_STEP_COPIES"
+
+
+class CopyMode(Enum):
+    """How a load in the step runs its copies (see the module docstring)."""
+
+    THREAD = "thread"
+    LAYER = "layer"
+    BEFORE = "before"
+
+    @classmethod
+    def default(cls, cuda: bool) -> CopyMode:
+        """The mode measured fastest on the device, unless ``KVOFFLOAD_IN_STEP_COPIES`` names one.
+
+        On the CPU backend every layer's copies before the forward pass: on 2
+        cores a copy thread competes with the forward pass's own threads
+        (docs/benchmarks.md, "Loads in the step"). On CUDA a copy thread: the
+        copies run on the copy engines while the GPU computes.
+        """
+        value = os.environ.get(COPY_MODE_ENV, "").strip().lower()
+        if not value:
+            return cls.THREAD if cuda else cls.BEFORE
+        try:
+            return cls(value)
+        except ValueError:
+            choices = ", ".join(m.value for m in cls)
+            raise ConfigError(
+                f"{COPY_MODE_ENV}={value!r} is not a copy mode; use one of {choices}, "
+                f"or leave it unset for the measured default"
+            ) from None
+
+
+def model_order(names: Sequence[str]) -> list[str]:
+    """Layer names in the model's order: vLLM's names carry the layer index (``layers.12.``).
+
+    Names without one keep their place after those with one (a drafter's).
+    """
+
+    def index(pair: tuple[int, str]) -> tuple[int, int]:
+        found = re.search(r"\.(\d+)\.", f".{pair[1]}.")
+        return (int(found.group(1)) if found else 1 << 30, pair[0])
+
+    return [name for _, name in sorted(enumerate(names), key=index)]
+
+
+class LayeredLoad:
+    """The step's loads (one :class:`JobResult` each), copied layer by layer.
+
+    Made by :meth:`OffloadEngine.load_by_layer` in the thread that runs the
+    forward pass; :meth:`join` there ends it (the job locks are taken and let
+    go in that thread).
+    """
+
+    def __init__(
+        self,
+        engine: OffloadEngine,
+        jobs: Sequence[tuple[ChunkSpan, ...]],
+        after: torch.cuda.Event | None,
+        mode: CopyMode,
+    ) -> None:
+        self._engine, self._after, self._start = engine, after, time.perf_counter()
+        self._ids = [engine.new_job_id() for _ in jobs]
+        self._outcomes = [Outcome() for _ in jobs]
+        self._locks = ExitStack()
+        self._locks.enter_context(engine.locked([s for spans in jobs for s in spans]))
+        self._runs = [
+            [run for span in spans for run in verified_runs(engine, span, outcome)]
+            for spans, outcome in zip(jobs, self._outcomes, strict=True)
+        ]
+        groups = {s.group for spans in jobs for s in spans}
+        at = engine.transfer.layer_index()
+        self._order = [(n, *at[n]) for n in model_order(list(at)) if at[n][0] in groups]
+        self._copied = [threading.Event() for _ in self._order]
+        self._position = {name: i for i, (name, _, _) in enumerate(self._order)}
+        self._next = 0
+        self._lock = threading.Lock()
+        self._future: Future[None] | None = None
+        if mode is CopyMode.THREAD:
+            self._future = engine.copy_thread().submit(self._advance, len(self._order))
+        elif mode is CopyMode.BEFORE:  # every layer of a run in one call, as a load job
+            for runs, outcome in zip(self._runs, self._outcomes, strict=True):
+                for run in runs:
+                    run.ok = run.ok and scatter_run(engine, run, after, outcome)
+            self._next = len(self._order)
+
+    def wait_layer(self, name: str) -> None:
+        """Return once ``name``'s blocks are in place (every layer's, for a name not loaded)."""
+        upto = self._position.get(name, len(self._order) - 1) + 1
+        if self._future is None:
+            self._advance(upto)
+        elif upto:
+            self._copied[upto - 1].wait()
+
+    def join(self) -> list[JobResult]:
+        """Finish every copy, let the chunks go, and report each job."""
+        if self._future is None:
+            self._advance(len(self._order))
+        else:
+            self._future.result()
+        self._locks.close()
+        transfer, seconds = self._engine.transfer, time.perf_counter() - self._start
+        bpc = {g: transfer.chunk_blocks(g) for g in range(len(transfer.groups))}
+        results = []
+        for job_id, runs, outcome in zip(self._ids, self._runs, self._outcomes, strict=True):
+            settle(runs, outcome, bpc)
+            results.append(outcome.result(job_id, JobKind.LOAD, seconds))
+        self._engine.job_ended()
+        return results
+
+    def _advance(self, upto: int) -> None:
+        """Copy the layers before position ``upto`` not copied yet, in order."""
+        with self._lock:
+            try:
+                while self._next < upto:
+                    self._copy_layer(*self._order[self._next][1:])
+                    self._copied[self._next].set()
+                    self._next += 1
+            except Exception as exc:  # a bug fails the load, never the forward pass's wait
+                self._fail_all(exc)
+
+    def _copy_layer(self, group: int, layer: int) -> None:
+        for runs, outcome in zip(self._runs, self._outcomes, strict=True):
+            for run in runs:
+                if run.ok and run.span.group == group:
+                    run.ok = scatter_run(self._engine, run, self._after, outcome, layer)
+
+    def _fail_all(self, exc: Exception) -> None:
+        for runs, outcome in zip(self._runs, self._outcomes, strict=True):
+            outcome.errors.append(f"{type(exc).__name__}: {exc}")
+            for run in runs:
+                run.ok = False
+        self._next = len(self._order)
+        for event in self._copied:
+            event.set()
