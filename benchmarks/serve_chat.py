@@ -82,6 +82,18 @@ class Plan:
     kvcache_gib: int
 
 
+def in_flight_blocks(args: argparse.Namespace) -> int:
+    """Blocks for ``--concurrency`` whole conversations at once, and vLLM's null block.
+
+    A smaller engine cache makes a request wait in vLLM's queue for room, with
+    or without an offload tier (no load path gives that back); this one runs
+    the requests in flight at once and still loses every history that waits
+    behind the other conversations' turns.
+    """
+    chat_len = args.system_tokens + args.turns * (args.user_tokens + args.answer_tokens)
+    return args.concurrency * math.ceil(chat_len / args.block_size) + 1
+
+
 def plan(args: argparse.Namespace, model: Path) -> Plan:
     config = MODELS[args.model]
     chat_len = args.system_tokens + args.turns * (args.user_tokens + args.answer_tokens)
@@ -310,7 +322,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     add("--unique-prompts", type=int, default=8)
     add("--unique-tokens", type=int, default=1500)
     add("--check-conversations", type=int, default=6, help="of the float32 check")
-    add("--engine-blocks", type=int, default=160, help="the engine's own KV cache, in blocks")
+    add("--engine-blocks", type=int, default=None,
+        help="the engine's own KV cache, in blocks; by default room for --concurrency whole "
+             "conversations in flight (the requests a server runs at once), not for the "
+             "other conversations' histories")  # fmt: skip
     add("--block-size", type=int, default=32)
     add(
         "--blocks-per-chunk",
@@ -340,6 +355,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args.modes = [m for m in args.modes.split(",") if m]
     if set(args.modes) - {*MODES, "next-step"}:
         parser.error(f"--modes: a comma list of {', '.join(MODES)} and next-step")
+    if args.engine_blocks is None:
+        args.engine_blocks = in_flight_blocks(args)
     sizes = ("conversations", "turns", "system_tokens", "user_tokens", "answer_tokens",
              "concurrency", "unique_prompts", "unique_tokens", "check_conversations",
              "engine_blocks", "block_size", "blocks_per_chunk")  # fmt: skip

@@ -12,6 +12,10 @@ of the history is the connector:
 * ``kvoffload cpu``: the connector (CPU tier only) loads the history from
   its CPU tier, in the step that asks for it (``load_in_step``'s default on
   this one-group model);
+* ``kvoffload cpu, <mode> copies``: the same with each way a load in the step
+  may copy (``KVOFFLOAD_IN_STEP_COPIES``, ``kvoffload/engine/_layered.py``): a
+  copy thread layer after layer, each layer in its ``wait_for_layer_load``, or
+  all before the forward pass; the plain row is the device's default;
 * ``kvoffload cpu, next step``: the same with ``load_in_step: never``, the
   way every hit loaded before: vLLM schedules the request one step later;
 * ``kvoffload disk``: one process stores the earlier turns (CPU tier and
@@ -59,6 +63,10 @@ from _launch import EngineFailed, run_spec  # noqa: E402
 from _models import BIG_LLAMA, build  # noqa: E402
 from _runner import stat_delta  # noqa: E402
 
+#: KVOFFLOAD_IN_STEP_COPIES's values (kvoffload.engine._layered.CopyMode; not imported:
+#: this script runs in the vLLM environment, where kvoffload may be another checkout's).
+COPY_MODES = ("thread", "layer", "before")
+
 
 def conversations(
     n: int, system: int, turn: int, turns: int, vocab: int, *, seed: int = 0
@@ -78,11 +86,13 @@ def conversations(
     return earlier, last
 
 
-def run_engine(spec: dict[str, Any], work: Path, name: str, reserved_cpus: int) -> dict[str, Any]:
-    """One engine process on ``spec``; its result (``_runner.py``'s format)."""
+def run_engine(
+    spec: dict[str, Any], work: Path, name: str, reserved_cpus: int, **extra: str
+) -> dict[str, Any]:
+    """One engine process on ``spec`` (``extra``: more environment); its result."""
     # The same in every mode: vLLM's CPU backend reserves one core more when a KV
     # connector is configured (vllm/utils/ompmultiprocessing.py), where it binds threads.
-    env = {**os.environ, "VLLM_CPU_NUM_OF_RESERVED_CPU": str(reserved_cpus)}
+    env = {**os.environ, "VLLM_CPU_NUM_OF_RESERVED_CPU": str(reserved_cpus), **extra}
     started = time.perf_counter()
     try:
         result = run_spec(spec, work, name, env=env)
@@ -115,7 +125,8 @@ def row(name: str, result: dict[str, Any], n: int) -> dict[str, Any]:
     return out
 
 
-def main(argv: list[str] | None = None) -> int:
+def arguments(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
+    """The command line, checked; and the copy modes it asks rows for."""
     parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
     parser.add_argument("--conversations", type=int, default=4)
     parser.add_argument("--system-tokens", type=int, default=1024)
@@ -132,11 +143,25 @@ def main(argv: list[str] | None = None) -> int:
         default=1,
         help="VLLM_CPU_NUM_OF_RESERVED_CPU of every engine process (the same in every mode)",
     )
+    parser.add_argument(
+        "--copy-modes",
+        default="thread,layer",
+        help="more cpu rows, one per way a load in the step copies (KVOFFLOAD_IN_STEP_COPIES: "
+        "thread, layer, before; the default row is the device's default); '' for none",
+    )
     parser.add_argument("--keep", type=Path, help="keep specs, results and logs here")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     args = parser.parse_args(argv)
     if args.turns < 2:
         parser.error("--turns must be at least 2 (earlier turns are stored, the last is timed)")
+    copy_modes = [m.strip() for m in args.copy_modes.split(",") if m.strip()]
+    if bad := [m for m in copy_modes if m not in COPY_MODES]:
+        parser.error(f"--copy-modes: {', '.join(bad)} is not one of {', '.join(COPY_MODES)}")
+    return args, copy_modes
+
+
+def main(argv: list[str] | None = None) -> int:
+    args, copy_modes = arguments(argv)
 
     config = {
         **BIG_LLAMA,
@@ -186,6 +211,16 @@ def main(argv: list[str] | None = None) -> int:
             "kvoffload-cpu",
             args.reserved_cpus,
         )
+        by_mode = {
+            mode: run_engine(
+                {**base, "connector": connector, "passes": [warmup, fill, timed]},
+                work,
+                f"kvoffload-cpu-{mode}",
+                args.reserved_cpus,
+                KVOFFLOAD_IN_STEP_COPIES=mode,
+            )
+            for mode in copy_modes
+        }
         next_step = run_engine(
             {**base, "connector": {**connector, "load_in_step": "never"},
              "passes": [warmup, fill, timed]},
@@ -209,6 +244,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = [
         row("recompute", plain, 3),
         row("kvoffload cpu", with_cpu, 2),
+        *(row(f"kvoffload cpu, {mode} copies", by_mode[mode], 2) for mode in copy_modes),
         row("kvoffload cpu, next step", next_step, 2),
         row("kvoffload disk", with_disk, 1),
         row("vllm prefix cache", plain, 2),
@@ -239,14 +275,14 @@ def main(argv: list[str] | None = None) -> int:
         f"VLLM_CPU_NUM_OF_RESERVED_CPU={args.reserved_cpus} in every engine process"
     )
     print(
-        f"{'mode':<25} {'TTFT ms':>9} {'vLLM TTFT':>10} {'cached':>7} {'from disk':>10} "
+        f"{'mode':<31} {'TTFT ms':>9} {'vLLM TTFT':>10} {'cached':>7} {'from disk':>10} "
         f"{'recompute/mode':>15} {'mode/own cache':>15}  same tokens  torch threads"
     )
     for r in rows:
         vllm_ttft = f"{r['vllm_ttft_ms']:.0f}" if r["vllm_ttft_ms"] is not None else "-"
         disk_chunks = r.get("lower_hit_chunks", "-")
         print(
-            f"{r['mode']:<25} {r['ttft_ms']:>9.0f} {vllm_ttft:>10} {r['cached_tokens']:>7.0f} "
+            f"{r['mode']:<31} {r['ttft_ms']:>9.0f} {vllm_ttft:>10} {r['cached_tokens']:>7.0f} "
             f"{disk_chunks!s:>10} {r['ratio_vs_recompute']:>14.2f}x "
             f"{r['ratio_vs_own_cache']:>14.2f}x  {r['same_tokens']!s:<11}  {r['torch_threads']}"
         )
