@@ -81,8 +81,8 @@ def test_plan_without_a_method_is_a_draft_model_and_without_a_drafter_none(
     [
         (["--speculative-method", "eagle"], "--speculative-method eagle needs --draft-model"),
         (["--speculative-method", "draft_model"], "needs --draft-model"),
-        (["--speculative-method", "mtp"], "--speculative-method mtp is not planned"),
-        (["--speculative-method", "mtp", "--draft-model", "HEAD"], "mtp is not planned"),
+        (["--speculative-method", "mtp"], "mtp is not planned for model type 'llama'"),
+        (["--speculative-method", "mtp", "--draft-model", "HEAD"], "mtp takes no --draft-model"),
         (["--speculative-method", "eagle", "--draft-model", "HEAD", "--block-size", "32",
           "--model", "tiny_gemma4"], "an EAGLE head beside a hybrid target"),
     ],

@@ -50,11 +50,16 @@ def test_plan_json_is_the_documented_schema(tmp_path: Path) -> None:
                         "disk_bytes_to_use": "1GiB", "store_threshold": 2,
                         "tenant_cpu_share": 0.5, "remote_url": "redis://127.0.0.1:1/0",
                         "offload_prompt_only": True, "key_source": "tokens"})  # fmt: skip
+    mtp = tmp_path / "mtp.json"  # DeepSeek-V3's MLA with one MTP layer
+    mtp.write_text(json.dumps({"model_type": "deepseek_v3", "num_hidden_layers": 2,
+                               "kv_lora_rank": 512, "qk_rope_head_dim": 64,
+                               "num_nextn_predict_layers": 1}))  # fmt: skip
     runs = kvoffload_all([
         ["plan", "tiny_qwen3_next", "--extra-config", extra, "--json"],
         ["plan", "tiny_deepseek_v4", "--dtype", "fp8_ds_mla", "--json"],
         ["plan", "tiny_llama", "--draft-model", "tiny_llama", "--speculative-method", "eagle",
          "--json"],
+        ["plan", mtp, "--speculative-method", "mtp", "--json"],
     ])  # fmt: skip
     for ran in runs:
         assert ran.code == 0, ran.err
@@ -65,7 +70,8 @@ def test_plan_json_is_the_documented_schema(tmp_path: Path) -> None:
         for group in groups:
             assert_matches(group, "plan-json-groups",
                            optional={"cpu_tokens_if_alone", "cpu_states_if_alone",
-                                     "drafter_layers", "drafter_chunk_bytes"})  # fmt: skip
+                                     "drafter_layers", "drafter_chunk_bytes",
+                                     "drafter_layer_names"})  # fmt: skip
     plan = json.loads(runs[0].out)
     # What the issue found missing is there, with the values given.
     assert plan["store_threshold"] == 2 and plan["key_source"] == "tokens"
@@ -77,6 +83,9 @@ def test_plan_json_is_the_documented_schema(tmp_path: Path) -> None:
     eagle = json.loads(runs[2].out)  # a drafter's fields, documented and filled in
     assert (eagle["speculative_method"], eagle["lookahead"]) == ("eagle", 1)
     assert eagle["groups"][0]["drafter_layers"] == 2
+    mtp_plan = json.loads(runs[3].out)
+    assert (mtp_plan["speculative_method"], mtp_plan["num_speculative_tokens"]) == ("mtp", 1)
+    assert mtp_plan["groups"][0]["drafter_layer_names"] == ["model.layers.2.self_attn.attn"]
 
 
 def test_plan_json_tells_every_field_the_table_shows() -> None:

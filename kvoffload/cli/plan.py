@@ -341,7 +341,7 @@ def run(args: argparse.Namespace) -> int:
         hybrid=_HYBRID[args.hybrid],
         tensor_parallel_size=args.world_size,
     )
-    layout = with_drafter(args, target, _model_source)
+    layout = with_drafter(args, target, _model_source, _HYBRID[args.hybrid])
     config = build_offloading_config(
         _extra_config(args.extra_config),
         layout,

@@ -16,10 +16,10 @@ An EAGLE head (``eagle``, ``eagle3``) is registered under the target's own
 names, ``model.layers.{N + i}.self_attn.attn`` after a target of ``N``
 layers, and its layers join the target's full-attention group. Its KV at a
 position reads the token after it, so the layout gets a lookahead of 1
-(``KVLayout.lookahead``: every chunk key names that token). ``mtp`` is not
-planned: its layers come from the target's own config
-(``num_nextn_predict_layers``), in each family's own shape, and a
-multi-module MTP reads more tokens ahead; no rule here is held to vLLM's.
+(``KVLayout.lookahead``: every chunk key names that token). An MTP drafter
+(``mtp``) is the target's own: its layers come from the target's config in
+each family's shape and are grouped with the target's, and a multi-module
+MTP reads as many tokens ahead as it drafts (:mod:`kvoffload.config._hf_mtp`).
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ from collections.abc import Collection, Mapping
 from pathlib import Path
 from typing import Any
 
+from kvoffload.config._hf_mtp import MtpLayers, mtp_layers
 from kvoffload.config.hf_layout import layout_from_hf_config, load_hf_config
 from kvoffload.config.layout import CacheGroup, KVLayout
 from kvoffload.errors import ConfigError
@@ -41,6 +42,7 @@ __all__ = [
     "with_draft_model",
     "with_drafter_layer",
     "with_eagle_head",
+    "with_mtp",
 ]
 
 #: vLLM's prefix of the drafter's layer names.
@@ -180,3 +182,23 @@ def with_draft_model(
     own = CacheGroup(kind="full", tokens_per_block=page // per_token, layer_names=names,
                      page_bytes=page)  # fmt: skip
     return KVLayout((*layout.groups, own))
+
+
+def with_mtp(
+    target: str | Path | Mapping[str, Any],
+    num_speculative_tokens: int | None = None,
+    *,
+    dtype: str = "bfloat16",
+    block_size: int = 16,
+    hybrid: bool | None = None,
+    tensor_parallel_size: int = 1,
+) -> tuple[KVLayout, MtpLayers]:
+    """The layout of ``target`` served with its own MTP modules (``method: mtp``): their layers
+    grouped with the target's, as vLLM groups them, and their lookahead; and what they are.
+    ``ConfigError`` for a family whose MTP is not planned, or a config without MTP layers."""
+    mtp = mtp_layers(load_hf_config(target), num_speculative_tokens)
+    layout = layout_from_hf_config(target, dtype=dtype, block_size=block_size, hybrid=hybrid,
+                                   tensor_parallel_size=tensor_parallel_size,
+                                   more_layers=mtp.layers,
+                                   speculative_tokens=mtp.num_speculative_tokens)  # fmt: skip
+    return dataclasses.replace(layout, lookahead=mtp.lookahead), mtp

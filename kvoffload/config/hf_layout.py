@@ -142,26 +142,29 @@ def _implied_layer_types(config: Mapping[str, Any], num_layers: int) -> list[str
     return ["sliding_attention" if sliding else "full_attention"] * num_layers
 
 
-def _state_bytes(config: Mapping[str, Any], dtype_bytes: int, tp: int = 1) -> int:
+def _state_bytes(config: Mapping[str, Any], dtype_bytes: int, tp: int = 1, spec: int = 0) -> int:
     """A gated DeltaNet layer's state (vLLM's ``gated_delta_net_state_shape``): conv and SSM,
-    of one of ``tp`` tensor-parallel ranks (each holds its share of the heads)."""
+    of one of ``tp`` tensor-parallel ranks (each holds its share of the heads); the conv
+    state keeps a row more for each of ``spec`` speculative tokens."""
     k_heads, v_heads = (max(1, int_field(config, "linear_num_key_heads") // tp),
                         max(1, int_field(config, "linear_num_value_heads") // tp))  # fmt: skip
     k_dim, v_dim = (int_field(config, "linear_key_head_dim"),
                     int_field(config, "linear_value_head_dim"))  # fmt: skip
     conv_dim = 2 * k_dim * k_heads + v_dim * v_heads
-    conv = (int_field(config, "linear_conv_kernel_dim") - 1) * conv_dim
+    conv = (int_field(config, "linear_conv_kernel_dim") - 1 + spec) * conv_dim
     ssm = v_heads * v_dim * k_dim
     return (conv + ssm) * dtype_bytes
 
 
 def _layer_spec(
-    config: Mapping[str, Any], layer: int, layer_type: str, dtype_bytes: int, tp: int = 1
-) -> _LayerSpec:
+    config: Mapping[str, Any], layer: int, layer_type: str, dtype_bytes: int, tp: int = 1,
+    *, spec: int = 0,
+) -> _LayerSpec:  # fmt: skip
     """One layer's KV on one of ``tp`` tensor-parallel ranks: an MLA latent whole (every rank
-    holds it), KV heads and recurrent states split (vLLM gives each rank at least one head)."""
+    holds it), KV heads and recurrent states split (vLLM gives each rank at least one head);
+    ``spec``: speculative tokens, whose conv rows a recurrent state keeps."""
     if layer_type == "linear_attention":
-        return _LayerSpec("mamba", 0, None, _state_bytes(config, dtype_bytes, tp))
+        return _LayerSpec("mamba", 0, None, _state_bytes(config, dtype_bytes, tp, spec))
     if "kv_lora_rank" in config:  # MLA: one latent vector per token, no K/V split
         latent = int_field(config, "kv_lora_rank") + int_field(config, "qk_rope_head_dim")
         return _LayerSpec("mla", latent * dtype_bytes, None)
@@ -238,20 +241,7 @@ def _attention_block(specs: dict[str, _LayerSpec], block_size: int) -> int:
     return max(block_size, block_size * -(-max(states) // (block_size * per_token)))
 
 
-def layout_from_hf_config(
-    path_or_dict: str | Path | Mapping[str, Any],
-    dtype: str = "bfloat16",
-    block_size: int = 16,
-    hybrid: bool | None = None,
-    tensor_parallel_size: int = 1,
-) -> KVLayout:
-    """See the module docstring; raises ``ConfigError`` on anything it cannot map. One rank's
-    layout at ``tensor_parallel_size`` > 1: heads and states split, MLA latents whole."""
-    checked_int("block_size", block_size)
-    tp = checked_int("tensor_parallel_size", tensor_parallel_size)
-    config = load_hf_config(path_or_dict)
-    if config.get("model_type") == "deepseek_v4":
-        return deepseek_v4_layout(config, dtype)
+def _dtype_bytes(config: Mapping[str, Any], dtype: str) -> int:
     if dtype == "fp8_ds_mla":
         raise ConfigError(
             f"KV cache dtype 'fp8_ds_mla' is FlashMLA's packed format, which only DeepSeek-V4 "
@@ -261,13 +251,46 @@ def layout_from_hf_config(
         raise ConfigError(
             f"unknown KV cache dtype {dtype!r}; choose one of {', '.join(DTYPE_BYTES)}"
         )
+    return DTYPE_BYTES[dtype]
+
+
+def _layer_specs(config: Mapping[str, Any], dtype_bytes: int, tp: int,
+                 more_layers: Mapping[str, str], spec: int) -> dict[str, _LayerSpec]:  # fmt: skip
+    """Every layer with its own KV, by vLLM's name: the config's, then ``more_layers``."""
     num_layers, shared = layer_count(config), config.get("num_kv_shared_layers") or 0
     specs = {}
     for i, layer_type in enumerate(_layer_types(config, num_layers)[: num_layers - shared]):
-        spec = _layer_spec(config, i, layer_type, DTYPE_BYTES[dtype], tp)
-        specs[_layer_name(i, spec)] = spec
+        layer = _layer_spec(config, i, layer_type, dtype_bytes, tp, spec=spec)
+        specs[_layer_name(i, layer)] = layer
+    for i, (name, layer_type) in enumerate(more_layers.items(), num_layers):
+        specs[name] = _layer_spec(config, i, layer_type, dtype_bytes, tp)
     if not specs:
         raise ConfigError("model config has no layer with its own KV cache")
+    return specs
+
+
+def layout_from_hf_config(
+    path_or_dict: str | Path | Mapping[str, Any],
+    dtype: str = "bfloat16",
+    block_size: int = 16,
+    hybrid: bool | None = None,
+    tensor_parallel_size: int = 1,
+    *,
+    more_layers: Mapping[str, str] | None = None,
+    speculative_tokens: int = 0,
+) -> KVLayout:
+    """See the module docstring; raises ``ConfigError`` on anything it cannot map. One rank's
+    layout at ``tensor_parallel_size`` > 1: heads and states split, MLA latents whole.
+    ``more_layers``: layers of the target's shape after its own (name -> layer type), grouped
+    with them (a target's MTP layers, :mod:`kvoffload.config._hf_mtp`); ``speculative_tokens``:
+    vLLM's ``num_speculative_tokens``, which lengthens a gated-DeltaNet conv state."""
+    checked_int("block_size", block_size)
+    tp = checked_int("tensor_parallel_size", tensor_parallel_size)
+    config = load_hf_config(path_or_dict)
+    if config.get("model_type") == "deepseek_v4":
+        return deepseek_v4_layout(config, dtype)
+    specs = _layer_specs(config, _dtype_bytes(config, dtype), tp, more_layers or {},
+                         speculative_tokens)  # fmt: skip
     chunked = any(spec.kind == "chunked_local" for spec in specs.values())
     if hybrid is False or (hybrid is None and chunked):
         specs = _promote(specs)
