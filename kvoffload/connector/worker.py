@@ -107,6 +107,7 @@ class OffloadWorker:
 
     def before_forward(self) -> None:
         """Wait until earlier stores no longer read engine blocks (see the module docstring)."""
+        self._end_in_step()  # a step that raised before its poll leaves none behind
         self._step_failed = False
         self.engine.wait_for_sources()
 
