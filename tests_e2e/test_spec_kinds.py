@@ -151,11 +151,6 @@ def test_skipped_kinds_are_neither_stored_nor_loaded(
 MAMBA = MambaSpec(block_size=256, shapes=((3, 512), (4, 64, 64)), dtypes=(BF16, BF16))
 REFUSED = [
     (MAMBA, {}, r'MambaSpec.*enable_prefix_caching=True and mamba_cache_mode="align"'),
-    (
-        replace(MAMBA, mamba_cache_mode="align", num_speculative_blocks=2),
-        {},
-        "MambaSpec.*speculative decoding",
-    ),
     (CrossAttentionSpec(**ATTN), {}, "CrossAttentionSpec.*encoder's input"),
     (RSWASpec(**ATTN, rswa_window=64), {}, "RSWASpec.*decode"),
     (FullAttentionSpec(**ATTN, non_causal=True), {}, "FullAttentionSpec.*prefix LM"),
@@ -163,6 +158,14 @@ REFUSED = [
     (_Custom(**ATTN), {}, "unknown KV cache spec class .*_Custom"),
     (FullAttentionSpec(**ATTN), {"host_resident": True}, "host pool"),
 ]
+
+
+def test_a_state_group_with_speculative_blocks_is_served() -> None:
+    """MTP beside gated DeltaNet: the states accepted drafts move are not stored
+    (``kvoffload.connector._drafts``), so the group is served, with or without them."""
+    for blocks in (0, 1, 2):
+        spec = replace(MAMBA, mamba_cache_mode="align", num_speculative_blocks=blocks)
+        assert [g.kind for g in group_map(with_full(spec)).layout.groups] == ["full", "mamba"]
 
 
 @pytest.mark.parametrize(("spec", "group", "reason"), REFUSED, ids=lambda v: str(v)[:40])

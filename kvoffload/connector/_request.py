@@ -83,6 +83,13 @@ class RequestState:
     tail_keys: tuple[bytes, ...] = ()
     #: The keys of the tail stored at the trailing point, if that is one.
     trail_tail: tuple[bytes, ...] = ()
+    #: Tokens computed before the request's last step (``None``: no step since its lookup or
+    #: preemption), and whether that step verified draft tokens (:mod:`~._drafts`).
+    last_computed: int | None = None
+    last_drafted: bool = False
+    #: ``[lo, hi)`` ranges of block boundaries (in tokens) whose recurrent state accepted
+    #: draft tokens may have moved, or was computed from one: no state there is stored.
+    drafted: list[tuple[int, int]] = field(default_factory=list)
     jobs: set[int] = field(default_factory=set)
     finished: bool = False
 
@@ -119,6 +126,7 @@ class RequestState:
         self.valid = [[] for _ in range(n)]
         self.next_chunk = [0] * n
         self.retry = [set() for _ in range(n)]
+        self.last_computed, self.last_drafted, self.drafted = None, False, []
 
     def chain(
         self, tokens_per_chunk: Sequence[int], wanted: Sequence[Container[int] | None] = ()
@@ -192,6 +200,18 @@ class StepRequest(NamedTuple):
     #: The engine's block hashes of the request (vLLM's ``request.block_hashes``), if keys
     #: are made from them.
     block_hashes: Sequence[bytes] | None = None
+
+    @property
+    def drafts(self) -> int:
+        """Draft tokens the step verifies: what it schedules past the request's tokens.
+
+        vLLM's ``all_token_ids`` holds no draft token (they are
+        ``scheduled_spec_decode_tokens``), so a step verifying ``k`` drafts
+        schedules ``k`` tokens past them; no other step does under synchronous
+        scheduling. Under asynchronous scheduling the placeholders of tokens
+        still being sampled count too, which only keeps more states unstored.
+        """
+        return max(0, self.computed + self.scheduled - len(self.token_ids))
 
 
 @dataclass(slots=True)

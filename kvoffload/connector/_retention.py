@@ -27,7 +27,8 @@ A window chunk no point wants yet, but that a later point may (it lies in
 the window of the next multiple of ``A``), waits in the request's blocks: the
 window of any later point starts after what vLLM frees. A state exists only
 in the step whose forward pass reached its boundary (vLLM overwrites the
-running state), so a state is stored then or never.
+running state), so a state is stored then or never; with speculative decoding,
+only if no accepted draft moved it (:mod:`kvoffload.connector._drafts`).
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ from typing import NamedTuple
 
 from kvoffload.config import OffloadConfig
 from kvoffload.config.layout import Reuse
+from kvoffload.connector._drafts import DraftedStates
 from kvoffload.connector._hits import needed_chunks
 from kvoffload.connector._request import RequestState, covered
 from kvoffload.connector._spans import NULL_BLOCK
@@ -81,9 +83,16 @@ class Selection(NamedTuple):
     invalid: int
     #: Window chunks and states no hit point of the request wants.
     unretained: int
+    #: States accepted drafts may have moved (:mod:`~kvoffload.connector._drafts`).
+    drafted: int = 0
 
     def __bool__(self) -> bool:
         return bool(self.chosen)
+
+
+def state_point(state: Chosen, spans: Sequence[int]) -> int:
+    """The boundary (in tokens) a state chunk's state is taken at: its chunk's end."""
+    return (state.chunk + 1) * spans[state.group]
 
 
 class Retention:
@@ -119,7 +128,7 @@ class Retention:
         """
         end = bounds[1]
         chosen: list[Chosen] = []
-        invalid = unretained = 0
+        invalid = unretained = drafted = 0
         for g, (group, span) in enumerate(zip(self.layout.groups, self.spans, strict=True)):
             if group.reuse is Reuse.STATE:
                 continue
@@ -141,9 +150,11 @@ class Retention:
                 unretained += 1
             elif state.blocks[0] == NULL_BLOCK:
                 invalid += 1
+            elif req.drafted and DraftedStates.moved(req, state_point(state, self.spans)):
+                drafted += 1
             else:
                 chosen.append(state)
-        return Selection(chosen, invalid, unretained)
+        return Selection(chosen, invalid, unretained, drafted)
 
     def _select_group(
         self,

@@ -36,6 +36,7 @@ from collections.abc import Sequence
 
 from kvoffload.config import OffloadConfig
 from kvoffload.config.layout import Reuse
+from kvoffload.connector._drafts import DraftedStates
 from kvoffload.connector._request import RequestState, StepRequest, covered
 from kvoffload.connector._retention import Choice, Chosen
 from kvoffload.connector._spans import NULL_BLOCK
@@ -152,7 +153,7 @@ class Tails:
         :meth:`~kvoffload.connector._retention.Retention.select`) and every full-attention
         block before it holds valid KV; all or nothing (a tail hit needs every group's)."""
         handed = {g: block for g, block, b in step.states if b == point}
-        if point not in bounds and not handed:
+        if (point not in bounds and not handed) or DraftedStates.moved(req, point):
             return []
         keys = self.keys(req, step.token_ids, step.block_hashes, point)
         if keys is None:

@@ -21,7 +21,9 @@ A sliding-window load skips blocks and vLLM nulls (block id 0) those it
 frees, so each request keeps, per group, the token ranges known valid; a
 chunk outside them or with a null block is never stored. A recurrent state
 is in the block ending at its boundary only from the end of the step that
-reached it to the end of the next one: stored then or never.
+reached it to the end of the next one: stored then or never, and with
+speculative decoding only where a step without draft tokens reached it
+(:mod:`kvoffload.connector._drafts`).
 
 **Blocks are never reused under a store.** The worker side finishes every
 store's copy out of the engine's blocks before the step's output reaches

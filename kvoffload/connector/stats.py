@@ -40,6 +40,9 @@ class SchedulerStats:
     skipped_store_chunks: int = 0
     #: Window chunks and states no hit point of their request wanted.
     unretained_chunks: int = 0
+    #: Recurrent states not stored because accepted draft tokens may have moved them
+    #: (speculative decoding: :mod:`kvoffload.connector._drafts`).
+    drafted_states: int = 0
     #: Chunks of a hit found in the CPU tier, and in a lower tier.
     cpu_hit_chunks: int = 0
     lower_hit_chunks: int = 0

@@ -15,6 +15,7 @@ from collections.abc import Collection, Sequence
 
 from kvoffload.config import OffloadConfig
 from kvoffload.config.layout import Reuse
+from kvoffload.connector._drafts import DraftedStates
 from kvoffload.connector._request import JobState, RequestState, StepRequest
 from kvoffload.connector._retention import Choice, Chosen, Retention, Selection
 from kvoffload.connector._spans import StorePiece, run_spans, store_spans
@@ -58,6 +59,7 @@ class StorePlanner:
         self.misses = misses
         self.retention = retention
         self.trails = Trails(index)
+        self.drafts = DraftedStates(self.layout)
         self._prompt_only = config.offload_prompt_only
         #: Whether some group keeps only some chunks (windows, states): those may trail.
         self._windowed = any(g.reuse is not Reuse.PREFIX for g in self.layout.groups)
@@ -67,6 +69,7 @@ class StorePlanner:
         req_id, computed, block_hashes = step.req_id, step.computed, step.block_hashes
         requests, retention = self.requests, self.retention
         req = requests.open(req_id)
+        self.drafts.note(req, step)
         end = min(computed + step.scheduled, len(step.token_ids))
         req.mark_valid(computed, end)
         end = requests.storable(end, len(step.token_ids))
@@ -82,9 +85,11 @@ class StorePlanner:
         selection = retention.select(req, step.block_ids, (computed, end), step.states)
         if self.tails:
             selection.chosen.extend(self.tails.chosen(req, step, (computed, end)))
-        if selection.invalid or selection.unretained:
-            self.stats.skipped_store_chunks += selection.invalid + selection.unretained
+        if selection.invalid or selection.unretained or selection.drafted:
+            skipped = selection.invalid + selection.unretained + selection.drafted
+            self.stats.skipped_store_chunks += skipped
             self.stats.unretained_chunks += selection.unretained
+            self.stats.drafted_states += selection.drafted
         if self._windowed:  # only window chunks and states are ever trailed
             self.trails.keep(c.key_in(req) for c in selection.chosen if c.choice is Choice.KEEP)
         order = self._store(req, req_id, selection) if selection else None

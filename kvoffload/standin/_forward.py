@@ -40,15 +40,17 @@ __all__ = [
 
 
 def check_lookahead(layout: KVLayout) -> None:
-    """A lookahead beside a recurrent state group is refused, as vLLM refuses that engine.
+    """A lookahead beside a recurrent state group is refused: the stand-in has no drafts.
 
-    vLLM 0.32 cannot run speculative decoding with a recurrent group in
-    align mode (see ``docs/vllm.md``), so no rule of its is known to follow.
+    Its requests generate known tokens one decode step after another and never
+    verify draft tokens, so it cannot show what vLLM does to a recurrent state
+    that accepted drafts reached (the scheduler side's rule for it,
+    :mod:`kvoffload.connector._drafts`, is proven on vLLM itself and by unit tests).
     """
     if layout.lookahead and any(g.reuse is Reuse.STATE for g in layout.groups):
         raise ConfigError(
-            f"a lookahead of {layout.lookahead} beside recurrent state groups: vLLM runs no "
-            "EAGLE-like drafter with a recurrent group, so the stand-in has no rule to follow"
+            f"a lookahead of {layout.lookahead} beside recurrent state groups: the stand-in "
+            "verifies no draft tokens, so it has no speculative decoding to show there"
         )
 
 

@@ -37,7 +37,6 @@ if TYPE_CHECKING:
 __all__ = [
     "SPEC_FIELDS",
     "SPEC_TABLE",
-    "SPECULATIVE_STATE",
     "Action",
     "FieldRow",
     "GroupMap",
@@ -294,19 +293,6 @@ def _decide(g: int, group: KVCacheGroupSpec) -> tuple[SpecRow, KVCacheSpec]:
     return row, first
 
 
-#: Why a recurrent group with speculative decoding is refused (``state_refusal``).
-SPECULATIVE_STATE = (
-    "a recurrent group with speculative decoding ({blocks} speculative state blocks) is not "
-    "offloaded: vLLM writes the state after each draft position into the request's last "
-    "{trailing} state blocks and moves the accepted one between blocks by the accepted "
-    "count (preprocess_mamba, postprocess_mamba), and a state it keeps at a block boundary "
-    "crossed by accepted drafts is not the state a recompute gives (measured: vLLM's own "
-    "prefix cache served one that changed the next turn's tokens, Qwen3-Next's MTP on "
-    "vLLM 0.32's CPU build under Triton's interpreter), so no state stored there is known "
-    "to be right. Run without speculative decoding, or without the connector"
-)
-
-
 def state_refusal(spec: Any) -> str | None:
     """Why a recurrent group cannot be served exactly, naming the fix; None if it can.
 
@@ -314,11 +300,11 @@ def state_refusal(spec: Any) -> str | None:
     at each block boundary it scheduled to only with ``mamba_cache_mode="align"``
     (which ``enable_prefix_caching=True`` turns on); otherwise each request has
     one running state and nothing a hit could restore. With speculative
-    decoding (``num_speculative_blocks`` > 0) the GDN/Mamba kernel writes the
-    state after each draft position into the request's trailing
-    ``1 + num_speculative_blocks`` blocks, and vLLM moves the accepted one
-    between blocks by the accepted count: refused (:data:`SPECULATIVE_STATE`
-    says why; ``tests_e2e/test_speculative_recurrent.py`` holds the evidence).
+    decoding (``num_speculative_blocks`` > 0) vLLM moves a state that accepted
+    drafts reached into a boundary's block, and that state is not a
+    recompute's: the scheduler side stores no such state
+    (:mod:`kvoffload.connector._drafts`; proven on a real engine in
+    ``tests_e2e/test_speculative_recurrent.py``), so it is served too.
     """
     mode = getattr(spec, "mamba_cache_mode", None)
     if mode != "align":
@@ -328,9 +314,6 @@ def state_refusal(spec: Any) -> str | None:
             f'enable_prefix_caching=True and mamba_cache_mode="align" (--enable-prefix-caching '
             f"--mamba-cache-mode align)"
         )
-    blocks = getattr(spec, "num_speculative_blocks", 0)
-    if blocks:
-        return SPECULATIVE_STATE.format(blocks=blocks, trailing=1 + blocks)
     return None
 
 
