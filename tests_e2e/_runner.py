@@ -21,9 +21,11 @@ The spec (every key but ``model`` and ``prompts`` optional)::
       "passes": [{}, {"reset": true}],           # one generate() of all prompts each
       "kv_events": true,                         # vLLM's KV events on, published over ZMQ
                                                  #   to this process (each pass's "events")
-      "env": {"KVOFFLOAD_FAILPOINTS": "..."}     # set in this process before vLLM starts
-    }                                            #   (fault points: docs/failpoints.md;
+      "env": {"KVOFFLOAD_FAILPOINTS": "..."},    # set in this process before vLLM starts
+                                                 #   (fault points: docs/failpoints.md;
                                                  #   PYTHONPATH goes on sys.path too)
+      "preload": ["module"]                      # imported after env, before the engine
+    }                                            #   (a patch of vLLM under test)
 
 Each pass may first act: ``reset`` (``llm.reset_prefix_cache()``, vLLM's own
 cache only), ``reset_connector`` (the same with ``reset_connector=True``),
@@ -77,6 +79,7 @@ and ``NAME_sum``.
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import random
@@ -367,6 +370,8 @@ def _environment(spec: dict[str, Any]) -> None:
     env = spec.get("env", {})
     os.environ.update(env)
     sys.path[:0] = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+    for module in spec.get("preload", []):  # a patch of vLLM under test (this directory's)
+        importlib.import_module(module)
 
 
 def run(spec: dict[str, Any]) -> dict[str, Any]:
