@@ -127,6 +127,11 @@ def test_draft_model_beside_a_hybrid_target(
     assert result["passes"][1]["cached"] == [HIT] * 3, result["passes"][1]["cached"]
     assert_loaded_tokens_match(result, 1)
     assert result["stats"]["scheduler"]["failed_loads"] == 0
+    # The connector tells users of unpatched vLLM 0.32/0.33 (kvoffload.vllm._startup).
+    assert (
+        "runs a draft model beside a target of several KV cache groups"
+        in Path(result["log"]).read_text()
+    )
     assert result["metrics"].get(DRAFTED, 0) > 0
     assert result["metrics"].get(ACCEPTED, 0) == expected["metrics"].get(ACCEPTED, 0)
     if bpc == 1:  # the check sees a damaged loaded block (the last of each group)

@@ -7,7 +7,11 @@ connector cannot serve fails engine start with one ``ConfigError`` naming it
 
 from __future__ import annotations
 
+import logging
+import re
 from typing import Any
+
+import vllm
 
 from kvoffload.config import OffloadConfig
 from kvoffload.connector.key_source import choose_engine_hashes
@@ -19,6 +23,8 @@ from kvoffload.tiers.from_config import rank_probes
 from kvoffload.vllm._key_source import vllm_hashes_reproducible
 from kvoffload.vllm._layout import GroupMap
 
+logger = logging.getLogger("kvoffload")
+
 __all__ = [
     "SERVED_DRAFTERS",
     "build_scheduler",
@@ -26,12 +32,14 @@ __all__ = [
     "drafter_lookahead",
     "kv_identity",
     "refuse_draft_kv",
+    "warn_draft_group",
 ]
 
 
-def check_engine(vllm_config: Any) -> None:
+def check_engine(vllm_config: Any, kv_cache_config: Any) -> None:
     """Refuse, naming the setting, what the connector cannot serve in any layout."""
     refuse_draft_kv(vllm_config)
+    warn_draft_group(vllm_config, kv_cache_config)
     pipeline = vllm_config.parallel_config.pipeline_parallel_size
     if pipeline != 1:
         raise ConfigError(
@@ -111,6 +119,31 @@ def refuse_draft_kv(vllm_config: Any) -> None:
         "(draft_model, eagle, eagle3, mtp) or a method without drafter KV (ngram, suffix), or "
         "run without the connector"
     )
+
+
+def warn_draft_group(vllm_config: Any, kv_cache_config: Any) -> None:
+    """Warn of vLLM 0.32/0.33 misrouting a draft model's KV beside a hybrid target.
+
+    Their GPU model runner gives the drafter its own group's block table only
+    for EAGLE-like drafters; a ``draft_model`` whose layers sit in a group of
+    their own (beside Gemma-4's sliding and full groups, say) reads and writes
+    its KV through the first group's, so a request served from any cache
+    (vLLM's own or the connector's) may generate other tokens than cold
+    (``tests_e2e/test_speculative_hybrid.py`` shows it, and that with vLLM
+    patched the connector is exact). vLLM's bug, so a warning, not a refusal.
+    """
+    spec = vllm_config.speculative_config
+    version = tuple(int(p) for p in re.findall(r"\d+", vllm.__version__)[:2])
+    if spec is None or spec.method != "draft_model" or version >= (0, 34):
+        return
+    if len(kv_cache_config.kv_cache_groups) > 1:
+        logger.warning(
+            "kvoffload: vLLM %s runs a draft model beside a target of several KV cache groups "
+            "through the first group's block table (vLLM's bug): answers served from any cache, "
+            "vLLM's own or kvoffload's, may differ from a cold run; upgrade vLLM, or use an "
+            "EAGLE-like drafter or ngram",
+            vllm.__version__,
+        )
 
 
 def drafter_lookahead(vllm_config: Any) -> int:

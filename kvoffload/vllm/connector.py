@@ -102,7 +102,7 @@ class KVOffloadConnector(KVConnectorBase_V1, SupportsHMA):
                 "KVOffloadConnector needs vLLM's KVCacheConfig (vLLM 0.32 or newer passes it)"
             )
         super().__init__(vllm_config, role, kv_cache_config)
-        check_engine(vllm_config)
+        check_engine(vllm_config, kv_cache_config)
         #: vLLM's groups as served (the layout) or skipped; see ``kvoffload.vllm._layout``.
         self.groups: GroupMap = group_map(kv_cache_config, drafter_lookahead(vllm_config))
         self.layout: KVLayout = self.groups.layout
