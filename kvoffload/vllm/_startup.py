@@ -115,7 +115,8 @@ def refuse_draft_kv(vllm_config: Any) -> None:
         return
     raise ConfigError(
         f"KVOffloadConnector: speculative decoding with method {spec.method!r} is not offloaded: "
-        "its drafter keeps hidden states that no prefix hit restores; use a drafter "
+        "it does not speculate, and keeps the target's hidden states for a hidden-state export "
+        "connector (ExampleHiddenStatesConnector), not KV a prefix hit restores; use a drafter "
         "(draft_model, eagle, eagle3, mtp) or a method without drafter KV (ngram, suffix), or "
         "run without the connector"
     )
