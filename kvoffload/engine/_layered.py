@@ -63,7 +63,7 @@ class CopyMode(Enum):
 
         On the CPU backend every layer's copies before the forward pass: on 2
         cores a copy thread competes with the forward pass's own threads
-        (docs/benchmarks.md, "Loads in the step"). On CUDA a copy thread: the
+        (docs/benchmarks.md, "How a load in the step copies"). On CUDA a copy thread: the
         copies run on the copy engines while the GPU computes.
         """
         value = os.environ.get(COPY_MODE_ENV, "").strip().lower()
