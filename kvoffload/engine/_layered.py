@@ -127,9 +127,7 @@ class LayeredLoad:
         if mode is CopyMode.THREAD:
             self._future = engine.copy_thread().submit(self._advance, len(self._order))
         elif mode is CopyMode.BEFORE:  # every layer of a run in one call, as a load job
-            for runs, outcome in zip(self._runs, self._outcomes, strict=True):
-                for run in runs:
-                    run.ok = run.ok and scatter_run(engine, run, after, outcome)
+            self._scatter()
             self._next = len(self._order)
 
     def wait_layer(self, name: str) -> None:
@@ -161,16 +159,17 @@ class LayeredLoad:
         with self._lock:
             try:
                 while self._next < upto:
-                    self._copy_layer(*self._order[self._next][1:])
+                    self._scatter(*self._order[self._next][1:])
                     self._copied[self._next].set()
                     self._next += 1
             except Exception as exc:  # a bug fails the load, never the forward pass's wait
                 self._fail_all(exc)
 
-    def _copy_layer(self, group: int, layer: int) -> None:
+    def _scatter(self, group: int | None = None, layer: int | None = None) -> None:
+        """Copy the verified runs of ``group``'s ``layer`` (both None: every run whole)."""
         for runs, outcome in zip(self._runs, self._outcomes, strict=True):
             for run in runs:
-                if run.ok and run.span.group == group:
+                if run.ok and group in (None, run.span.group):
                     run.ok = scatter_run(self._engine, run, self._after, outcome, layer)
 
     def _fail_all(self, exc: Exception) -> None:

@@ -177,7 +177,7 @@ class OffloadEngine:
 
     def job_ended(self) -> None:
         """A job run outside the pool (a load in the step) has ended."""
-        self._finish(None, keep=False)
+        self._finish(None)
 
     def copy_thread(self) -> ThreadPoolExecutor:
         """The one thread that copies loads in the step (:class:`CopyMode` ``thread``)."""
@@ -267,10 +267,8 @@ class OffloadEngine:
         spans: tuple[ChunkSpan, ...],
         after: torch.cuda.Event | None,
         submitted: float,
-        *,
-        keep: bool = True,
-    ) -> JobResult:
-        """Run one job; its result waits in ``get_finished`` when ``keep``, and is returned."""
+    ) -> None:
+        """Run one job on the pool; its result waits in ``get_finished``."""
         outcome = Outcome()
         reading = kind is JobKind.STORE
         try:
@@ -290,8 +288,7 @@ class OffloadEngine:
         if reading:
             self._sources_released()
         result = outcome.result(job_id, kind, time.perf_counter() - submitted)
-        self._finish(result, keep=keep)
-        return result
+        self._finish(result)
 
     def _sources_released(self) -> None:
         with self._cond:
@@ -323,9 +320,10 @@ class OffloadEngine:
             stack.enter_context(self._locks[stripe])
         return stack
 
-    def _finish(self, result: JobResult | None, *, keep: bool) -> None:
+    def _finish(self, result: JobResult | None) -> None:
+        """A job ended; its result (a pool job's) waits in ``get_finished``."""
         with self._cond:
-            if keep and result is not None:
+            if result is not None:
                 self._finished.append(result)
             self._pending -= 1
             self._cond.notify_all()
