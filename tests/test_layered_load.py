@@ -8,6 +8,7 @@ refused is ever copied, and every failure is reported by block.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterator
 
 import pytest
@@ -17,7 +18,7 @@ from _paths import PATHS, TransferPath
 from kvoffload.config.layout import CacheGroup, KVLayout
 from kvoffload.engine import ChunkSpan, CopyMode, JobStatus, OffloadEngine
 from kvoffload.engine._layered import COPY_MODE_ENV, model_order
-from kvoffload.errors import ConfigError, TransferError
+from kvoffload.errors import ConfigError, TierError, TransferError
 from kvoffload.messages import BlockSpan
 from kvoffload.tiers.cpu import CPUSlab
 from kvoffload.transfer import allocate_kv_caches, fill_blocks
@@ -194,3 +195,20 @@ def test_the_copy_mode_is_measured_per_device_unless_named(
     with pytest.raises(ConfigError, match=f"{COPY_MODE_ENV}='eager' is not a copy mode; use "
                                           "one of thread, layer, before"):  # fmt: skip
         CopyMode.default(cuda=False)
+
+
+def test_a_verification_that_raises_leaves_no_lock_or_job_behind(
+    engine: OffloadEngine, kv: dict[str, torch.Tensor]
+) -> None:
+    stored(engine, kv)
+    no_slot = ChunkSpan(0, (b"a",), (99,), BlockSpan((10, 11)))  # the slab has 8 slots
+    with pytest.raises(TierError, match=r"slot must be an int in \[0, 7\], got 99"):
+        engine.load_by_layer([[no_slot]], CopyMode.LAYER)
+    assert engine.wait(timeout=1)  # not pending
+    taker = threading.Thread(target=lambda: engine.locked([no_slot]).close(), daemon=True)
+    taker.start()
+    taker.join(timeout=10)
+    assert not taker.is_alive(), "the failed load still holds its chunks' locks"
+    load = engine.load_by_layer([[LOAD]], CopyMode.LAYER)
+    [result] = load.join()
+    assert result.status is JobStatus.SUCCESS

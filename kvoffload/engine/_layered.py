@@ -30,7 +30,6 @@ import threading
 import time
 from collections.abc import Sequence
 from concurrent.futures import Future
-from contextlib import ExitStack
 from enum import Enum
 from typing import TYPE_CHECKING
 
@@ -110,12 +109,15 @@ class LayeredLoad:
         self._engine, self._after, self._start = engine, after, time.perf_counter()
         self._ids = [engine.new_job_id() for _ in jobs]
         self._outcomes = [Outcome() for _ in jobs]
-        self._locks = ExitStack()
-        self._locks.enter_context(engine.locked([s for spans in jobs for s in spans]))
-        self._runs = [
-            [run for span in spans for run in verified_runs(engine, span, outcome)]
-            for spans, outcome in zip(jobs, self._outcomes, strict=True)
-        ]
+        self._locks = engine.locked([s for spans in jobs for s in spans])
+        try:
+            self._runs = [
+                [run for span in spans for run in verified_runs(engine, span, outcome)]
+                for spans, outcome in zip(jobs, self._outcomes, strict=True)
+            ]
+        except BaseException:  # a bug: the caller refuses the orders; the chunks go free
+            self._locks.close()
+            raise
         groups = {s.group for spans in jobs for s in spans}
         at = engine.transfer.layer_index()
         self._order = [(n, *at[n]) for n in model_order(list(at)) if at[n][0] in groups]
