@@ -58,3 +58,8 @@ PATHS = [
 PATHS.append(
     pytest.param(TransferPath("cuda", True, kernel="always"), id="cuda-kernel", marks=needs_cuda)
 )
+
+
+def as_bytes(t: torch.Tensor) -> torch.Tensor:
+    """A tensor's bytes, to compare KV bit for bit whatever its dtype."""
+    return t.contiguous().view(torch.uint8)

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from _paths import as_bytes
 
 from kvoffload.config.layout import CacheGroup, KVLayout
 from kvoffload.engine import ChunkSpan, JobResult, JobStatus, OffloadEngine
@@ -31,10 +32,6 @@ LAYOUT = KVLayout(
     )
 )
 SLOT_BYTES = max(g.chunk_bytes(BPC) for g in LAYOUT.groups)
-
-
-def as_bytes(t: torch.Tensor) -> torch.Tensor:
-    return t.contiguous().view(torch.uint8)
 
 
 @pytest.fixture

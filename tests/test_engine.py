@@ -11,7 +11,7 @@ from collections.abc import Iterator
 
 import pytest
 import torch
-from _paths import PATHS, TransferPath
+from _paths import PATHS, TransferPath, as_bytes
 
 from kvoffload import build_offloading_config
 from kvoffload.config.layout import CacheGroup, KVLayout
@@ -32,10 +32,6 @@ def layout() -> KVLayout:
             CacheGroup("full", 2, ("f0",), 2 * 2 * 16 * 2),
         )
     )
-
-
-def as_bytes(t: torch.Tensor) -> torch.Tensor:
-    return t.contiguous().view(torch.uint8)
 
 
 @pytest.fixture(params=PATHS)

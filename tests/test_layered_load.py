@@ -13,7 +13,7 @@ from collections.abc import Iterator
 
 import pytest
 import torch
-from _paths import PATHS, TransferPath
+from _paths import PATHS, TransferPath, as_bytes
 
 from kvoffload.config.layout import CacheGroup, KVLayout
 from kvoffload.engine import ChunkSpan, CopyMode, JobStatus, OffloadEngine
@@ -34,10 +34,6 @@ PAGES = (128, 64, 256)
 def layout() -> KVLayout:
     group = CacheGroup("full", 4, NAMES, max(PAGES), layer_page_bytes=PAGES)
     return KVLayout((group,))
-
-
-def as_bytes(t: torch.Tensor) -> torch.Tensor:
-    return t.contiguous().view(torch.uint8)
 
 
 @pytest.fixture(params=PATHS)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from _paths import PATHS, TransferPath
+from _paths import PATHS, TransferPath, as_bytes
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -29,10 +29,6 @@ def gemma_like() -> KVLayout:
         CacheGroup("sliding", 8, (f"s{i}a", f"s{i}b"), 256, sliding_window=16) for i in range(3)
     ]
     return KVLayout((*sliding, CacheGroup("full", 2, ("f0",), 2 * 2 * 4 * 8)))
-
-
-def as_bytes(t: torch.Tensor) -> torch.Tensor:
-    return t.contiguous().view(torch.uint8)
 
 
 def blocks_of(t: torch.Tensor, ids: list[int], layout: EngineLayout) -> torch.Tensor:
