@@ -1,4 +1,5 @@
-"""Running the real ``kvoffload`` command in child processes, as a user's shell does."""
+"""Running the real ``kvoffload`` command in child processes, as a user's shell does,
+or in this process where a test reads its stderr many times over."""
 
 from __future__ import annotations
 
@@ -7,6 +8,10 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import NamedTuple
+
+import pytest
+
+from kvoffload import cli
 
 #: Longest a command of these tests may take before the test fails (not a speed claim:
 #: only a hang must not stall the suite).
@@ -62,3 +67,17 @@ def assert_one_line(ran: Ran, fragment: str, *, code: int = 2, kind: str = "erro
     assert len(lines) == 1, ran.err
     assert f": {kind}: " in lines[0], lines[0]
     assert fragment in lines[0], lines[0]
+
+
+def assert_plan_refuses(
+    capsys: pytest.CaptureFixture[str], model: str, args: Sequence[str], fragment: str
+) -> None:
+    """``kvoffload plan MODEL ARGS`` in this process (``--model M`` among ``args`` plans M
+    instead): exit 2 and one error line holding ``fragment``."""
+    args = list(args)
+    if "--model" in args:
+        model = args.pop(args.index("--model") + 1)
+        args.remove("--model")
+    assert cli.main(["plan", model, *args]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("kvoffload plan: error: ") and fragment in err

@@ -14,6 +14,7 @@ import json
 from pathlib import Path
 
 import pytest
+from _cli import assert_plan_refuses
 
 from kvoffload import cli
 from kvoffload.cli.plan import example_path
@@ -90,14 +91,8 @@ def test_plan_without_a_method_is_a_draft_model_and_without_a_drafter_none(
 def test_plan_refuses_bad_drafter_combinations_in_one_line(
     head: Path, capsys: pytest.CaptureFixture[str], args: list[str], fragment: str
 ) -> None:
-    args = [str(head) if a == "HEAD" else a for a in args]
-    model = "tiny_llama"
-    if "--model" in args:
-        model = args.pop(args.index("--model") + 1)
-        args.remove("--model")
-    assert cli.main(["plan", model, *args]) == 2
-    err = capsys.readouterr().err
-    assert err.count("\n") == 1 and err.startswith("kvoffload plan: error: ") and fragment in err
+    assert_plan_refuses(capsys, "tiny_llama", [str(head) if a == "HEAD" else a for a in args],
+                        fragment)  # fmt: skip
 
 
 def test_the_demo_and_replay_drafter_is_one_layer_of_a_target_page() -> None:

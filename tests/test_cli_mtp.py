@@ -16,7 +16,7 @@ import json
 from pathlib import Path
 
 import pytest
-from _cli import assert_one_line, kvoffload
+from _cli import assert_one_line, assert_plan_refuses, kvoffload
 
 from kvoffload import cli
 from kvoffload.cli.plan import example_path
@@ -132,14 +132,7 @@ def test_plan_refuses_what_vllm_cannot_serve_as_mtp_in_one_line(
     models = {"DS": _write(tmp_path, "ds", DEEPSEEK_V3),
               "DS2": _write(tmp_path, "ds2", {**DEEPSEEK_V3, **two}),
               "V2": _write(tmp_path, "v2", {**DEEPSEEK_V3, **v2})}  # fmt: skip
-    args = [models.get(a, a) for a in args]
-    model = models["DS"]
-    if "--model" in args:
-        model = args.pop(args.index("--model") + 1)
-        args.remove("--model")
-    assert cli.main(["plan", model, *args]) == 2
-    err = capsys.readouterr().err
-    assert err.count("\n") == 1 and err.startswith("kvoffload plan: error: ") and fragment in err
+    assert_plan_refuses(capsys, models["DS"], [models.get(a, a) for a in args], fragment)
 
 
 def test_a_token_count_out_of_range_is_one_line() -> None:
