@@ -121,6 +121,15 @@ def assert_same_output(result: dict[str, Any], reference: dict[str, Any]) -> Non
         assert all(f == "length" for f in done["finish"]), done["finish"]
 
 
+def assert_passes_match(result: dict[str, Any], expected: dict[str, Any]) -> None:
+    """Pass ``n`` has the tokens and logprobs of ``expected``'s pass ``n`` (an oracle that
+    runs the same passes: vLLM's own prefix cache with the same settings)."""
+    assert result["error"] is None, result["error"]
+    for n, (done, want) in enumerate(zip(result["passes"], expected["passes"], strict=True)):
+        found = differences(done, want)
+        assert not found, f"pass {n}: " + "; ".join(found)
+
+
 def failpoint_fired(result: dict[str, Any], point: str) -> int:
     """How often fault point ``point`` fired in the run's worker (0: not turned on)."""
     return int(result["stats"]["worker"].get(f"failpoint_{point.replace('.', '_')}", 0))

@@ -29,8 +29,8 @@ from _harness import (
     LLAMA_PROMPTS,
     Engine,
     assert_loaded_tokens_match,
+    assert_passes_match,
     connector_hit,
-    differences,
     random_prompts,
 )
 from _models import build
@@ -65,13 +65,6 @@ def vllm_cache_reference(engine: Engine, model: str, args: dict[str, Any],
     return result
 
 
-def assert_matches(result: dict[str, Any], expected: dict[str, Any]) -> None:
-    assert result["error"] is None, result["error"]
-    for n, (done, want) in enumerate(zip(result["passes"], expected["passes"], strict=True)):
-        found = differences(done, want)
-        assert not found, f"pass {n}: " + "; ".join(found)
-
-
 @pytest.mark.parametrize(
     ("bpc", "more"), [(1, {}), (2, {}), (1, CHUNKED)], ids=["bpc1", "bpc2", "chunked-prefill"]
 )
@@ -84,7 +77,7 @@ def test_eagle_kv_is_offloaded_with_the_targets(
     connector = {"blocks_per_chunk": bpc, "cpu_bytes_to_use": "64MiB"}
     result = engine(model=target, engine=args, prompts=LLAMA_PROMPTS,
                     passes=[{}, {"reset": True}], connector=connector, max_tokens=32)  # fmt: skip
-    assert_matches(result, expected)
+    assert_passes_match(result, expected)
     assert result["kv_cache_groups"] == [32], "the head's layer joined the target's group"
     cached = result["passes"][1]["cached"]
     assert cached[0] == connector_hit(LLAMA_PROMPTS[0], 32 * bpc) > 0, cached
@@ -113,7 +106,7 @@ def test_a_chunk_followed_by_another_token_is_not_loaded(
     reset: list[dict[str, Any]] = [{"prompts": [first]}, {"prompts": [second], "reset": True}]
     result = engine(model=target, engine=args, prompts=[first], passes=reset,
                     connector=connector, max_tokens=16)  # fmt: skip
-    assert_matches(result, expected)
+    assert_passes_match(result, expected)
     assert result["passes"][1]["cached"] == [288]  # nine chunks: the tenth named 320's token
     again = [{"prompts": [first]}, {"prompts": [first], "reset": True}]
     same = engine(model=target, engine=args, prompts=[first], passes=again, connector=connector,
@@ -133,7 +126,7 @@ def test_eagle3_kv_is_offloaded_with_the_targets(engine: Engine, models: Path, b
     connector = {"blocks_per_chunk": bpc, "cpu_bytes_to_use": "64MiB"}
     result = engine(model=target, engine=args, prompts=LLAMA_PROMPTS,
                     passes=[{}, {"reset": True}], connector=connector, max_tokens=32)  # fmt: skip
-    assert_matches(result, expected)
+    assert_passes_match(result, expected)
     assert result["kv_cache_groups"] == [32]
     assert result["passes"][1]["cached"][0] == connector_hit(LLAMA_PROMPTS[0], 32 * bpc) > 0
     assert_loaded_tokens_match(result, 1)
