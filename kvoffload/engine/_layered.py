@@ -119,8 +119,7 @@ class LayeredLoad:
             self._locks.close()
             raise
         groups = {s.group for spans in jobs for s in spans}
-        at = engine.transfer.layer_index()
-        self._order = [(n, *at[n]) for n in model_order(list(at)) if at[n][0] in groups]
+        self._order = [layer for layer in engine.layers_in_model_order if layer[1] in groups]
         self._copied = [threading.Event() for _ in self._order]
         self._position = {name: i for i, (name, _, _) in enumerate(self._order)}
         self._next = 0

@@ -40,6 +40,7 @@ Guarantees:
 
 from __future__ import annotations
 
+import functools
 import itertools
 import threading
 import time
@@ -50,7 +51,7 @@ from contextlib import ExitStack
 import torch
 
 from kvoffload.config import OffloadConfig
-from kvoffload.engine._layered import CopyMode, LayeredLoad
+from kvoffload.engine._layered import CopyMode, LayeredLoad, model_order
 from kvoffload.engine._outcome import Outcome
 from kvoffload.engine._runs import load_span
 from kvoffload.engine.failpoints import FailPoints
@@ -171,6 +172,12 @@ class OffloadEngine:
         except BaseException:
             self.job_ended()
             raise
+
+    @functools.cached_property
+    def layers_in_model_order(self) -> list[tuple[str, int, int]]:
+        """``(name, group, index in the group)`` of every layer, in the model's order (once)."""
+        at = self.transfer.layer_index()
+        return [(name, *at[name]) for name in model_order(list(at))]
 
     def new_job_id(self) -> int:
         return next(self._ids)
