@@ -74,9 +74,10 @@ class DraftedStates:
         computed, tokens = step.computed, step.token_ids
         before = req.last_computed
         if before is not None and before <= computed:
-            req.mark_valid(before, min(computed, len(tokens)))  # its accepted drafts
-            if req.last_drafted and self.block:
-                self._remember(tokens, before, min(computed, len(tokens)))
+            if req.last_drafted:  # only a step that verified drafts computes past its end
+                req.mark_valid(before, min(computed, len(tokens)))  # its accepted drafts
+                if self.block:
+                    self._remember(tokens, before, min(computed, len(tokens)))
         elif (  # a first step (or a restart) computed on from vLLM's state at a drafted one
             self.reached
             and 0 < computed == req.local_hit
