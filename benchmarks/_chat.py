@@ -140,5 +140,6 @@ def summary(
         "per_turn": per_turn,
         "engine_hit_tokens": int(delta["vllm:prefix_cache_hits_total"]),
         "connector_hit_tokens": int(delta["vllm:external_prefix_cache_hits_total"]),
+        "disk_hit_tokens": int(delta.get("vllm:kvoffload_hit_tokens_total{tier=disk}", 0)),
         "preemptions": int(delta["vllm:num_preemptions_total"]),
     }

@@ -38,6 +38,9 @@ METRICS = (
     "vllm:external_prefix_cache_hits_total",
     "vllm:num_preemptions_total",
 )
+#: kvoffload's hit tokens, and (a key of :meth:`Server.metrics`) those whose chunks were on disk.
+KVOFFLOAD_HITS = "vllm:kvoffload_hit_tokens_total"
+DISK_HITS = KVOFFLOAD_HITS + "{tier=disk}"
 
 
 class ServerError(RuntimeError):
@@ -58,6 +61,7 @@ class ServerSpec:
     reserved_cpus: int  # VLLM_CPU_NUM_OF_RESERVED_CPU, the same in every timed mode
     kvcache_gib: int  # VLLM_CPU_KVCACHE_SPACE
     cores: str | None = None  # VLLM_CPU_OMP_THREADS_BIND (e.g. "1"); None: vLLM's auto
+    extra_env: tuple[tuple[str, str], ...] = ()  # more of the server's environment
 
     def argv(self, port: int) -> list[str]:
         argv = [
@@ -91,6 +95,7 @@ class ServerSpec:
             env["VLLM_CPU_OMP_THREADS_BIND"] = self.cores
         # This checkout's kvoffload, not whichever one is installed in the environment.
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+        env.update(self.extra_env)
         return env
 
 
@@ -147,11 +152,13 @@ class Server:
         status, body = self._get("/metrics")
         if status != 200:
             raise ServerError(f"{self.spec.name}: /metrics answered {status}")
-        totals = dict.fromkeys(METRICS, 0.0)
+        totals = dict.fromkeys((*METRICS, DISK_HITS), 0.0)
         for line in body.splitlines():
             sample = re.fullmatch(r"([^\s{]+)(?:\{.*\})?\s+(\S+)", line)
             if sample and sample.group(1) in totals:
                 totals[sample.group(1)] += float(sample.group(2))
+            if sample and sample.group(1) == KVOFFLOAD_HITS and 'tier="disk"' in line:
+                totals[DISK_HITS] += float(sample.group(2))
         return totals
 
     def record(self) -> dict[str, Any]:

@@ -66,6 +66,8 @@ from _serve import Server, ServerError, ServerSpec, complete, running
 
 WORKLOADS = ("chat", "unique", "check")
 MODES = ("vllm", "kvoffload", "limit")
+#: Timed servers run only when ``--modes`` names them.
+EXTRA_MODES = ("next-step", "disk", "disk-promote")
 REQUEST_TIMEOUT_S = 1800.0
 
 
@@ -139,6 +141,12 @@ def spec(args: argparse.Namespace, p: Plan, name: str, **kw: Any) -> ServerSpec:
 
 def connector(args: argparse.Namespace) -> dict[str, Any]:
     return {"blocks_per_chunk": args.blocks_per_chunk, "cpu_bytes_to_use": args.cpu_bytes}
+
+
+def on_disk(args: argparse.Namespace, path: Path) -> dict[str, Any]:
+    """The disk modes' connector: a CPU tier too small for the histories, a disk behind it."""
+    return {**connector(args), "cpu_bytes_to_use": args.disk_cpu_bytes,
+            "disk_path": str(path), "disk_bytes_to_use": "8GiB"}  # fmt: skip
 
 
 def chat(args: argparse.Namespace, p: Plan, n: int) -> tuple[list[int], list[Conversation]]:
@@ -342,8 +350,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     add("--workloads", default=",".join(WORKLOADS), help="a comma list of chat, unique, check")
     add("--modes", default=",".join(MODES),
-        help="the timed servers, a comma list of vllm, kvoffload, limit and next-step "
-             "(kvoffload with load_in_step: never, every hit loaded a step later)")  # fmt: skip
+        help="the timed servers, a comma list of vllm, kvoffload, limit, next-step "
+             "(kvoffload with load_in_step: never, every hit loaded a step later), disk "
+             "(kvoffload with a disk tier behind a CPU tier of --disk-cpu-bytes) and "
+             "disk-promote (the same with KVOFFLOAD_LOWER_TIER_HITS=promote)")  # fmt: skip
+    add("--disk-cpu-bytes", default="256MiB",
+        help="the CPU tier of the disk modes: too small for the histories, so hits come "
+             "from disk")  # fmt: skip
     add("--start-timeout", type=float, default=900.0, help="seconds for a server to start")
     add("--model-dir", type=Path, help="build the model here once and reuse it")
     add("--keep", type=Path, help="keep the servers' logs here")
@@ -353,8 +366,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     if not args.workloads or set(args.workloads) - set(WORKLOADS):
         parser.error(f"--workloads: a comma list of {', '.join(WORKLOADS)}")
     args.modes = [m for m in args.modes.split(",") if m]
-    if set(args.modes) - {*MODES, "next-step"}:
-        parser.error(f"--modes: a comma list of {', '.join(MODES)} and next-step")
+    if set(args.modes) - {*MODES, *EXTRA_MODES}:
+        parser.error(f"--modes: a comma list of {', '.join((*MODES, *EXTRA_MODES))}")
     if args.engine_blocks is None:
         args.engine_blocks = in_flight_blocks(args)
     sizes = ("conversations", "turns", "system_tokens", "user_tokens", "answer_tokens",
@@ -385,6 +398,12 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
             "next-step": (spec(args, p, "next-step",
                                connector={**connector(args), "load_in_step": "never"}), both),
             "limit": (spec(args, p, "limit", engine_blocks=p.limit_blocks), chat_only),
+            "disk": (spec(args, p, "disk", connector=on_disk(args, work / "kv-disk")),
+                     chat_only),
+            "disk-promote": (spec(args, p, "disk-promote",
+                                  connector=on_disk(args, work / "kv-disk-promote"),
+                                  extra_env=(("KVOFFLOAD_LOWER_TIER_HITS", "promote"),)),
+                             chat_only),
         }  # fmt: skip
         for name in args.modes:
             server, workloads = servers[name]
@@ -420,7 +439,7 @@ def main(argv: list[str] | None = None) -> int:
     except ServerError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
-    if "limit" in result["modes"]:
+    if {"vllm", "kvoffload", "limit"} <= set(result["modes"]):
         result["against_limit"] = against_limit(result["modes"])
     if args.json:
         print(json.dumps(result))

@@ -22,6 +22,10 @@ of the history is the connector:
   disk tier behind it) and exits; a fresh engine process (empty CPU tier,
   empty vLLM cache) on the same disk directory loads the history from the
   disk tier (the page cache of the OS may hold the files);
+* ``kvoffload disk, promoted first``: the same with
+  ``KVOFFLOAD_LOWER_TIER_HITS=promote`` (``kvoffload/connector/promotions.py``):
+  the lookup has the history read into the CPU tier and answers "ask again",
+  then the hit loads in the step that finds it there;
 * ``vllm prefix cache``: vLLM's own cache, not reset (the ideal, for scale).
 
 Every mode runs in its own engine process (``tests_e2e/_runner.py``) and
@@ -49,6 +53,7 @@ import argparse
 import json
 import os
 import random
+import shutil
 import statistics
 import sys
 import tempfile
@@ -122,6 +127,8 @@ def row(name: str, result: dict[str, Any], n: int) -> dict[str, Any]:
         out["cpu_hit_chunks"] = stat_delta(passes, n, "scheduler", "cpu_hit_chunks")
         out["lower_hit_chunks"] = stat_delta(passes, n, "scheduler", "lower_hit_chunks")
         out["failed_loads"] = stat_delta(passes, n, "scheduler", "failed_loads")
+        out["promotions"] = stat_delta(passes, n, "scheduler", "promotions")
+        out["in_step_hit_tokens"] = stat_delta(passes, n, "scheduler", "in_step_hit_tokens")
     return out
 
 
@@ -234,11 +241,24 @@ def main(argv: list[str] | None = None) -> int:
             "kvoffload-disk-store",
             args.reserved_cpus,
         )
+        # Each disk mode reads the same files: the first one's own stores must not serve the next.
+        shutil.copytree(work / "kv", work / "kv-promoted")
         with_disk = run_engine(
             {**base, "connector": on_disk, "passes": [warmup, timed]},
             work,
             "kvoffload-disk",
             args.reserved_cpus,
+        )
+        promoted = run_engine(
+            {
+                **base,
+                "connector": {**on_disk, "disk_path": str(work / "kv-promoted")},
+                "passes": [warmup, timed],
+            },
+            work,
+            "kvoffload-disk-promoted",
+            args.reserved_cpus,
+            KVOFFLOAD_LOWER_TIER_HITS="promote",
         )
 
     rows = [
@@ -247,6 +267,7 @@ def main(argv: list[str] | None = None) -> int:
         *(row(f"kvoffload cpu, {mode} copies", by_mode[mode], 2) for mode in copy_modes),
         row("kvoffload cpu, next step", next_step, 2),
         row("kvoffload disk", with_disk, 1),
+        row("kvoffload disk, promoted first", promoted, 1),
         row("vllm prefix cache", plain, 2),
     ]
     reference_ms, reference_tokens = rows[0]["ttft_ms"], rows[0]["tokens"]

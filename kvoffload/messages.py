@@ -34,6 +34,7 @@ __all__ = [
     "JobReport",
     "JobResult",
     "JobStatus",
+    "NO_BLOCKS",
     "TransferOrder",
     "merge_reports",
 ]
@@ -46,6 +47,7 @@ class BlockSpan:
     ``first_offset`` is the index of ``block_ids[0]`` inside its chunk: 0 for
     stores (which cover whole chunks), possibly more for a load that starts
     inside a chunk because the engine already holds the chunk's first blocks.
+    A promotion's spans have none (:data:`NO_BLOCKS`): it fills CPU slots only.
     """
 
     block_ids: tuple[int, ...]
@@ -56,8 +58,6 @@ class BlockSpan:
         # Every order carries one per block: check plain ints at once, the rest one by one.
         if type(ids) is not tuple or not all(type(b) is int and b >= 0 for b in ids):
             ids = tuple(checked_int("block id", b, minimum=0, error=TransferError) for b in ids)
-        if not ids:
-            raise TransferError("a BlockSpan needs at least one block id")
         object.__setattr__(self, "block_ids", ids)
         if type(self.first_offset) is not int or self.first_offset < 0:  # checked in full
             checked_int("first_offset", self.first_offset, minimum=0, error=TransferError)
@@ -98,9 +98,16 @@ class BlockSpan:
         return BlockSpan(self.block_ids[ranges[0][0] : ranges[-1][1]], ranges[0][2])
 
 
+#: The blocks of a promotion's spans: it moves chunks between tiers, none into the engine.
+NO_BLOCKS = BlockSpan(())
+
+
 class JobKind(Enum):
     STORE = "store"
     LOAD = "load"
+    #: Read lower-tier chunks into their CPU slots and no further: a hit that needs
+    #: them is then served as a CPU-tier hit, in the step that asks for it.
+    PROMOTE = "promote"
 
 
 class JobStatus(Enum):

@@ -15,6 +15,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from _models import LLAMA, kv_bytes_per_token
+
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
@@ -116,3 +118,21 @@ def test_sizes_an_engine_would_refuse_are_refused_before_any_server_starts(
     assert "--engine-blocks 8 cannot hold one request of 440 tokens" in proc.stderr
     assert "give --engine-blocks 15 or more" in proc.stderr
     assert not list(tmp_path.glob("*.log"))  # no server was started
+
+
+def test_disk_modes_serve_histories_from_disk_either_way(llama: str, tmp_path: Path) -> None:
+    """A CPU tier of 8 chunks keeps no history: each comes back from disk, loaded over later
+    steps (``disk``) or promoted into the CPU tier first and loaded in its step
+    (``disk-promote``); both serve the same tokens, as the CPU-tier mode does."""
+    eight_chunks = str(8 * 32 * kv_bytes_per_token(LLAMA, dtype_bytes=4))
+    result = run_json(
+        llama, tmp_path, "--workloads", "chat", "--conversations", str(CONVERSATIONS),
+        "--dtype", "float32", "--modes", "kvoffload,disk,disk-promote",
+        "--disk-cpu-bytes", eight_chunks,
+    )  # fmt: skip
+    modes = {name: figures["chat"] for name, figures in result["modes"].items()}
+    assert set(modes) == {"kvoffload", "disk", "disk-promote"}
+    assert modes["kvoffload"]["disk_hit_tokens"] == 0
+    for name in ("disk", "disk-promote"):
+        assert modes[name]["disk_hit_tokens"] > 0, name
+        assert modes[name]["connector_hit_tokens"] == modes["kvoffload"]["connector_hit_tokens"]

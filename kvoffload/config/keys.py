@@ -192,7 +192,9 @@ KEYS: tuple[Key, ...] = (
         "every layout but recurrent ones, whose state vLLM reads before a load in the step "
         "lands (host slots are pinned, so only a bug can fail such a load; where vLLM cannot "
         "recompute it, it is logged as an error). `never`: one step later. Hits that need "
-        "the disk or remote tier always load over later steps."),
+        "the disk or remote tier load over later steps (with `KVOFFLOAD_LOWER_TIER_HITS="
+        "promote` they are read into the CPU tier first and then load in their step: "
+        "measured no faster here, docs/vllm.md)."),
     Key("tenant_cpu_share", KeyType.FRACTION,
         "Most of the CPU tier one tenant (one `cache_salt`; requests without one are a "
         "tenant too) may hold, as a fraction of its chunks: a tenant at its share evicts "

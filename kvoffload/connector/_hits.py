@@ -274,7 +274,7 @@ class HitFinder:
         ``point``: the rules of :func:`needed_tokens` hold as for any hit.
         """
         search = _Search(self, keys, local_hit, point)
-        needs = self._needs(local_hit, point)
+        needs = self.needs(local_hit, point)
         if self.probes:
             search.probe([(g, c) for g, needed in enumerate(needs) for c in needed])
         if sum(len(r) for r in needs) > self.index.room():
@@ -307,13 +307,14 @@ class HitFinder:
 
     def chunks_needed(self, local: int, hit: int) -> int:
         """How many chunks a hit at ``hit`` needs beyond ``local``, every group together."""
-        return sum(len(r) for r in self._needs(local, hit))
+        return sum(len(r) for r in self.needs(local, hit))
 
     def first_prefix_group(self) -> int | None:
         """The first full-prefix group: its chain tells where the stored prefix ends."""
         return self._prefix[0] if self._prefix else None
 
-    def _needs(self, local: int, hit: int) -> list[range]:
+    def needs(self, local: int, hit: int) -> list[range]:
+        """Per group, the chunks a hit at ``hit`` needs beyond the engine's ``local`` hit."""
         return [
             needed_chunks(group, span, local, hit)
             for group, span in zip(self.layout.groups, self.tokens_per_chunk, strict=True)
@@ -321,7 +322,7 @@ class HitFinder:
 
     def _servable(self, search: _Search, hit: int) -> bool:
         """Every chunk of ``hit`` is available (full-prefix ones are, below the cap) and fits."""
-        needs = self._needs(search.local, hit)
+        needs = self.needs(search.local, hit)
         if not all(search.servable(g, needs[g]) for g in self._sparse):
             return False
         return sum(len(r) for r in needs) <= self.index.room()
@@ -330,14 +331,14 @@ class HitFinder:
         """A better hit than ``best`` out of the lower tiers: see the module docstring."""
         assert self._telling is not None
         g = self._telling
-        last = {h: self._needs(search.local, h)[g] for h in candidates}
+        last = {h: self.needs(search.local, h)[g] for h in candidates}
         search.probe([(g, needed[-1]) for needed in last.values() if needed])
         passed = [
             h for h in candidates
             if not last[h] or search.state(g, last[h][-1]) is not Availability.MISSING
         ]  # fmt: skip
         for hit in passed[:PROBE_ROUNDS]:
-            needs = self._needs(search.local, hit)
+            needs = self.needs(search.local, hit)
             search.probe([(s, c) for s in self._sparse for c in needs[s]])
             if self._servable(search, hit):
                 return hit
@@ -347,6 +348,6 @@ class HitFinder:
         """Whether a chunk ``hit`` needs is still being stored or promoted (ask again later)."""
         return any(
             search.state(g, c) is Availability.PENDING
-            for g, needed in enumerate(self._needs(search.local, hit))
+            for g, needed in enumerate(self.needs(search.local, hit))
             for c in needed
         )

@@ -67,6 +67,9 @@ class RequestState:
     offered: int = 0
     #: Whether that hit loads in the step that asks for it (every chunk in the CPU tier).
     in_step: bool = False
+    #: Chunks promoted into the CPU tier for its hit -> the tier they came from (``None``:
+    #: no promotion; a request promotes once, :mod:`~kvoffload.connector.promotions`).
+    promotion: dict[bytes, str] | None = None
     #: Its loads that failed (see ``scheduler.MAX_FAILED_LOADS``).
     failed_loads: int = 0
     #: Whether this admission's use was told to the index (once per lookup: vLLM calls

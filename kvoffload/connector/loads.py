@@ -19,8 +19,8 @@ from kvoffload.connector._spans import load_pieces, load_spans, stateless
 from kvoffload.connector._tails import with_tail
 from kvoffload.connector.jobs import JobBook
 from kvoffload.connector.misses import MissLedger, MissReason
+from kvoffload.connector.promotions import record_promoted
 from kvoffload.connector.stats import SchedulerStats
-from kvoffload.connector.stores import record_stored
 from kvoffload.manager.index import OffloadIndex
 from kvoffload.manager.usage import record_use
 from kvoffload.messages import JobKind, JobReport, TransferOrder
@@ -112,7 +112,14 @@ class LoadPlanner:
         spans, unloadable = load_spans(pieces, block_ids, slots, lost, self.bpc, groups=groups)
         order = self.jobs.order(req_id, JobKind.LOAD, spans, unloadable, in_step=req.in_step)
         job.order, job.tokens = order, num_external
-        tiers = ["cpu"] * len(job.pinned) + [req.found_in.get(k, "lower") for k in job.promoted]
+        # A chunk promoted for this hit counts for the tier it was promoted from.
+        came_from = req.promotion or {}
+        tiers = (
+            [came_from.get(k, "cpu") for k in job.pinned]
+            if came_from
+            else ["cpu"] * len(job.pinned)
+        )
+        tiers += [req.found_in.get(k, "lower") for k in job.promoted]
         job.tiers = tier_shares(num_external, tiers)
         job.ranges = tuple(
             (p.group, p.first * groups[p.group].tokens_per_block, hit) for p in pieces
@@ -123,8 +130,9 @@ class LoadPlanner:
         stats.hit_requests += 1
         stats.hit_tokens += num_external
         stats.in_step_hit_tokens += num_external if req.in_step else 0
-        stats.cpu_hit_chunks += len(job.pinned)
-        stats.lower_hit_chunks += len(job.promoted)
+        promoted_first = sum(k in came_from for k in job.pinned) if came_from else 0
+        stats.cpu_hit_chunks += len(job.pinned) - promoted_first
+        stats.lower_hit_chunks += len(job.promoted) + promoted_first
         stats.unloadable_chunks += len(lost)
         return order
 
@@ -162,14 +170,8 @@ class LoadPlanner:
         A promoted chunk is stored in the CPU tier only where every rank promoted it.
         """
         self.index.complete_load(job.pinned)
-        world = self.jobs.world_size
-        everywhere = {k for k, ranks in report.promoted.items() if ranks >= world}
-        failed = report.failed_keys
-        unpromoted = {k for k in job.promoted if k in failed or k not in everywhere}
-        promoted = record_stored(
-            self.index, self.retention, req, job, keys=job.promoted, failed=unpromoted
-        )
-        self.misses.stored(promoted)
+        record_promoted(self.index, self.retention, self.misses, self.jobs.world_size,
+                        req=req, job=job, report=report)  # fmt: skip
         stats = self.stats
         stats.loads += 1
         if not report.ok:

@@ -46,6 +46,7 @@ from kvoffload.connector.jobs import JobBook
 from kvoffload.connector.key_source import engine_keys_refusal
 from kvoffload.connector.loads import LoadPlanner
 from kvoffload.connector.misses import MissLedger, MissReason
+from kvoffload.connector.promotions import Promoter
 from kvoffload.connector.requests import RequestTable
 from kvoffload.connector.stats import SchedulerStats
 from kvoffload.connector.stores import StorePlanner
@@ -75,7 +76,9 @@ class OffloadScheduler:
     step hands in; without, from the token ids. With ``load_in_step``, a
     hit whose chunks are all in the CPU tier is loaded in the step that
     asks for it (:meth:`loads_in_step`); the adapter decides it from the
-    key ``load_in_step`` and from what its engine can recompute.
+    key ``load_in_step`` and from what its engine can recompute. With
+    ``promote_lower`` too, a hit that needs lower-tier chunks has them read
+    into the CPU tier first (:mod:`~kvoffload.connector.promotions`).
     """
 
     def __init__(
@@ -87,6 +90,7 @@ class OffloadScheduler:
         world_size: int = 1,
         engine_hashes: EngineHashes | None = None,
         load_in_step: bool = False,
+        promote_lower: bool = False,
     ) -> None:
         if engine_hashes is not None:
             for span in config.tokens_per_chunk:
@@ -112,6 +116,7 @@ class OffloadScheduler:
         )
         self.jobs = JobBook(world_size)
         self.load_in_step = load_in_step
+        self.promote_lower = promote_lower and load_in_step
         self._stats = SchedulerStats()
         self.misses = misses = MissLedger(config.num_cpu_chunks)
         #: The group whose chain tells where a request's stored prefix ends (misses).
@@ -122,6 +127,8 @@ class OffloadScheduler:
                                    tails=self.tails)  # fmt: skip
         self.loads = LoadPlanner(config, index=index, retention=retention, jobs=jobs,
                                  stats=stats, misses=misses)  # fmt: skip
+        self.promoter = Promoter(index=index, retention=retention, jobs=jobs, stats=stats,
+                                 misses=misses)  # fmt: skip
 
     # -- lookups ------------------------------------------------------------------
     def lookup(
@@ -168,6 +175,14 @@ class OffloadScheduler:
         if hit.pending and hit.tokens > local_hit:
             self._stats.deferred_lookups += 1
             return None
+        if (
+            self.promote_lower
+            and req.found_in
+            and hit.tokens > local_hit
+            and self.promoter.start(req, req_id, self._needed(req, local_hit, hit.tokens))
+        ):
+            self._stats.deferred_lookups += 1
+            return None
         if hit.tokens < top:
             self._count_misses(req.keys, local_hit, top, hit)
         if hit.tokens <= local_hit:
@@ -175,6 +190,14 @@ class OffloadScheduler:
         req.offered = hit.tokens
         req.in_step = self.load_in_step and not req.found_in
         return hit.tokens - local_hit
+
+    def _needed(self, req: RequestState, local_hit: int, hit: int) -> list[tuple[int, bytes]]:
+        """``(group, key)`` of every chunk a hit at ``hit`` needs beyond ``local_hit``."""
+        keys = req.keys
+        if hit == req.tail_at:  # a hit at a tail: its keys end with the tail's
+            keys = with_tail(keys, req.tail_keys, hit, self.config.tokens_per_chunk)
+        return [(g, keys[g][c]) for g, chunks in enumerate(self.hits.needs(local_hit, hit))
+                for c in chunks]  # fmt: skip
 
     def loads_in_step(self, req_id: str) -> bool:
         """Whether the last lookup's hit loads in the step that asks for it.
@@ -303,6 +326,8 @@ class OffloadScheduler:
         req = self.requests.get(order.req_id)
         if order.kind is JobKind.LOAD:
             self.loads.complete(req, job, job.report)
+        elif order.kind is JobKind.PROMOTE:
+            self.promoter.complete(req, job, job.report)
         else:
             self.stores.complete(req, job, job.report)
         self.requests.release(order.req_id, order.job_id)

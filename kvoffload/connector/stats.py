@@ -31,6 +31,11 @@ class SchedulerStats:
     failed_load_tokens: int = 0
     loads: int = 0
     failed_loads: int = 0
+    #: Hits whose lower-tier chunks were promoted into the CPU tier first, to load in
+    #: their step (KVOFFLOAD_LOWER_TIER_HITS=promote), and those chunks, in or failed.
+    promotions: int = 0
+    promoted_chunks: int = 0
+    failed_promoted_chunks: int = 0
     #: Chunks a hit needed that got no CPU slot for their promotion (failed at once).
     unloadable_chunks: int = 0
     stores: int = 0
@@ -80,6 +85,10 @@ class WorkerStats:
     load_chunks: int = 0
     failed_store_chunks: int = 0
     failed_load_chunks: int = 0
+    #: Promotions (lower tier -> CPU tier, for a hit then loaded in its step) and their chunks.
+    promote_jobs: int = 0
+    promoted_chunks: int = 0
+    failed_promote_chunks: int = 0
     #: Engine blocks of failed loads, handed back to the engine to recompute.
     failed_load_blocks: int = 0
     #: Loads run in the step that asked for them (load_in_step), copied layer by layer.

@@ -85,8 +85,10 @@ class OffloadWorker:
         self._failed_blocks: set[int] = set()
         self._reports: dict[int, JobReport] = {}
         self._stats = WorkerStats()
-        #: Seconds of each finished job by kind, until taken (bounded: no one may take them).
-        self._seconds = {kind: deque[float](maxlen=10_000) for kind in JobKind}
+        #: Seconds of each finished load and store job, until taken (bounded: no one may take them).
+        self._seconds = {
+            kind: deque[float](maxlen=10_000) for kind in (JobKind.STORE, JobKind.LOAD)
+        }
         self._suspended = False
         #: In-step loads run this step, with their results, until :meth:`poll`.
         self._in_step: list[tuple[TransferOrder, JobResult]] = []
@@ -126,10 +128,12 @@ class OffloadWorker:
         if kind is JobKind.STORE:
             self._end_in_step()
         in_step: list[TransferOrder] = []
+        # Promotions start with the loads, before the forward pass (they fill CPU slots only).
+        kinds = (kind,) if kind is JobKind.STORE else (JobKind.LOAD, JobKind.PROMOTE)
         for order in orders:
-            if order.kind is not kind:
+            if order.kind not in kinds:
                 continue
-            if kind is JobKind.LOAD and not order.in_step:
+            if order.kind is JobKind.LOAD and not order.in_step:
                 self._loads[order.req_id] += 1
             if self._suspended:  # fails at once: the engine's memory is released
                 self._stats.suspended_orders += 1
@@ -142,7 +146,7 @@ class OffloadWorker:
             elif order.in_step:
                 in_step.append(order)
             else:
-                self._start(order, kind)
+                self._start(order, order.kind)
         if in_step:
             self._start_in_step(in_step, CopyMode.BEFORE if full_graph else self.copies)
 
@@ -156,6 +160,8 @@ class OffloadWorker:
         try:
             if kind is JobKind.LOAD:
                 job_id = self.engine.submit_load(order.spans)
+            elif kind is JobKind.PROMOTE:
+                job_id = self.engine.submit_promote(order.spans)
             else:
                 job_id = self.engine.submit_store(order.spans)
         except Exception as exc:  # a bad order fails its job, never the step
@@ -209,14 +215,17 @@ class OffloadWorker:
         self._in_step = []
         instant, self._instant = self._instant, []
         for order, result in [*done, *((o, None) for o in instant)]:
-            if result is not None:
+            if result is not None and order.kind in self._seconds:
                 self._seconds[order.kind].append(result.seconds)
             report = JobReport.of(order, result)
             self._record(order, report)
             if order.kind is JobKind.LOAD:
                 self._finish_load(order, report, out)
-            elif not report.ok:
+            elif not report.ok and order.kind is JobKind.STORE:
                 self._stats.failed_store_jobs += 1
+            elif not report.ok:  # the request is looked up again and finds what did come in
+                for line in report.errors:
+                    logger.warning("kvoffload: promotion for request %s: %s", order.req_id, line)
         return out
 
     def _finish_load(self, order: TransferOrder, report: JobReport, out: PollResult) -> None:
@@ -262,6 +271,10 @@ class OffloadWorker:
             stats.load_jobs += 1
             stats.load_chunks += len(order.keys) - failed
             stats.failed_load_chunks += failed
+        elif order.kind is JobKind.PROMOTE:
+            stats.promote_jobs += 1
+            stats.promoted_chunks += len(order.keys) - failed
+            stats.failed_promote_chunks += failed
         else:
             stats.store_jobs += 1
             stats.store_chunks += len(order.keys) - failed

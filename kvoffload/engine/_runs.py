@@ -24,7 +24,7 @@ from kvoffload.messages import ChunkSpan
 if TYPE_CHECKING:
     from kvoffload.engine.engine import OffloadEngine
 
-__all__ = ["Run", "load_span", "scatter_run", "settle", "verified_runs"]
+__all__ = ["Run", "load_span", "promote_span", "scatter_run", "settle", "verified_runs"]
 
 
 @dataclass(slots=True)
@@ -121,3 +121,10 @@ def load_span(
     for run in runs:
         run.ok = run.ok and scatter_run(engine, run, after, outcome)
     settle(runs, outcome, {span.group: engine.transfer.chunk_blocks(span.group)})
+
+
+def promote_span(engine: OffloadEngine, span: ChunkSpan, outcome: Outcome) -> None:
+    """Make each chunk of ``span`` hold its key in its CPU slot, verified; copy nothing further."""
+    for run in verified_runs(engine, span, outcome):
+        keys = span.keys[run.start : run.stop]
+        (outcome.done if run.ok else outcome.failed).extend(keys)

@@ -53,7 +53,7 @@ import torch
 from kvoffload.config import OffloadConfig
 from kvoffload.engine._layered import CopyMode, LayeredLoad, model_order
 from kvoffload.engine._outcome import Outcome
-from kvoffload.engine._runs import load_span
+from kvoffload.engine._runs import load_span, promote_span
 from kvoffload.engine.failpoints import FailPoints
 from kvoffload.errors import TransferError
 from kvoffload.messages import ChunkSpan, JobKind, JobResult
@@ -152,6 +152,17 @@ class OffloadEngine:
             self._check_span(span)
         return self._submit(JobKind.LOAD, spans, self._engine_event())
 
+    def submit_promote(self, spans: Sequence[ChunkSpan]) -> int:
+        """Queue a promotion: read the spans' chunks from a lower tier into their CPU slots.
+
+        Each chunk is checksum-verified on the way, as for a load, and copied
+        no further: the request that needs them is looked up again once they
+        are in and loads them in its step. The spans carry no engine blocks.
+        """
+        for span in spans:
+            self._check_span(span, promote=True)
+        return self._submit(JobKind.PROMOTE, spans, None)
+
     def load_by_layer(
         self, jobs: Sequence[Sequence[ChunkSpan]], mode: CopyMode = CopyMode.BEFORE
     ) -> LayeredLoad:
@@ -239,10 +250,16 @@ class OffloadEngine:
         self.cascade.close()
 
     # -- job plumbing ---------------------------------------------------------------
-    def _check_span(self, span: ChunkSpan) -> None:
+    def _check_span(self, span: ChunkSpan, *, promote: bool = False) -> None:
         if self._closed:
             raise TransferError("the offload engine is closed")
-        need = span.blocks.num_chunks(self.transfer.chunk_blocks(span.group))
+        need = (
+            len(span.keys)
+            if promote
+            else span.blocks.num_chunks(self.transfer.chunk_blocks(span.group))
+        )
+        if promote and span.blocks.block_ids:
+            raise TransferError(f"group {span.group}: a promotion moves no engine blocks")
         if not len(span.keys) == len(span.slots) == need:
             raise TransferError(
                 f"group {span.group}: {len(span.blocks.block_ids)} blocks at offset "
@@ -287,9 +304,12 @@ class OffloadEngine:
                     for span, ok in zip(spans, gathered, strict=True):
                         if ok:
                             self._commit_span(span, outcome)
-                else:
+                elif kind is JobKind.LOAD:
                     for span in spans:
                         load_span(self, span, after, outcome)
+                else:
+                    for span in spans:
+                        promote_span(self, span, outcome)
         except Exception as exc:  # a bug must still report the job, never hang the engine
             self._crashed(kind, spans, outcome, exc)
         if reading:
@@ -308,7 +328,7 @@ class OffloadEngine:
     ) -> None:
         """Report an unexpected error: a load loses all its blocks, a store its unbound chunks."""
         outcome.errors.append(f"{type(exc).__name__}: {exc}")
-        if kind is JobKind.LOAD:
+        if kind is not JobKind.STORE:
             outcome.done.clear()
             outcome.failed = [k for s in spans for k in s.keys]
             outcome.failed_blocks = {}

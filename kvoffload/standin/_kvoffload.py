@@ -18,6 +18,7 @@ import torch
 from kvoffload.config import OffloadConfig
 from kvoffload.connector.key_source import choose_engine_hashes
 from kvoffload.connector.loads import failures_by_block, loads_in_step
+from kvoffload.connector.promotions import promotes_lower_hits
 from kvoffload.connector.scheduler import OffloadScheduler, StepRequest
 from kvoffload.connector.worker import OffloadWorker
 from kvoffload.engine import JobKind, OffloadEngine
@@ -72,12 +73,14 @@ class KVOffloadSide:
         transfers: bool = True,
     ) -> None:
         hashes = EngineHashes(math.gcd(*config.layout.tokens_per_block), STANDIN_HASHES)
+        in_step = loads_in_step(config, len(config.layout.groups))
         self.scheduler = OffloadScheduler(
             config,
             namespace,
             probes,
             engine_hashes=choose_engine_hashes(config, hashes, reproducible=True),
-            load_in_step=loads_in_step(config, len(config.layout.groups)),
+            load_in_step=in_step,
+            promote_lower=promotes_lower_hits(in_step),
         )
         # Without them the index keeps no events, as the connector's when vLLM
         # publishes none (its default); nobody drains them here.
@@ -168,7 +171,7 @@ def _completed(orders: Sequence[TransferOrder]) -> WorkerResult:
     loads = [order for order in orders if order.kind is JobKind.LOAD and not order.in_step]
     reports = [
         JobReport(order.job_id, 1, frozenset(),
-                  dict.fromkeys(order.keys, 1) if order.kind is JobKind.LOAD else {}, {})
+                  {} if order.kind is JobKind.STORE else dict.fromkeys(order.keys, 1), {})
         for order in orders
     ]  # fmt: skip
     return WorkerResult({order.req_id for order in loads}, set(), set(), reports)

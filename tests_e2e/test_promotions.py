@@ -1,0 +1,70 @@
+"""Disk-tier hits promoted into the CPU tier first, then loaded in their step, on a real engine.
+
+With ``KVOFFLOAD_LOWER_TIER_HITS=promote`` a lookup whose hit needs chunks only
+the disk holds orders them read into the CPU tier and answers "ask again"
+(``None``); vLLM skips the request and asks at its next steps, and once the
+chunks are in, the hit loads in the step that finds them, as a CPU-tier hit
+(``kvoffload/connector/promotions.py``). A fresh process reads what an earlier
+one stored: the tokens are the run's without the connector, and every hit went
+that way. With every file damaged the promotion fails, nothing damaged reaches
+vLLM, and vLLM computes the prompts itself.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from _harness import (
+    LLAMA_ENGINE,
+    LLAMA_PROMPTS,
+    Engine,
+    Reference,
+    assert_same_output,
+    connector_hit,
+    run_storing_engine,
+    with_disk,
+)
+
+PROMOTE = {"KVOFFLOAD_LOWER_TIER_HITS": "promote"}
+
+
+def test_disk_hits_are_promoted_then_loaded_in_their_step(
+    engine: Engine, reference: Reference, llama: str, tmp_path: Path
+) -> None:
+    expected = reference(llama, LLAMA_ENGINE, LLAMA_PROMPTS)
+    connector = with_disk(tmp_path / "kv", "64MiB", blocks_per_chunk=2, cpu_bytes_to_use="64MiB")
+    spec = {"model": llama, "engine": LLAMA_ENGINE, "prompts": LLAMA_PROMPTS,
+            "connector": connector}  # fmt: skip
+    run_storing_engine(engine, expected, **spec)
+    second = engine(**spec, env=PROMOTE)  # a fresh process: only the disk has the chunks
+    assert_same_output(second, expected)
+    assert second["passes"][0]["cached"] == [connector_hit(p, 64) for p in LLAMA_PROMPTS]
+    scheduler, worker = second["stats"]["scheduler"], second["stats"]["worker"]
+    assert scheduler["promotions"] > 0 and scheduler["failed_promoted_chunks"] == 0
+    assert scheduler["promoted_chunks"] == worker["promoted_chunks"] > 0
+    assert worker["tiers"]["disk"]["loads"] == worker["promoted_chunks"]
+    # Every hit loaded in its step, counted once, and for the disk it came from.
+    assert scheduler["in_step_hit_tokens"] == scheduler["hit_tokens"] == scheduler["loaded_tokens"]
+    assert scheduler["hit_tokens_by_tier"].get("disk", 0) > 0
+    assert worker["in_step_load_jobs"] == worker["load_jobs"] > 0
+    assert scheduler["deferred_lookups"] >= scheduler["promotions"]
+    assert scheduler["failed_loads"] == 0
+
+
+def test_a_failed_promotion_leaves_vllm_to_compute(
+    engine: Engine, reference: Reference, llama: str, tmp_path: Path
+) -> None:
+    expected = reference(llama, LLAMA_ENGINE, LLAMA_PROMPTS)
+    connector = with_disk(tmp_path / "kv", "64MiB", blocks_per_chunk=1, cpu_bytes_to_use="64MiB")
+    spec = {"model": llama, "engine": LLAMA_ENGINE, "prompts": LLAMA_PROMPTS,
+            "connector": connector}  # fmt: skip
+    run_storing_engine(engine, expected, **spec)
+    result = engine(**spec, passes=[{"corrupt": str(tmp_path / "kv")}], env=PROMOTE,
+                    failure_policy="recompute")  # fmt: skip
+    assert result["passes"][0]["acted"]["corrupted_files"] > 0
+    assert_same_output(result, expected)
+    scheduler, worker = result["stats"]["scheduler"], result["stats"]["worker"]
+    assert scheduler["promotions"] > 0 and scheduler["failed_promoted_chunks"] > 0
+    assert worker["tiers"]["disk"]["corrupt"] > 0
+    assert scheduler["loaded_tokens"] == 0  # every file was damaged: nothing was loaded
+    assert result["passes"][0]["cached"][0] == 0
