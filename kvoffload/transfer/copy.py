@@ -177,6 +177,8 @@ class KVTransfer:
             raise TransferError(
                 f"first_offset {span.first_offset} must be < {bpc}, the group's blocks per chunk"
             )
+        if not span.block_ids:  # a promotion's spans (NO_BLOCKS) never reach the engine
+            raise TransferError(f"group {group}: a transfer needs at least one block id")
         ids = np.asarray(span.block_ids, dtype=np.int64)
         nb = self.num_blocks(group)
         if int(ids.max()) >= nb:
