@@ -9,10 +9,12 @@
 #      `kvoffload plan`; bit-exact round trips;
 #   3. `kvoffload demo --device cuda`: the connector's scheduler and worker on GPU KV tensors;
 #   4. the unit suite on a machine with CUDA (pinned slabs, CUDA-present branches);
-#   5. benchmarks/gpu_e2e.py, which needs vLLM 0.33 on the machine (it says so if missing).
+#   5. benchmarks/gpu_e2e.py, which needs vLLM 0.33 on the machine (it says so if missing);
+#   6. with vLLM there too, benchmarks/vllm_ttft.py (TTFT from the CPU tier against vLLM's own
+#      cache, a row per way a load in the step copies; its default on CUDA: a copy thread).
 # Run from a checkout: `OUT=results benchmarks/gpu_run.sh` (PYTHON=python3 by default). Uses the
 # machine's torch, numpy, xxhash, tqdm, pytest and hypothesis; installs nothing. Writes run.log,
-# gpu_check.json, gpu_check_jobs.json, demo.json (and gpu_e2e.json) under $OUT; exits 1 if any
+# gpu_check.json, gpu_check_jobs.json, demo.json (and gpu_e2e.json, ttft.json) under $OUT; exits 1 if any
 # step failed.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -47,6 +49,8 @@ step gpu-check-jobs 90 "$PY" benchmarks/gpu_check.py --chunk-mib 1,4 --layouts k
 step unit-tests 120 "$PY" -m pytest -p no:cacheprovider -q -rfE tests
 if "$PY" -c 'import vllm' 2>/dev/null; then
     step gpu-e2e 600 "$PY" benchmarks/gpu_e2e.py --json-out "$OUT/gpu_e2e.json"
+    step ttft 600 sh -c "$PY benchmarks/vllm_ttft.py --copy-modes thread,layer,before --json \
+        > '$OUT/ttft.json'"
 else
     echo "=== gpu-e2e: skipped, vLLM is not installed for $PY on this machine" | tee -a "$LOG"
 fi
