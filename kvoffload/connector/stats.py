@@ -9,7 +9,9 @@ reads (the adapter maps them to Prometheus series in one place,
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
+
+from kvoffload._records import as_dict
 
 __all__ = ["SchedulerStats", "WorkerStats"]
 
@@ -67,7 +69,7 @@ class SchedulerStats:
 
     def snapshot(self) -> dict[str, int | dict[str, int]]:
         """Every figure by name; the ``*_by_tier`` ones as fresh dicts."""
-        return asdict(self)
+        return as_dict(self)
 
 
 @dataclass(slots=True)
@@ -101,4 +103,4 @@ class WorkerStats:
     unrecoverable_load_jobs: int = 0
 
     def snapshot(self) -> dict[str, int]:
-        return asdict(self)
+        return as_dict(self)

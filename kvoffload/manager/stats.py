@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
+
+from kvoffload._records import as_dict
 
 __all__ = ["IndexCounters", "IndexStats"]
 
@@ -27,7 +29,7 @@ class IndexCounters:
 
     def snapshot(self) -> dict[str, int]:
         """Every figure by name, for an exporter or a log line."""
-        return asdict(self)
+        return as_dict(self)
 
 
 @dataclass(slots=True)
