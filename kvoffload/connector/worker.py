@@ -304,8 +304,13 @@ class OffloadWorker:
         Jobs are counted here, from their reports; bytes, hits and failures of
         each tier are counted by the tier (``TierStats.snapshot()``).
         """
-        out: dict[str, Any] = self._stats.snapshot()
+        out: dict[str, Any] = self.job_counts()
         out["tiers"] = {name: stats.snapshot() for name, stats in self.engine.stats().items()}
+        return out
+
+    def job_counts(self) -> dict[str, int]:
+        """:meth:`stats` without the tiers (the metrics read those as records, every step)."""
+        out = self._stats.snapshot()
         if self.engine.faults is not None:  # a negative control shows its fault fired
             out.update(self.engine.faults.stats())
         return out
