@@ -67,7 +67,7 @@ PACKAGE = Path(kvoffload.__file__).parent
 LAYER_RANKS = {
     "cli": 9, "replay": 8, "bench": 8, "vllm": 7, "standin": 6, "connector": 5, "engine": 4,
     "manager": 3.5, "tiers": 3.2, "transfer": 3, "keys": 2, "messages": 2, "config": 1,
-    "registry": 1, "errors": 0, "_checks": 0, "__init__": 10, "__main__": 10,
+    "registry": 1, "errors": 0, "_checks": 0, "_records": 0, "__init__": 10, "__main__": 10,
 }  # fmt: skip
 #: Modules of the vLLM adapter that speak vLLM without importing it (so that their logic is
 #: unit-tested without vLLM installed), and what of vLLM they speak.

@@ -1,4 +1,4 @@
-"""``as_dict``: the records' figures as the metrics read them every step, as ``asdict`` gives them."""
+"""``as_dict``: the figures the metrics read every step, as ``asdict`` gives them."""
 
 from __future__ import annotations
 
