@@ -5,6 +5,9 @@ allocated the request's blocks and accepted ``num_external`` tokens of it, the c
 needs are pinned where the CPU tier holds them and given a CPU slot to be promoted into
 where a lower tier does. What gets no slot goes into the order as ``unloadable``: the
 worker reports it failed at once and vLLM recomputes it, never waiting on it.
+
+A hit may instead have its lower-tier chunks promoted first, before vLLM accepts it
+(:meth:`LoadPlanner.promote`; when and why: :mod:`~kvoffload.connector.promotions`).
 """
 
 from __future__ import annotations
@@ -19,11 +22,11 @@ from kvoffload.connector._spans import load_pieces, load_spans, stateless
 from kvoffload.connector._tails import with_tail
 from kvoffload.connector.jobs import JobBook
 from kvoffload.connector.misses import MissLedger, MissReason
-from kvoffload.connector.promotions import record_promoted
 from kvoffload.connector.stats import SchedulerStats
+from kvoffload.connector.stores import record_stored
 from kvoffload.manager.index import OffloadIndex
 from kvoffload.manager.usage import record_use
-from kvoffload.messages import JobKind, JobReport, TransferOrder
+from kvoffload.messages import NO_BLOCKS, ChunkSpan, JobKind, JobReport, TransferOrder
 
 __all__ = ["LoadPlanner", "failures_by_block", "loads_in_step"]
 
@@ -114,11 +117,7 @@ class LoadPlanner:
         job.order, job.tokens = order, num_external
         # A chunk promoted for this hit counts for the tier it was promoted from.
         came_from = req.promotion or {}
-        tiers = (
-            [came_from.get(k, "cpu") for k in job.pinned]
-            if came_from
-            else ["cpu"] * len(job.pinned)
-        )
+        tiers = [came_from.get(k, "cpu") for k in job.pinned]
         tiers += [req.found_in.get(k, "lower") for k in job.promoted]
         job.tiers = tier_shares(num_external, tiers)
         job.ranges = tuple(
@@ -130,7 +129,7 @@ class LoadPlanner:
         stats.hit_requests += 1
         stats.hit_tokens += num_external
         stats.in_step_hit_tokens += num_external if req.in_step else 0
-        promoted_first = sum(k in came_from for k in job.pinned) if came_from else 0
+        promoted_first = sum(k in came_from for k in job.pinned)
         stats.cpu_hit_chunks += len(job.pinned) - promoted_first
         stats.lower_hit_chunks += len(job.promoted) + promoted_first
         stats.unloadable_chunks += len(lost)
@@ -170,8 +169,7 @@ class LoadPlanner:
         A promoted chunk is stored in the CPU tier only where every rank promoted it.
         """
         self.index.complete_load(job.pinned)
-        record_promoted(self.index, self.retention, self.misses, self.jobs.world_size,
-                        req=req, job=job, report=report)  # fmt: skip
+        self._record_promoted(req, job, report)
         stats = self.stats
         stats.loads += 1
         if not report.ok:
@@ -186,3 +184,59 @@ class LoadPlanner:
         if req is not None:
             for g, lo, hi in job.ranges:
                 req.mark_valid(lo, hi, group=g)
+
+    def promote(self, req: RequestState, req_id: str, needed: Sequence[tuple[int, bytes]]) -> bool:
+        """Order ``req`` 's lower-tier chunks of ``needed`` (``(group, key)``) into the CPU tier.
+
+        ``False``, with nothing reserved, where the request promoted already or
+        the CPU tier has no room for them: the hit then loads over later steps.
+        """
+        if req.promotion is not None:
+            return False
+        lower = [(g, k) for g, k in needed if k in req.found_in]
+        reserved = self.index.prepare_store(
+            [k for _, k in lower], admit_all=True, tenant=req.tenant
+        )
+        if reserved is None or not reserved.keys:
+            return False
+        if reserved.evicted:
+            self.misses.evicted(reserved.evicted, reserved.capped)
+        slot_of = dict(zip(reserved.keys, reserved.slots, strict=True))
+        by_group: dict[int, list[bytes]] = {}
+        for g, k in lower:
+            if k in slot_of:
+                by_group.setdefault(g, []).append(k)
+        spans = tuple(
+            ChunkSpan(g, tuple(keys), tuple(slot_of[k] for k in keys), NO_BLOCKS)
+            for g, keys in by_group.items()
+        )
+        job = JobState(self.jobs.order(req_id, JobKind.PROMOTE, spans), promoted=reserved.keys)
+        self.jobs.queue(req, job)
+        req.promotion = {k: req.found_in[k] for k in reserved.keys}
+        self.stats.promotions += 1
+        return True
+
+    def complete_promotion(
+        self, req: RequestState | None, job: JobState, report: JobReport
+    ) -> None:
+        """Every rank reported the promotion: its chunks are CPU-tier chunks now."""
+        done, unpromoted = self._record_promoted(req, job, report)
+        self.stats.promoted_chunks += len(done)
+        self.stats.failed_promoted_chunks += len(unpromoted)
+
+    def _record_promoted(
+        self, req: RequestState | None, job: JobState, report: JobReport
+    ) -> tuple[Sequence[bytes], set[bytes]]:
+        """Complete ``job`` 's promotions in the index: (chunks now in the CPU tier, the rest).
+
+        A chunk is in the CPU tier only where every rank read its part in.
+        """
+        world = self.jobs.world_size
+        everywhere = {k for k, ranks in report.promoted.items() if ranks >= world}
+        failed = report.failed_keys
+        unpromoted = {k for k in job.promoted if k in failed or k not in everywhere}
+        done = record_stored(
+            self.index, self.retention, req, job, keys=job.promoted, failed=unpromoted
+        )
+        self.misses.stored(done)
+        return done, unpromoted

@@ -46,7 +46,6 @@ from kvoffload.connector.jobs import JobBook
 from kvoffload.connector.key_source import engine_keys_refusal
 from kvoffload.connector.loads import LoadPlanner
 from kvoffload.connector.misses import MissLedger, MissReason
-from kvoffload.connector.promotions import Promoter
 from kvoffload.connector.requests import RequestTable
 from kvoffload.connector.stats import SchedulerStats
 from kvoffload.connector.stores import StorePlanner
@@ -127,8 +126,6 @@ class OffloadScheduler:
                                    tails=self.tails)  # fmt: skip
         self.loads = LoadPlanner(config, index=index, retention=retention, jobs=jobs,
                                  stats=stats, misses=misses)  # fmt: skip
-        self.promoter = Promoter(index=index, retention=retention, jobs=jobs, stats=stats,
-                                 misses=misses)  # fmt: skip
 
     # -- lookups ------------------------------------------------------------------
     def lookup(
@@ -179,7 +176,7 @@ class OffloadScheduler:
             self.promote_lower
             and req.found_in
             and hit.tokens > local_hit
-            and self.promoter.start(req, req_id, self._needed(req, local_hit, hit.tokens))
+            and self.loads.promote(req, req_id, self._needed(req, local_hit, hit.tokens))
         ):
             self._stats.deferred_lookups += 1
             return None
@@ -327,7 +324,7 @@ class OffloadScheduler:
         if order.kind is JobKind.LOAD:
             self.loads.complete(req, job, job.report)
         elif order.kind is JobKind.PROMOTE:
-            self.promoter.complete(req, job, job.report)
+            self.loads.complete_promotion(req, job, job.report)
         else:
             self.stores.complete(req, job, job.report)
         self.requests.release(order.req_id, order.job_id)
