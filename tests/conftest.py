@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -37,3 +39,12 @@ def uniform_layout() -> KVLayout:
             CacheGroup(kind="full", tokens_per_block=16, layer_names=("a", "b"), page_bytes=2048),
         )
     )
+
+
+@pytest.fixture
+def rigs() -> Iterator[list[Any]]:
+    """The connector rigs a test made (``test_vllm_scheduler.rig``), closed after it."""
+    made: list[Any] = []
+    yield made
+    for rig in made:
+        rig.close()

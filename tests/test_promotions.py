@@ -7,12 +7,11 @@ package's stand-in for vLLM with real CPU and disk tiers, files and engine tenso
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-from test_vllm_scheduler import Rig, gemma_like, llama_like, tokens
+from test_vllm_scheduler import Rig, gemma_like, llama_like, rig, tokens
 
 from kvoffload.config.layout import KVLayout
 from kvoffload.connector.promotions import LOWER_TIER_HITS_ENV, promotes_lower_hits
@@ -26,28 +25,19 @@ def promote(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(LOWER_TIER_HITS_ENV, "promote")
 
 
-@pytest.fixture
-def made() -> Iterator[list[Rig]]:
-    rigs: list[Rig] = []
-    yield rigs
-    for r in rigs:
-        r.close()
-
-
-def on_disk(made: list[Rig], layout: KVLayout, tmp: Path, ids: list[int], **extra: Any) -> Rig:
+def on_disk(rigs: list[Rig], layout: KVLayout, tmp: Path, ids: list[int], **extra: Any) -> Rig:
     """A fresh process's connector over a disk tier another one filled with ``ids``' chunks."""
     writer = Rig(layout, tmp, **extra)
     writer.serve("writer", ids)
     writer.close()
-    made.append(Rig(layout, tmp, probes=True, **extra))
-    return made[-1]
+    return rig(rigs, layout, tmp, probes=True, **extra)
 
 
 def test_a_promoted_hit_loads_in_the_step_that_finds_it_in_the_cpu_tier(
-    promote: None, made: list[Rig], tmp_path: Path
+    promote: None, rigs: list[Rig], tmp_path: Path
 ) -> None:
     ids = tokens(70)
-    r = on_disk(made, llama_like(), tmp_path, ids)
+    r = on_disk(rigs, llama_like(), tmp_path, ids)
     sched = r.scheduler
     assert r.lookup("a", ids) is None  # ask again: the chunks are being read in
     [order] = sched.take_orders()
@@ -67,10 +57,10 @@ def test_a_promoted_hit_loads_in_the_step_that_finds_it_in_the_cpu_tier(
 
 
 def test_a_promoted_hit_is_served_bit_exact_and_counted_for_the_tier_it_came_from(
-    promote: None, made: list[Rig], tmp_path: Path
+    promote: None, rigs: list[Rig], tmp_path: Path
 ) -> None:
     ids = tokens(70)
-    r = on_disk(made, llama_like(), tmp_path, ids)
+    r = on_disk(rigs, llama_like(), tmp_path, ids)
     served = r.serve("r1", ids)
     assert served.offered == served.loaded == r.top_hit(70) > 0
     assert served.verified > 0 and served.mismatched == served.failed == 0
@@ -87,7 +77,7 @@ def test_a_promoted_hit_is_served_bit_exact_and_counted_for_the_tier_it_came_fro
 
 
 def test_a_failed_promotion_is_reported_and_the_request_recomputed(
-    promote: None, made: list[Rig], tmp_path: Path
+    promote: None, rigs: list[Rig], tmp_path: Path
 ) -> None:
     ids = tokens(70)
     writer = Rig(llama_like(), tmp_path)
@@ -97,8 +87,7 @@ def test_a_failed_promotion_is_reported_and_the_request_recomputed(
         with path.open("r+b") as f:
             f.seek(4096 + 10)
             f.write(b"\x00\xff" * 8)
-    r = Rig(llama_like(), tmp_path, probes=True)
-    made.append(r)
+    r = rig(rigs, llama_like(), tmp_path, probes=True)
     served = r.serve("r1", ids)
     # Nothing damaged reaches the engine: the request promotes once, and what the
     # promotion could not read is recomputed (never offered again, or failed by block).
@@ -115,11 +104,11 @@ def test_a_failed_promotion_is_reported_and_the_request_recomputed(
 
 @pytest.mark.parametrize(("setting", "promotes"), [("auto", False), ("always", True)])
 def test_only_hits_that_load_in_their_step_are_promoted(
-    promote: None, made: list[Rig], tmp_path: Path, setting: str, promotes: bool
+    promote: None, rigs: list[Rig], tmp_path: Path, setting: str, promotes: bool
 ) -> None:
     """Several groups: by default a hit loads a step later anyway, so it is not promoted."""
     ids = tokens(70)
-    r = on_disk(made, gemma_like(), tmp_path, ids, load_in_step=setting)
+    r = on_disk(rigs, gemma_like(), tmp_path, ids, load_in_step=setting)
     served = r.serve("r1", ids)
     assert served.offered == served.loaded > 0 and served.mismatched == 0
     stats = r.scheduler.stats()
@@ -128,10 +117,10 @@ def test_only_hits_that_load_in_their_step_are_promoted(
 
 
 def test_the_default_loads_lower_tier_hits_over_later_steps(
-    made: list[Rig], tmp_path: Path
+    rigs: list[Rig], tmp_path: Path
 ) -> None:
     ids = tokens(70)
-    r = on_disk(made, llama_like(), tmp_path, ids)
+    r = on_disk(rigs, llama_like(), tmp_path, ids)
     assert r.lookup("a", ids) == r.top_hit(70) and not r.scheduler.loads_in_step("a")
     assert r.scheduler.stats()["promotions"] == 0
 
@@ -144,9 +133,8 @@ def test_the_setting_is_checked(monkeypatch: pytest.MonkeyPatch) -> None:
     assert promotes_lower_hits(True) and not promotes_lower_hits(False)
 
 
-def test_a_promotion_moves_no_engine_blocks(made: list[Rig], tmp_path: Path) -> None:
-    r = Rig(llama_like(), tmp_path)
-    made.append(r)
+def test_a_promotion_moves_no_engine_blocks(rigs: list[Rig], tmp_path: Path) -> None:
+    r = rig(rigs, llama_like(), tmp_path)
     span = ChunkSpan(0, (b"k" * 16,), (0,), BlockSpan((1, 2)))
     with pytest.raises(TransferError, match="a promotion moves no engine blocks"):
         r.worker.engine.submit_promote([span])

@@ -14,7 +14,6 @@ CPU and disk tiers, files.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -168,14 +167,6 @@ class Rig:
 def layout(request: pytest.FixtureRequest) -> KVLayout:
     made: KVLayout = request.param()
     return made
-
-
-@pytest.fixture
-def rigs() -> Iterator[list[Rig]]:
-    made: list[Rig] = []
-    yield made
-    for rig in made:
-        rig.close()
 
 
 def rig(rigs: list[Rig], *args: Any, **kwargs: Any) -> Rig:
