@@ -169,3 +169,18 @@ def run_storing_engine(run: Engine, expected: dict[str, Any], /, **spec: Any) ->
 def with_disk(path: Path, disk_bytes: str, **connector: Any) -> dict[str, Any]:
     """Connector settings with a disk tier under ``path``."""
     return {**connector, "disk_path": str(path), "disk_bytes_to_use": disk_bytes}
+
+
+def llama_stored_on_disk(
+    run: Engine, reference: Reference, llama: str, path: Path, blocks_per_chunk: int
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """``(spec, expected)``: ``LLAMA_PROMPTS`` stored on a disk tier under ``path`` by an
+    engine process of their own, so the next process run on ``spec`` finds them on disk only."""
+    expected = reference(llama, LLAMA_ENGINE, LLAMA_PROMPTS)
+    connector = with_disk(
+        path, "64MiB", blocks_per_chunk=blocks_per_chunk, cpu_bytes_to_use="64MiB"
+    )
+    spec = {"model": llama, "engine": LLAMA_ENGINE, "prompts": LLAMA_PROMPTS,
+            "connector": connector}  # fmt: skip
+    run_storing_engine(run, expected, **spec)
+    return spec, expected

@@ -35,6 +35,7 @@ from _harness import (
     assert_same_tokens,
     connector_hit,
     delta,
+    llama_stored_on_disk,
     negative_control,
     random_prompts,
     run_storing_engine,
@@ -184,11 +185,7 @@ def test_small_cpu_tier_loads_from_disk(
 def test_restart_loads_what_the_previous_process_stored(
     engine: Engine, reference: Reference, llama: str, tmp_path: Path
 ) -> None:
-    expected = reference(llama, LLAMA_ENGINE, LLAMA_PROMPTS)
-    connector = with_disk(tmp_path / "kv", "64MiB", blocks_per_chunk=2, cpu_bytes_to_use="64MiB")
-    spec = {"model": llama, "engine": LLAMA_ENGINE, "prompts": LLAMA_PROMPTS,
-            "connector": connector}  # fmt: skip
-    run_storing_engine(engine, expected, **spec)
+    spec, expected = llama_stored_on_disk(engine, reference, llama, tmp_path / "kv", 2)
     assert list((tmp_path / "kv").rglob("*.kv")), "nothing was written to disk"
     # A fresh process: vLLM's cache and the CPU tier are empty, only the disk has the chunks.
     second = engine(**spec)

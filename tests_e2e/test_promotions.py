@@ -15,14 +15,12 @@ from __future__ import annotations
 from pathlib import Path
 
 from _harness import (
-    LLAMA_ENGINE,
     LLAMA_PROMPTS,
     Engine,
     Reference,
     assert_same_output,
     connector_hit,
-    run_storing_engine,
-    with_disk,
+    llama_stored_on_disk,
 )
 
 PROMOTE = {"KVOFFLOAD_LOWER_TIER_HITS": "promote"}
@@ -31,11 +29,7 @@ PROMOTE = {"KVOFFLOAD_LOWER_TIER_HITS": "promote"}
 def test_disk_hits_are_promoted_then_loaded_in_their_step(
     engine: Engine, reference: Reference, llama: str, tmp_path: Path
 ) -> None:
-    expected = reference(llama, LLAMA_ENGINE, LLAMA_PROMPTS)
-    connector = with_disk(tmp_path / "kv", "64MiB", blocks_per_chunk=2, cpu_bytes_to_use="64MiB")
-    spec = {"model": llama, "engine": LLAMA_ENGINE, "prompts": LLAMA_PROMPTS,
-            "connector": connector}  # fmt: skip
-    run_storing_engine(engine, expected, **spec)
+    spec, expected = llama_stored_on_disk(engine, reference, llama, tmp_path / "kv", 2)
     second = engine(**spec, env=PROMOTE)  # a fresh process: only the disk has the chunks
     assert_same_output(second, expected)
     assert second["passes"][0]["cached"] == [connector_hit(p, 64) for p in LLAMA_PROMPTS]
@@ -54,11 +48,7 @@ def test_disk_hits_are_promoted_then_loaded_in_their_step(
 def test_a_failed_promotion_leaves_vllm_to_compute(
     engine: Engine, reference: Reference, llama: str, tmp_path: Path
 ) -> None:
-    expected = reference(llama, LLAMA_ENGINE, LLAMA_PROMPTS)
-    connector = with_disk(tmp_path / "kv", "64MiB", blocks_per_chunk=1, cpu_bytes_to_use="64MiB")
-    spec = {"model": llama, "engine": LLAMA_ENGINE, "prompts": LLAMA_PROMPTS,
-            "connector": connector}  # fmt: skip
-    run_storing_engine(engine, expected, **spec)
+    spec, expected = llama_stored_on_disk(engine, reference, llama, tmp_path / "kv", 1)
     result = engine(**spec, passes=[{"corrupt": str(tmp_path / "kv")}], env=PROMOTE,
                     failure_policy="recompute")  # fmt: skip
     assert result["passes"][0]["acted"]["corrupted_files"] > 0
