@@ -20,7 +20,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
-from _serve import Completion
+from _serve import DISK_HITS, Completion
 
 Ask = Callable[[list[int]], Completion]
 
@@ -140,6 +140,6 @@ def summary(
         "per_turn": per_turn,
         "engine_hit_tokens": int(delta["vllm:prefix_cache_hits_total"]),
         "connector_hit_tokens": int(delta["vllm:external_prefix_cache_hits_total"]),
-        "disk_hit_tokens": int(delta.get("vllm:kvoffload_hit_tokens_total{tier=disk}", 0)),
+        "disk_hit_tokens": int(delta[DISK_HITS]),
         "preemptions": int(delta["vllm:num_preemptions_total"]),
     }
