@@ -173,6 +173,10 @@ class TransferOrder:
     #: the worker finishes the load before the forward pass reads the blocks, and the
     #: request is not reported as finished receiving (it never waited).
     in_step: bool = False
+    #: In-step load only: recurrent group -> the block the forward pass reads the
+    #: request's running state from. vLLM copies the hit's state block there before
+    #: the worker's ``start_load_kv``, so the worker writes the state there as well.
+    running_states: Mapping[int, int] = field(default_factory=dict)
 
     @property
     def keys(self) -> tuple[bytes, ...]:

@@ -52,6 +52,14 @@ def gemma_like() -> KVLayout:
     )
 
 
+def sliding_alone() -> KVLayout:
+    return KVLayout((CacheGroup("sliding", 4, ("w0", "w1"), PAGE, sliding_window=12),))
+
+
+def recurrent_like() -> KVLayout:
+    return KVLayout((CacheGroup("mamba", 8, ("m0",), 160), CacheGroup("full", 8, ("f0",), PAGE)))
+
+
 def llama4_like() -> KVLayout:
     """Like Llama-4 with vLLM's hybrid allocator on: chunked local groups (chunk 16), a full one."""
     return KVLayout(
@@ -531,6 +539,8 @@ def served_in_step(r: Rig, ids: list[int]) -> tuple[Served, int]:
         (llama_like, "never", False),
         (gemma_like, "auto", False),  # several groups: vLLM could not recompute a failure
         (gemma_like, "always", True),
+        (recurrent_like, "auto", False),
+        (recurrent_like, "always", True),  # the state into the block vLLM runs it in too
     ],
 )
 def test_a_cpu_tier_hit_loads_in_the_step_that_asks_where_the_setting_allows(
@@ -548,6 +558,21 @@ def test_a_cpu_tier_hit_loads_in_the_step_that_asks_where_the_setting_allows(
     # The prompt's last 6 tokens and one decode step: a step less without the wait.
     never = rig(rigs, make(), load_in_step="never")
     assert steps == served_in_step(never, ids)[1] - int(in_step)
+
+
+@pytest.mark.parametrize("copies", ["layer", "thread"])
+def test_a_state_loaded_in_the_step_is_in_place_before_the_forward_pass(
+    rigs: list[Rig], monkeypatch: pytest.MonkeyPatch, copies: str
+) -> None:
+    """vLLM's recurrent layers read their state without a layer wait: in every copy mode the
+    state is copied in ``start_load_kv``, into the block the step runs it in too (the
+    stand-in's forward pass checks the state it starts from there)."""
+    monkeypatch.setenv("KVOFFLOAD_IN_STEP_COPIES", copies)
+    r = rig(rigs, recurrent_like(), load_in_step="always")
+    again, _ = served_in_step(r, tokens(70))
+    assert again.loaded == r.top_hit(70) > 0
+    assert again.verified > 0 and again.mismatched == again.failed == 0
+    assert r.worker.stats()["in_step_load_jobs"] == 1
 
 
 def test_a_hit_in_a_lower_tier_loads_over_later_steps(rigs: list[Rig], tmp_path: Path) -> None:
@@ -631,21 +656,13 @@ def test_a_failed_in_step_load_hands_back_its_blocks_and_voids_the_steps_stores(
     assert stats["failed_loads"] == 1 and stats["stored_chunks"] == r.top_hit(70) // 8
 
 
-def sliding_alone() -> KVLayout:
-    return KVLayout((CacheGroup("sliding", 4, ("w0", "w1"), PAGE, sliding_window=12),))
-
-
-def recurrent_like() -> KVLayout:
-    return KVLayout((CacheGroup("mamba", 8, ("m0",), 160), CacheGroup("full", 8, ("f0",), PAGE)))
-
-
 @pytest.mark.parametrize(
     ("make", "engine_groups", "by_block", "auto", "always"),
     [
         (llama_like, 1, True, True, True),
         (sliding_alone, 1, False, False, True),  # vLLM would resume past the window's blocks
         (gemma_like, 3, False, False, True),
-        (recurrent_like, 2, False, False, False),  # vLLM reads the state before a load lands
+        (recurrent_like, 2, False, False, True),
     ],
 )
 def test_which_layouts_load_in_the_step_and_report_failed_blocks(

@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 from _harness import Engine, Reference
 from _launch import EngineFailed, run_spec
-from _models import GEMMA4, LLAMA, QWEN3_NEXT, SLIDING_MISTRAL, build
+from _models import GEMMA4, LLAMA, LLAMA4, QWEN3_NEXT, SLIDING_MISTRAL, build
 
 # The remote-tier tests use the unit tests' real Redis servers on loopback (appended,
 # so that tests/conftest.py never shadows this one).
@@ -63,6 +63,11 @@ def gemma4(models: Path) -> str:
 @pytest.fixture(scope="session")
 def qwen3_next(models: Path) -> str:
     return str(build(QWEN3_NEXT, models / "qwen3_next"))
+
+
+@pytest.fixture(scope="session")
+def llama4(models: Path) -> str:
+    return str(build(LLAMA4, models / "llama4"))
 
 
 @pytest.fixture(scope="session")

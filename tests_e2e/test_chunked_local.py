@@ -11,8 +11,6 @@ vLLM without the connector, after its own prefix cache was reset.
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 from _harness import (
     TWO_PASSES,
@@ -23,17 +21,11 @@ from _harness import (
     negative_control,
     shared_prefix_prompts,
 )
-from _models import LLAMA4, build
 from test_connector import assert_served_by_connector
 
 ENGINE = {"block_size": 32, "max_model_len": 4096}
 #: Four and a half attention chunks: a hit lands in the fifth, past three freed chunks.
 PROMPTS = shared_prefix_prompts(2, prefix_len=1100, suffix_len=20, vocab=512)
-
-
-@pytest.fixture(scope="module")
-def llama4(models: Path) -> str:
-    return str(build(LLAMA4, models / "llama4"))
 
 
 @pytest.mark.parametrize(

@@ -16,6 +16,13 @@ blocks outside the hit's window that were never loaded (this test saw wrong
 tokens that way), so a failure fails the request and vLLM starts it over. A
 recurrent hybrid (several KV cache groups, where vLLM takes no block ids at
 all) does the same. Both give the right tokens after a failed load.
+
+With ``load_in_step: always`` every group kind loads in the step that asks:
+sliding windows, Gemma-4's four groups, Llama-4's chunked local attention,
+and Qwen3-Next's recurrent states, each state also into the block vLLM runs
+the request's state in (vLLM fills that block from the hit's state block
+before the connector's ``start_load_kv``). The tokens must be vLLM's own
+prefix cache's.
 """
 
 from __future__ import annotations
@@ -24,16 +31,21 @@ from typing import Any
 
 import pytest
 from _harness import (
+    GEMMA_ENGINE,
+    GEMMA_PROMPTS,
     LLAMA_ENGINE,
     LLAMA_PROMPTS,
     TWO_PASSES,
     Engine,
     Reference,
+    assert_passes_match,
     assert_same_output,
     differences,
     failpoint_fired,
     negative_control,
 )
+from test_chunked_local import ENGINE as LLAMA4_ENGINE
+from test_chunked_local import PROMPTS as LLAMA4_PROMPTS
 from test_connector import vllm_recovered_tokens
 from test_recurrent import QWEN_ENGINE, QWEN_PROMPTS
 
@@ -124,3 +136,39 @@ def test_a_failed_load_on_a_recurrent_layout_is_recomputed(
     scheduler, worker = result["stats"]["scheduler"], result["stats"]["worker"]
     assert scheduler["failed_loads"] > 0 and scheduler["in_step_hit_tokens"] == 0
     assert worker.get("in_step_load_jobs", 0) == 0
+
+
+#: Each layout's engine and prompts, and the environment its groups need.
+EVERY_KIND: dict[str, tuple[dict[str, Any], list[list[int]], dict[str, str]]] = {
+    "sliding_mistral": (LLAMA_ENGINE, LLAMA_PROMPTS, {}),
+    "gemma4": (GEMMA_ENGINE, GEMMA_PROMPTS, {}),
+    "llama4": (LLAMA4_ENGINE, LLAMA4_PROMPTS,
+               {"VLLM_ALLOW_CHUNKED_LOCAL_ATTN_WITH_HYBRID_KV_CACHE": "1"}),
+    "qwen3_next": (QWEN_ENGINE, QWEN_PROMPTS, {}),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("model_name", list(EVERY_KIND))
+def test_always_loads_every_group_kind_in_the_step_that_asks(
+    engine: Engine,
+    reference: Reference,
+    request: pytest.FixtureRequest,
+    monkeypatch: pytest.MonkeyPatch,
+    model_name: str,
+) -> None:
+    """vLLM's own prefix cache's tokens, logprobs and hits, every hit loaded in its step."""
+    model = request.getfixturevalue(model_name)
+    engine_args, prompts, env = EVERY_KIND[model_name]
+    for name, value in env.items():  # the reference's engine needs it too
+        monkeypatch.setenv(name, value)
+    expected = reference(model, engine_args, prompts)
+    oracle = {"passes": expected["passes"][:2]}  # the second: vLLM's own prefix cache
+    connector = {"cpu_bytes_to_use": "256MiB", "load_in_step": "always"}
+    result = engine(model=model, engine=engine_args, prompts=prompts, passes=TWO_PASSES,
+                    connector=connector)  # fmt: skip
+    assert_passes_match(result, oracle)
+    assert result["passes"][1]["cached"] == oracle["passes"][1]["cached"]
+    scheduler, worker = result["stats"]["scheduler"], result["stats"]["worker"]
+    assert scheduler["in_step_hit_tokens"] == scheduler["hit_tokens"] == scheduler["loaded_tokens"]
+    assert scheduler["hit_tokens"] > 0 and scheduler["failed_loads"] == 0
+    assert worker["in_step_load_jobs"] == worker["load_jobs"] > 0

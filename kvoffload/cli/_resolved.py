@@ -33,12 +33,10 @@ def _load_in_step(config: OffloadConfig) -> tuple[str, str]:
     layout = config.layout
     if loads_in_step(config, len(layout.groups)):
         return "in_step", "CPU-tier hits load in the step that asks for them"
-    if layout.has_state:
-        return "next_step", "vLLM reads a recurrent state before the connector's load"
     assert not failures_by_block(layout, len(layout.groups))  # the rule loads_in_step applies
     return "next_step", (
-        "vLLM takes a failed load of this layout only by request, with several KV cache "
-        "groups or a sliding window, which a load in the step could not report"
+        "vLLM takes a failed load of this layout only by request (several KV cache groups, "
+        "a sliding window or a recurrent state), which a load in the step could not report"
     )
 
 

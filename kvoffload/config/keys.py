@@ -189,9 +189,9 @@ KEYS: tuple[Key, ...] = (
         "group that keeps the whole prefix (full attention, MLA). Other layouts (sliding "
         "windows, several groups, recurrent states) load one step later, where a failed load "
         "fails its request and vLLM starts it over (docs/vllm.md). `always`: in the step on "
-        "every layout but recurrent ones, whose state vLLM reads before a load in the step "
-        "lands (host slots are pinned, so only a bug can fail such a load; where vLLM cannot "
-        "recompute it, it is logged as an error). `never`: one step later. Hits that need "
+        "every layout, a recurrent state also into the block vLLM runs it in (host slots "
+        "are pinned, so only a bug can fail such a load; where vLLM cannot recompute it, it "
+        "is logged as an error). `never`: one step later. Hits that need "
         "the disk or remote tier load over later steps (with `KVOFFLOAD_LOWER_TIER_HITS="
         "promote` they are read into the CPU tier first and then load in their step: "
         "measured no faster here, docs/vllm.md)."),

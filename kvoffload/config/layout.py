@@ -225,6 +225,11 @@ class KVLayout:
         return any(g.reuse is Reuse.STATE for g in self.groups)
 
     @property
+    def state_groups(self) -> frozenset[int]:
+        """Indexes of the groups that hold recurrent states."""
+        return frozenset(i for i, g in enumerate(self.groups) if g.reuse is Reuse.STATE)
+
+    @property
     def replicated(self) -> bool:
         """Whether every group is the same on every tensor-parallel rank (an MLA model):
         then a chunk is one copy for all ranks, in every tier (see ``CacheGroup``)."""

@@ -49,6 +49,11 @@ class JobBook:
         req.jobs.add(job.order.job_id)
         self._orders.append(job.order)
 
+    def revise(self, job: JobState, order: TransferOrder) -> None:
+        """Send ``order`` instead of ``job`` 's queued one (the same job id, not sent yet)."""
+        queued = next(i for i, queued in enumerate(self._orders) if queued is job.order)
+        self._orders[queued] = job.order = order
+
     def take_orders(self) -> list[TransferOrder]:
         """Orders queued since the last call, for this step's connector metadata."""
         orders, self._orders = self._orders, []

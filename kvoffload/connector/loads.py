@@ -12,13 +12,14 @@ A hit may instead have its lower-tier chunks promoted first, before vLLM accepts
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
+from dataclasses import replace
 
 from kvoffload.config import OffloadConfig
 from kvoffload.config.layout import KVLayout, Reuse
-from kvoffload.connector._request import JobState, RequestState, tier_shares
+from kvoffload.connector._request import JobState, RequestState, StepRequest, tier_shares
 from kvoffload.connector._retention import Retention
-from kvoffload.connector._spans import load_pieces, load_spans, stateless
+from kvoffload.connector._spans import NULL_BLOCK, load_pieces, load_spans, stateless
 from kvoffload.connector._tails import with_tail
 from kvoffload.connector.jobs import JobBook
 from kvoffload.connector.misses import MissLedger, MissReason
@@ -53,12 +54,11 @@ def loads_in_step(config: OffloadConfig, num_engine_groups: int) -> bool:
     ``num_engine_groups``: the KV cache groups the engine itself keeps. A
     request loading in its step is running, so vLLM can take its failure
     only as block ids (``failed_recving`` acts on requests waiting for a
-    load): ``auto`` loads in the step where :func:`failures_by_block` holds.
-    A recurrent state never does: vLLM copies a request's state block into
-    its running block before the connector's ``start_load_kv``, so a state
-    loaded in the step lands too late (measured: the tokens of a zeroed state).
+    load): ``auto`` loads in the step where :func:`failures_by_block` holds,
+    ``always`` on every layout (a recurrent state too: see
+    :meth:`LoadPlanner.aim_states`).
     """
-    if config.load_in_step == "never" or config.layout.has_state:
+    if config.load_in_step == "never":
         return False
     return config.load_in_step == "always" or failures_by_block(config.layout, num_engine_groups)
 
@@ -84,6 +84,8 @@ class LoadPlanner:
         self.jobs = jobs
         self.stats = stats
         self.misses = misses
+        #: This step's in-step loads of a recurrent state, until :meth:`aim_states`.
+        self._unaimed: list[JobState] = []
 
     def plan(
         self, req: RequestState, req_id: str, block_ids: Sequence[Sequence[int]], num_external: int
@@ -115,6 +117,8 @@ class LoadPlanner:
         spans, unloadable = load_spans(pieces, block_ids, slots, lost, self.bpc, groups=groups)
         order = self.jobs.order(req_id, JobKind.LOAD, spans, unloadable, in_step=req.in_step)
         job.order, job.tokens = order, num_external
+        if req.in_step and any(groups[s.group].reuse is Reuse.STATE for s in spans):
+            self._unaimed.append(job)
         # A chunk promoted for this hit counts for the tier it was promoted from.
         came_from = req.promotion or {}
         tiers = [came_from.get(k, "cpu") for k in job.pinned]
@@ -134,6 +138,37 @@ class LoadPlanner:
         stats.lower_hit_chunks += len(job.promoted) + promoted_first
         stats.unloadable_chunks += len(lost)
         return order
+
+    def aim_states(self, steps: Iterable[StepRequest]) -> None:
+        """Point this step's in-step loads of a state also at the block the forward pass reads.
+
+        vLLM (``mamba_cache_mode="align"``) runs a request's state in the block
+        of its step's last token, ``ceil((computed + scheduled) / block) - 1``,
+        and fills it from the hit's state block before the connector's
+        ``start_load_kv``: before a load in the step lands (measured: the tokens
+        of a zeroed state). So the worker writes the state into that block as
+        well (``TransferOrder.running_states``). Known only now: vLLM says what
+        it scheduled after it allocated the blocks the load was planned for.
+        """
+        if not self._unaimed:
+            return
+        by_id = {step.req_id: step for step in steps}
+        for job in self._unaimed:
+            step = by_id.get(job.order.req_id)
+            if step is None:  # not run in this step: no forward pass reads the state
+                continue
+            running: dict[int, int] = {}
+            for span in job.order.spans:
+                group = self.groups[span.group]
+                if group.reuse is not Reuse.STATE:
+                    continue
+                ids = step.block_ids[span.group]
+                at = -(-(step.computed + step.scheduled) // group.tokens_per_block) - 1
+                if 0 <= at < len(ids) and ids[at] not in (NULL_BLOCK, *span.blocks.block_ids):
+                    running[span.group] = ids[at]
+            if running:
+                self.jobs.revise(job, replace(job.order, running_states=running))
+        self._unaimed.clear()
 
     def _reserve(
         self, keys: list[bytes], tenant: str | None

@@ -275,9 +275,10 @@ class OffloadScheduler:
         """
         for req_id in preempted:
             self.preempted(req_id)
-        plan = self.stores.plan
-        for step in scheduled:
+        plan, steps = self.stores.plan, list(scheduled)
+        for step in steps:
             plan(step)
+        self.loads.aim_states(steps)
         if not self.misses.warned and self._stats.stored_chunks and not self._stats.loaded_tokens:
             advice = self.misses.advice(self._stats.stored_chunks, self._stats.loaded_tokens)
             if advice is not None:

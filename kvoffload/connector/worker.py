@@ -171,7 +171,8 @@ class OffloadWorker:
 
     def _start_in_step(self, orders: list[TransferOrder], copies: CopyMode) -> None:
         try:
-            load = self.engine.load_by_layer([o.spans for o in orders], copies)
+            spans, running = [o.spans for o in orders], [o.running_states for o in orders]
+            load = self.engine.load_by_layer(spans, copies, running)
         except Exception as exc:  # a bad order fails its job, never the step
             for order in orders:
                 self._refused(order, exc)

@@ -16,10 +16,14 @@ ones compute. How the copies run (:class:`CopyMode`):
 * ``before``: every copy before the forward pass, as a load job does.
 
 All of them first verify every chunk in its CPU slot, in ``start_load_kv``:
-what fails there is never copied. A copy that fails marks its run failed; its
-blocks are reported after the forward pass like any failed load's, and vLLM
-recomputes them. A wait for a layer the load does not know (a layer that reads
-another's KV, say) waits for every layer.
+what fails there is never copied. A recurrent state is copied there too,
+whatever the mode: vLLM's recurrent layers read their state without a wait.
+It goes into its own block and into the block vLLM runs the request's state
+in (``running_states``), which vLLM filled from the former before the load.
+A copy that fails marks its run failed; its blocks are reported after the
+forward pass like any failed load's, and vLLM recomputes them. A wait for a
+layer the load does not know (a layer that reads another's KV, say) waits
+for every layer.
 """
 
 from __future__ import annotations
@@ -28,7 +32,7 @@ import os
 import re
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from concurrent.futures import Future
 from enum import Enum
 from typing import TYPE_CHECKING
@@ -36,9 +40,9 @@ from typing import TYPE_CHECKING
 import torch
 
 from kvoffload.engine._outcome import Outcome
-from kvoffload.engine._runs import scatter_run, settle, verified_runs
+from kvoffload.engine._runs import Run, scatter_run, settle, verified_runs
 from kvoffload.errors import ConfigError
-from kvoffload.messages import ChunkSpan, JobKind, JobResult
+from kvoffload.messages import BlockSpan, ChunkSpan, JobKind, JobResult
 
 if TYPE_CHECKING:
     from kvoffload.engine.engine import OffloadEngine
@@ -105,6 +109,7 @@ class LayeredLoad:
         jobs: Sequence[tuple[ChunkSpan, ...]],
         after: torch.cuda.Event | None,
         mode: CopyMode,
+        running_states: Sequence[Mapping[int, int]] = (),
     ) -> None:
         self._engine, self._after, self._start = engine, after, time.perf_counter()
         self._ids = [engine.new_job_id() for _ in jobs]
@@ -118,7 +123,9 @@ class LayeredLoad:
         except BaseException:  # a bug: the caller refuses the orders; the chunks go free
             self._locks.close()
             raise
-        groups = {s.group for spans in jobs for s in spans}
+        self._states = engine.transfer.layout.state_groups
+        self._copy_states(running_states or [{}] * len(jobs))
+        groups = {s.group for spans in jobs for s in spans} - self._states
         self._order = [layer for layer in engine.layers_in_model_order if layer[1] in groups]
         self._copied = [threading.Event() for _ in self._order]
         self._position = {name: i for i, (name, _, _) in enumerate(self._order)}
@@ -170,8 +177,24 @@ class LayeredLoad:
         """Copy the verified runs of ``group``'s ``layer`` (both None: every run whole)."""
         for runs, outcome in zip(self._runs, self._outcomes, strict=True):
             for run in runs:
-                if run.ok and group in (None, run.span.group):
+                g = run.span.group
+                if run.ok and group in (None, g) and g not in self._states:  # states: at start
                     run.ok = scatter_run(self._engine, run, self._after, outcome, layer)
+
+    def _copy_states(self, running: Sequence[Mapping[int, int]]) -> None:
+        """Copy the verified states, each also into its request's running-state block."""
+        engine, after = self._engine, self._after
+        for runs, outcome, into in zip(self._runs, self._outcomes, running, strict=True):
+            for run in runs:
+                span = run.span
+                if not run.ok or span.group not in self._states:
+                    continue
+                run.ok = scatter_run(engine, run, after, outcome)
+                if run.ok and span.group in into and run.stop == len(span.keys):
+                    last = ChunkSpan(span.group, span.keys[-1:], span.slots[-1:],
+                                     BlockSpan((into[span.group],)))  # fmt: skip
+                    mirror = Run(last, 0, 1, ok=True)
+                    run.ok = scatter_run(engine, mirror, after, outcome, counted=True)
 
     def _fail_all(self, exc: Exception) -> None:
         for runs, outcome in zip(self._runs, self._outcomes, strict=True):

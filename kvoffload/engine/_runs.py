@@ -69,11 +69,14 @@ def scatter_run(
     after: torch.cuda.Event | None,
     outcome: Outcome,
     layer: int | None = None,
+    *,
+    counted: bool = False,
 ) -> bool:
     """Copy a verified run into the engine (``layer``: that layer only); ``False`` if it failed.
 
     The slab's counters take the bytes and seconds of every call, and the
-    chunks once: on the whole copy, or on the group's last layer.
+    chunks once: on the whole copy, or on the group's last layer, unless
+    they were ``counted`` already (a second copy of the same chunks).
     """
     span, transfer, cpu = run.span, engine.transfer, engine.cascade.cpu
     bpc, nbytes = transfer.chunk_blocks(span.group), transfer.chunk_bytes(span.group)
@@ -93,7 +96,7 @@ def scatter_run(
         return False
     pages = layers if layer is None else layers[layer : layer + 1]
     moved = len(sub.block_ids) * sum(p.page_bytes for p in pages)
-    chunks = run.stop - run.start if layer in (None, len(layers) - 1) else 0
+    chunks = run.stop - run.start if layer in (None, len(layers) - 1) and not counted else 0
     cpu.counters.add(loads=chunks, load_bytes=moved,
                      load_seconds=time.perf_counter() - begin)  # fmt: skip
     outcome.nbytes += moved

@@ -164,14 +164,19 @@ class OffloadEngine:
         return self._submit(JobKind.PROMOTE, spans, None)
 
     def load_by_layer(
-        self, jobs: Sequence[Sequence[ChunkSpan]], mode: CopyMode = CopyMode.BEFORE
+        self,
+        jobs: Sequence[Sequence[ChunkSpan]],
+        mode: CopyMode = CopyMode.BEFORE,
+        running_states: Sequence[Mapping[int, int]] = (),
     ) -> LayeredLoad:
         """Start the loads the engine's next forward pass reads, layer by layer (:mod:`._layered`).
 
         Not queued on the pool, where they could wait behind store jobs
         writing to disk. They still take the job locks of their chunks, so they
         never race a store or a promotion of them. Their results come from
-        :meth:`LayeredLoad.join`, not :meth:`get_finished`.
+        :meth:`LayeredLoad.join`, not :meth:`get_finished`. ``running_states``:
+        per job, recurrent group -> a second block its state goes into
+        (``TransferOrder.running_states``).
         """
         for spans in jobs:
             for span in spans:
@@ -179,7 +184,8 @@ class OffloadEngine:
         with self._cond:
             self._pending += 1
         try:
-            return LayeredLoad(self, [tuple(s) for s in jobs], self._engine_event(), mode)
+            orders = [tuple(spans) for spans in jobs]
+            return LayeredLoad(self, orders, self._engine_event(), mode, running_states)
         except BaseException:
             self.job_ended()
             raise

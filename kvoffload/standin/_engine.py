@@ -9,7 +9,13 @@ from collections.abc import Collection, Iterable, Sequence
 from kvoffload.config.layout import KVLayout
 from kvoffload.errors import ConfigError, IntegrityError
 from kvoffload.keys import KeyExtras, prefix_keys, prefix_keys_for_layout
-from kvoffload.standin._forward import check_lookahead, final_after, verify_blocks, write_step
+from kvoffload.standin._forward import (
+    carry_states,
+    check_lookahead,
+    final_after,
+    verify_blocks,
+    write_step,
+)
 from kvoffload.standin._kv import KVPages
 from kvoffload.standin._prefix_cache import PrefixCache
 from kvoffload.standin._state import aligned_stop, state_block_size
@@ -168,6 +174,7 @@ class StandIn:
     def step(self) -> StepPlan:
         plan = StepPlan(finished=self._finished)
         self._finished = set()
+        self.cache.new_step()
         budget = self._schedule_running(plan, self.step_tokens)
         self._schedule_waiting(plan, budget)
         for req, _ in plan.scheduled:
@@ -176,6 +183,9 @@ class StandIn:
             ]
             req.told = [len(ids) for ids in req.blocks]
         meta = self.side.build_connector_meta(plan)
+        if self.kv is not None:
+            for req, n in plan.scheduled:
+                carry_states(self.kv, self.layout, req, n)
         result = self.side.run_worker(meta, lambda: self._forward(plan))
         for req, n in plan.scheduled:
             if req.req_id in plan.in_step and not self._loaded_in_step(req, result):
@@ -354,10 +364,11 @@ class StandIn:
 
     # -- the forward pass -----------------------------------------------------------------
     def _forward(self, plan: StepPlan) -> None:
-        """Write the KV of every full block the step computes or makes final (with ``kv``)."""
+        """Write the KV of every full block the step computes or makes final (with ``kv``);
+        a wrong state a step ran from counts as a mismatched block."""
         if self.kv is not None:
             for req, n in plan.scheduled:
-                write_step(self.kv, self.layout, req, n)
+                self.stats.mismatched_blocks += write_step(self.kv, self.layout, req, n)
 
     def _verify(self, req: SimRequest, start: int, stop: int) -> None:
         """Check every full block a load of tokens ``[start, stop)`` filled, bit-exact."""

@@ -30,6 +30,7 @@ from kvoffload.standin._state import state_key
 from kvoffload.standin._types import SimRequest
 
 __all__ = [
+    "carry_states",
     "check_lookahead",
     "final_after",
     "final_tokens",
@@ -74,16 +75,40 @@ def provisional_key(block_hash: bytes) -> bytes:
     return hashlib.blake2b(b"provisional" + block_hash, digest_size=16).digest()
 
 
-def write_step(kv: KVPages, layout: KVLayout, req: SimRequest, n: int) -> None:
+def carry_states(kv: KVPages, layout: KVLayout, req: SimRequest, n: int) -> None:
+    """vLLM's ``preprocess_mamba``, before the connector's ``start_load_kv``: a step of ``n``
+    tokens runs ``req`` 's state in the block it ends in, copied from the block the state
+    before it is in (the last step's, or a hit's) where they differ."""
+    if not (req.computed and n):
+        return
+    end = min(req.computed + n, req.num_tokens)
+    for g, group in enumerate(layout.groups):
+        tpb, blocks = group.tokens_per_block, req.blocks[g]
+        source, target = blocks[(req.computed - 1) // tpb], blocks[(end - 1) // tpb]
+        if group.reuse is Reuse.STATE and NULL_BLOCK not in (source, target) and source != target:
+            kv.copy(g, source, target)
+
+
+def write_step(kv: KVPages, layout: KVLayout, req: SimRequest, n: int) -> int:
     """Write the KV of every full block a step of ``n`` tokens of ``req`` computes, and with a
-    lookahead the final KV of those it makes final (``req.final``: final before the step)."""
+    lookahead the final KV of those it makes final (``req.final``: final before the step).
+
+    Returns the states the step ran from that were wrong: a recurrent layer
+    reads the state after ``req.computed`` tokens from the block it writes
+    the next one into (:func:`carry_states` put it there).
+    """
     end = min(req.computed + n, req.num_tokens)
     final = final_after(layout, req, end)
+    wrong = 0
     for g, group in enumerate(layout.groups):
         tpb, blocks, hashes = group.tokens_per_block, req.blocks[g], req.hashes[g]
         if group.reuse is Reuse.STATE:  # the state after the step, in its last block
-            if n and blocks[(end - 1) // tpb] != NULL_BLOCK:
-                kv.write(g, blocks[(end - 1) // tpb], state_key(hashes, req.tokens, end, tpb))
+            running = blocks[(end - 1) // tpb] if n else NULL_BLOCK
+            if running == NULL_BLOCK:
+                continue
+            before = state_key(hashes, req.tokens, req.computed, tpb)
+            wrong += bool(req.computed) and not kv.holds(g, running, before)
+            kv.write(g, running, state_key(hashes, req.tokens, end, tpb))
             continue
         # Blocks whose KV turns final this step, then those it computes (never a hit's).
         for b in range(min(req.final, req.computed) // tpb, end // tpb):
@@ -93,6 +118,7 @@ def write_step(kv: KVPages, layout: KVLayout, req: SimRequest, n: int) -> None:
                 kv.write(g, blocks[b], hashes[b])
             else:
                 kv.write(g, blocks[b], provisional_key(req.provisional[g][b]))
+    return wrong
 
 
 def verify_blocks(kv: KVPages, layout: KVLayout, req: SimRequest, start: int, stop: int) -> tuple[

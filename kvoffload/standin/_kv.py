@@ -61,6 +61,11 @@ class KVPages:
         for layer, pages in enumerate(self.pages[group]):
             pages[block].copy_(expected_page(block_hash, layer, pages.shape[1]))
 
+    def copy(self, group: int, source: int, target: int) -> None:
+        """``source`` 's pages into ``target`` in every layer of ``group`` (an engine-side copy)."""
+        for pages in self.pages[group]:
+            pages[target].copy_(pages[source])
+
     def holds(self, group: int, block: int, block_hash: bytes) -> bool:
         """Whether ``block`` holds exactly the KV of ``block_hash`` in every layer of ``group``."""
         return all(

@@ -51,6 +51,8 @@ class PrefixCache:
         self._cached: dict[tuple[int, bytes], int] = {}
         #: Cached blocks reused by an allocation (vLLM's prefix-cache evictions).
         self.evictions = 0
+        #: States cached in this step: their forward pass has not run yet (:meth:`new_step`).
+        self._states_this_step: set[int] = set()
 
     @property
     def num_free(self) -> int:
@@ -102,7 +104,12 @@ class PrefixCache:
         ``hit`` are the cached blocks of a new request's hit, taken over.
         Blocks wholly before what ``computed`` tokens need are null, hit
         blocks there included (a load beyond the hit moved the window on).
+        A hit on a state another request computes in this step is refused as
+        vLLM's ``MambaManager`` refuses it (as if the pool were short): the
+        state is copied into the running block before the forward pass writes it.
         """
+        if hit is not None and any(b in self._states_this_step for ids in hit for b in ids[-1:]):
+            return False
         plans = []
         fresh = reused = 0
         for g, group in enumerate(self.layout.groups):
@@ -114,7 +121,10 @@ class PrefixCache:
             stop = -(-total // tpb)
             plans.append((base, skipped, stop))
             new = max(0, stop - max(len(base), skipped))
-            fresh += min(new, 1) if group.reuse is Reuse.STATE else new
+            if group.reuse is Reuse.STATE:
+                fresh += min(new, 1) + self._loads_state(len(base), skipped, computed, stop)
+            else:
+                fresh += new
             if hit is not None:
                 reused += sum(1 for b in base if b and not self._refs[b])
         if fresh + reused > len(self._free):
@@ -126,9 +136,21 @@ class PrefixCache:
             ids = table[g]
             ids += [NULL_BLOCK] * max(0, min(skipped, stop) - len(ids))
             if self.layout.groups[g].reuse is Reuse.STATE:  # the step's state: its last block
+                if self._loads_state(len(ids), skipped, computed, stop):
+                    ids += self._take(1)
                 ids += [NULL_BLOCK] * max(0, stop - 1 - len(ids))
             ids += self._take(stop - len(ids))
         return True
+
+    @staticmethod
+    def _loads_state(held: int, skipped: int, computed: int, stop: int) -> bool:
+        """Whether a state group needs a block for a loaded state besides the step's last one.
+
+        vLLM's ``allocate_external_computed_blocks``: a request whose
+        ``computed`` tokens end past its ``held`` blocks had them loaded, and
+        the state after them needs the block they end in, at ``skipped``.
+        """
+        return computed > 0 and held <= skipped < stop - 1
 
     def cache(self, table: Table, hashes: Sequence[Sequence[bytes]], num_tokens: int) -> None:
         """Cache the request's full blocks up to ``num_tokens`` (vLLM's ``cache_blocks``)."""
@@ -144,6 +166,12 @@ class PrefixCache:
                 if name not in self._cached:  # a twin computed first keeps the entry
                     self._cached[name] = block
                     self._hash_of[block] = name
+                    if self.layout.groups[g].reuse is Reuse.STATE:
+                        self._states_this_step.add(block)
+
+    def new_step(self) -> None:
+        """vLLM's ``new_step_starts``: the last step's states are computed now."""
+        self._states_this_step.clear()
 
     def remove_skipped(self, table: Table, computed: int) -> None:
         """Free the blocks a group no longer needs once ``computed`` tokens are done (windows)."""
