@@ -115,16 +115,16 @@ class LayeredLoad:
         self._ids = [engine.new_job_id() for _ in jobs]
         self._outcomes = [Outcome() for _ in jobs]
         self._locks = engine.locked([s for spans in jobs for s in spans])
+        self._states = engine.transfer.layout.state_groups
         try:
             self._runs = [
                 [run for span in spans for run in verified_runs(engine, span, outcome)]
                 for spans, outcome in zip(jobs, self._outcomes, strict=True)
             ]
+            self._copy_states(running_states or [{}] * len(jobs))
         except BaseException:  # a bug: the caller refuses the orders; the chunks go free
             self._locks.close()
             raise
-        self._states = engine.transfer.layout.state_groups
-        self._copy_states(running_states or [{}] * len(jobs))
         groups = {s.group for spans in jobs for s in spans} - self._states
         self._order = [layer for layer in engine.layers_in_model_order if layer[1] in groups]
         self._copied = [threading.Event() for _ in self._order]

@@ -23,6 +23,12 @@ what a connector can observe of vLLM and nothing else:
   forward writes other bytes (:mod:`kvoffload.standin._forward`). The GPU
   cache hashes blocks with those tokens (vLLM 0.34's lookahead block hashes)
   and caches final blocks only; every load is checked against the final KV.
+* **A recurrent state** (``mamba_cache_mode="align"``, :mod:`._state`): a
+  step runs a request's state in the block it ends in, copied there before
+  the connector's loads start from the block the state before it is in (a
+  hit's, or the last step's); the forward pass checks the state it starts
+  from there. A loaded state gets its block at the hit point, and a hit on a
+  state another request computes in the same step waits a step, as in vLLM.
 * **A step** is vLLM's ``schedule`` / ``execute_model`` / ``update_from_output``:
   running requests continue (prefill or decode) within ``step_tokens``; waiting
   ones get their local hit, then ``get_num_new_matched_tokens`` (``None``
