@@ -50,8 +50,8 @@ def block_size(result: dict[str, Any]) -> int:
     """vLLM's one block size of the four groups (three state groups, then attention).
 
     vLLM's CPU backend picks it from the attention page and the state's size,
-    which depend on the processor: 256 tokens on AVX2 machines, 384 with AMX
-    (where it keeps the SSM state in float32), so nothing here assumes one.
+    which depend on the processor: 256 tokens on some machines, 384 on others
+    (AMX ones, and a 2-core AVX-512 Xeon without AMX), so nothing here assumes one.
     """
     groups = result["kv_cache_groups"]
     assert len(groups) == 4 and len(set(groups)) == 1, groups
