@@ -16,7 +16,7 @@ VLLM_STAMP  = $(VLLM_VENV)/.installed-stamp
 # vLLM releases whose Python modules the connector is checked against (make vllm-api-check).
 VERSIONS   ?= 0.33.0 0.34.0
 
-.PHONY: setup demo demo-vllm plan test lint typecheck bench replay e2e vllm-setup vllm-api-check vllm033-check bench-vllm bench-serve clean
+.PHONY: setup demo demo-vllm plan test lint typecheck bench replay e2e vllm-setup vllm-api-check vllm033-check bench-vllm bench-hybrid bench-serve clean
 
 setup: $(STAMP)
 
@@ -88,6 +88,12 @@ vllm033-check:
 # Time to first token on vLLM: kvoffload (CPU tier, disk tier) against recomputation.
 bench-vllm: vllm-setup
 	$(VLLM_PY) benchmarks/vllm_ttft.py
+
+# The same on hybrid models (Gemma-4, Qwen3-Next): a CPU-tier hit one step later (auto) or
+# in its step (load_in_step always), ~3 min on 2 cores.
+bench-hybrid: vllm-setup
+	$(VLLM_PY) benchmarks/hybrid_ttft.py --family gemma4
+	$(VLLM_PY) benchmarks/hybrid_ttft.py --family qwen3_next
 
 # Multi-turn chat over `vllm serve`, kvoffload against vLLM alone with the same small engine
 # cache and the same cores, and a float32 exactness check (3 min on 2 cores with AMX, 49 on

@@ -134,4 +134,8 @@ def test_disk_modes_serve_histories_from_disk_either_way(llama: str, tmp_path: P
     for chat in modes.values():
         assert chat["requests"] == CONVERSATIONS * TURNS
         assert 0 < chat["disk_hit_tokens"] <= chat["connector_hit_tokens"]
-    assert modes["disk"]["connector_hit_tokens"] == modes["disk-promote"]["connector_hit_tokens"]
+    # The same histories either way, up to timing: what vLLM's own cache still holds when a
+    # request is looked up, and a chunk the full 8-chunk CPU tier had no slot for before its
+    # request ended (never stored: no_room_chunks), depend on when each step ran.
+    served = [chat["engine_hit_tokens"] + chat["connector_hit_tokens"] for chat in modes.values()]
+    assert abs(served[0] - served[1]) <= CONVERSATIONS * TURNS * 32, served
