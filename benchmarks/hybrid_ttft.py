@@ -25,13 +25,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import random
 import sys
 import tempfile
 from pathlib import Path
 from typing import Any
 
-from vllm_ttft import ROOT, conversations, row, run_engine
+from vllm_ttft import ROOT, add_ratios, passes_of, row, run_engine
 
 sys.path.insert(0, str(ROOT / "tests_e2e"))
 from _models import GEMMA4, QWEN3_NEXT, build
@@ -92,12 +91,7 @@ def main(argv: list[str] | None = None) -> int:
         name = f"{args.family}-l{args.layers}-h{args.hidden}"
         model = str(build(config, (args.model_dir or work) / name))
         vocab = config["vocab_size"]
-        earlier, last = conversations(
-            args.conversations, args.system_tokens, args.turn_tokens, args.turns, vocab
-        )
-        warmup = {"prompts": [[random.Random(1).randrange(1, vocab) for _ in range(256)]]}
-        fill = {"prompts": earlier}
-        timed = {"prompts": last, "one_by_one": True, "reset_each": True}
+        last, warmup, fill, timed = passes_of(args, vocab)
         base = {
             "model": model,
             "engine": {**engine_args, "max_model_len": max(4096, len(last[0]) + 16),
@@ -125,12 +119,7 @@ def main(argv: list[str] | None = None) -> int:
     ]
     # Both connector modes load the same KV, so their tokens must agree; recompute and vLLM's
     # cache compute other prefixes, which in bfloat16 may flip near-tied tokens.
-    reference_ms, loaded_tokens = rows[0]["ttft_ms"], rows[1]["tokens"]
-    own_ms = rows[-1]["ttft_ms"]
-    for r in rows:
-        r["ratio_vs_recompute"] = reference_ms / r["ttft_ms"]
-        r["ratio_vs_own_cache"] = r["ttft_ms"] / own_ms
-        r["same_tokens"] = r.pop("tokens") == loaded_tokens
+    add_ratios(rows, same_as=1)
     setup = {"family": args.family, "layers": args.layers, "hidden": args.hidden,
              "kv_cache_groups": plain["kv_cache_groups"], "prompt_tokens": len(last[0]),
              "conversations": args.conversations, "reserved_cpus": args.reserved_cpus}  # fmt: skip

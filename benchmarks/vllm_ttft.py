@@ -91,6 +91,31 @@ def conversations(
     return earlier, last
 
 
+def passes_of(
+    args: argparse.Namespace, vocab: int
+) -> tuple[list[list[int]], dict[str, Any], dict[str, Any], dict[str, Any]]:
+    """The last turns, and the passes over them: a warm-up on an unrelated prompt, the
+    earlier turns (``fill``), and the last turns one by one, vLLM's cache reset before each."""
+    earlier, last = conversations(
+        args.conversations, args.system_tokens, args.turn_tokens, args.turns, vocab
+    )
+    warmup = {"prompts": [[random.Random(1).randrange(1, vocab) for _ in range(256)]]}
+    fill = {"prompts": earlier}
+    timed = {"prompts": last, "one_by_one": True, "reset_each": True}
+    return last, warmup, fill, timed
+
+
+def add_ratios(rows: list[dict[str, Any]], same_as: int = 0) -> None:
+    """Each row's ratios to the first row (recompute) and the last (vLLM's own cache), and
+    whether its tokens are row ``same_as`` 's (its ``tokens`` are dropped)."""
+    reference_ms, own_ms = rows[0]["ttft_ms"], rows[-1]["ttft_ms"]
+    tokens = rows[same_as]["tokens"]
+    for r in rows:
+        r["ratio_vs_recompute"] = reference_ms / r["ttft_ms"]
+        r["ratio_vs_own_cache"] = r["ttft_ms"] / own_ms
+        r["same_tokens"] = r.pop("tokens") == tokens
+
+
 def run_engine(
     spec: dict[str, Any], work: Path, name: str, reserved_cpus: int, **extra: str
 ) -> dict[str, Any]:
@@ -182,12 +207,7 @@ def main(argv: list[str] | None = None) -> int:
         model_dir = (args.model_dir or work) / f"llama-l{args.layers}-h{args.hidden}"
         model = str(build(config, model_dir))
         vocab = config["vocab_size"]
-        earlier, last = conversations(
-            args.conversations, args.system_tokens, args.turn_tokens, args.turns, vocab
-        )
-        warmup = {"prompts": [[random.Random(1).randrange(1, vocab) for _ in range(256)]]}
-        fill = {"prompts": earlier}
-        timed = {"prompts": last, "one_by_one": True, "reset_each": True}
+        last, warmup, fill, timed = passes_of(args, vocab)
         base = {
             "model": model,
             "engine": {
@@ -270,12 +290,7 @@ def main(argv: list[str] | None = None) -> int:
         row("kvoffload disk, promoted first", promoted, 1),
         row("vllm prefix cache", plain, 2),
     ]
-    reference_ms, reference_tokens = rows[0]["ttft_ms"], rows[0]["tokens"]
-    own_ms = rows[-1]["ttft_ms"]
-    for r in rows:
-        r["ratio_vs_recompute"] = reference_ms / r["ttft_ms"]
-        r["ratio_vs_own_cache"] = r["ttft_ms"] / own_ms
-        r["same_tokens"] = r.pop("tokens") == reference_tokens
+    add_ratios(rows)
     setup = {
         "model": {"layers": args.layers, "hidden": args.hidden, "vocab": vocab},
         "conversations": args.conversations,
