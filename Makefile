@@ -66,7 +66,7 @@ $(VLLM_STAMP): pyproject.toml
 	touch $@
 
 e2e: vllm-setup
-	cd tests_e2e && ../$(VLLM_PY) -m pytest
+	cd tests_e2e && ../$(VLLM_PY) -m pytest --durations=30
 
 # vLLM 0.33 and 0.34 pin a newer torch than the CPU build, so they are not installed: each
 # wheel's Python modules (no compiled extensions) go in front of the 0.32 environment, in

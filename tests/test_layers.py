@@ -76,6 +76,7 @@ SPEAKS_VLLM = {
     "_key_source": "knows which of vLLM's hash algorithms are seeded per process",
     "_metrics": "shapes vLLM's KVConnectorStats payload and its vllm:kvoffload_* series",
     "_startup": "reads vLLM's engine configuration (VllmConfig) at start",
+    "_versions": "names the vLLM releases the adapter is checked against",
 }
 MAX_MODULE_LINES = 400
 MAX_FUNCTION_LINES = 60

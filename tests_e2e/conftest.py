@@ -11,11 +11,15 @@ import importlib.util
 import json
 import os
 import sys
+import time
 from pathlib import Path
+from collections.abc import Iterator
 from typing import Any
 
+import _timing
 import pytest
 from _harness import Engine, Reference
+from _forkserver import ForkServers
 from _launch import EngineFailed, run_spec
 from _models import GEMMA4, LLAMA, LLAMA4, QWEN3_NEXT, SLIDING_MISTRAL, build
 
@@ -36,6 +40,15 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
         skip = pytest.mark.skip(reason="vLLM is not installed here: run `make e2e`")
         for item in items:
             item.add_marker(skip)
+
+
+def pytest_terminal_summary(terminalreporter: Any) -> None:
+    """Where the minutes went: engine processes, their start against their wall time."""
+    lines = _timing.summary()
+    if lines:
+        terminalreporter.section("engine processes")
+        for line in lines:
+            terminalreporter.write_line(line)
 
 
 @pytest.fixture(scope="session")
@@ -71,22 +84,34 @@ def llama4(models: Path) -> str:
 
 
 @pytest.fixture(scope="session")
-def engine(tmp_path_factory: pytest.TempPathFactory) -> Engine:
+def engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Engine]:
     """Run one engine process on a spec (the keys of ``_runner.py``) and return its result.
 
-    A process that dies (rather than returning an ``error``) fails the test
-    with the tail of its stderr.
+    The process is forked from a server that imported vLLM once (``_forkserver.py``),
+    or, with ``fresh=True`` (or ``KVOFFLOAD_E2E_FORK=0`` for every run), a fresh
+    interpreter: for the claims that rest on separate interpreters. A process that
+    dies (rather than returning an ``error``) fails the test with the tail of its
+    output.
     """
     work = tmp_path_factory.mktemp("runs")
+    forks = ForkServers(work) if os.environ.get("KVOFFLOAD_E2E_FORK", "1") != "0" else None
     count = iter(range(10**6))
 
-    def run(**spec: Any) -> dict[str, Any]:
+    def run(*, fresh: bool = False, **spec: Any) -> dict[str, Any]:
+        started = time.perf_counter()
+        launcher = None if fresh else forks
         try:
-            return run_spec(spec, work, f"run{next(count)}", timeout=ENGINE_TIMEOUT_S)
+            result = run_spec(
+                spec, work, f"run{next(count)}", timeout=ENGINE_TIMEOUT_S, forks=launcher
+            )
         except EngineFailed as exc:
             raise AssertionError(str(exc)) from None
+        _timing.record(result, time.perf_counter() - started, forked=launcher is not None)
+        return result
 
-    return run
+    yield run
+    if forks is not None:
+        forks.close()
 
 
 @pytest.fixture(scope="session")

@@ -1,4 +1,5 @@
-"""What an engine's log shows of an accepted but odd configuration: one plain line each."""
+"""What an engine's log shows at start: the vLLM release the connector runs on, and an
+accepted but odd configuration, one plain line each."""
 
 from __future__ import annotations
 
@@ -25,3 +26,6 @@ def test_ignored_vllm_keys_and_a_created_disk_path_are_plain_log_lines(
     assert all(line.endswith("OffloadingConnector: spec_name") for line in ignored)
     assert not any("IgnoredKeysWarning" in line or "warnings.warn" in line for line in log)
     assert disk.is_dir()
+    # The release the connector runs on, once per engine, beside vLLM's own INFO lines.
+    release = [line for line in log if "kvoffload: vLLM 0.32" in line]
+    assert len(release) == 1 and "(checked: 0.32 through 0.34)" in release[0], release

@@ -23,8 +23,11 @@ from kvoffload.keys import EngineHashes
 from kvoffload.tiers.from_config import rank_probes
 from kvoffload.vllm._key_source import vllm_hashes_reproducible
 from kvoffload.vllm._layout import GroupMap
+from kvoffload.vllm._versions import announce
 
 logger = logging.getLogger("kvoffload")
+#: Under vLLM's own logger, so that the release line shows beside vLLM's at INFO.
+engine_log = logging.getLogger("vllm.kvoffload")
 
 __all__ = [
     "SERVED_DRAFTERS",
@@ -72,7 +75,12 @@ def kv_identity(vllm_config: Any, groups: GroupMap) -> str:
 def build_scheduler(
     vllm_config: Any, kv_cache_config: Any, config: OffloadConfig, namespaces: list[bytes]
 ) -> OffloadScheduler:
-    """The scheduler side's core, keyed from vLLM's block hashes where ``key_source`` allows."""
+    """The scheduler side's core, keyed from vLLM's block hashes where ``key_source`` allows.
+
+    One per engine: where the vLLM release it runs on is logged (and warned of, if newer
+    than the releases checked).
+    """
+    announce(vllm.__version__, engine_log)
     algorithm = str(vllm_config.cache_config.prefix_caching_hash_algo)
     hashed_every = int(kv_cache_config.hash_block_size or config.layout.tokens_per_block[0])
     in_step = loads_in_step(config, len(kv_cache_config.kv_cache_groups))
