@@ -135,11 +135,10 @@ def _serve(address: str, preload: list[str]) -> None:
     """Import what every engine needs, then fork a child per request until terminated."""
     for module in preload:  # a patch of vLLM under test, before vLLM (as the runner does)
         importlib.import_module(module)
+    import _runner  # noqa: F401  (stdlib only at import)
     import torch  # noqa: F401
     import vllm.v1.worker.cpu_worker  # noqa: F401  (what LLM() imports first, ~0.4 s)
     from vllm import LLM, SamplingParams  # noqa: F401
-
-    import _runner  # noqa: F401  (stdlib only at import)
 
     # Only idle native pools (OpenBLAS's, which hand themselves over at fork) may run here.
     print(f"fork server ready: {len(os.listdir('/proc/self/task'))} threads", flush=True)

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import json
 import random
+import shutil
+import tempfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -46,6 +49,30 @@ GEMMA_ENGINE: dict[str, Any] = {"block_size": 32, "max_model_len": 4096}
 GEMMA_PROMPTS = shared_prefix_prompts(3, prefix_len=1100, suffix_len=20, vocab=1024)
 #: vLLM's tokens per block of the four KV cache groups of GEMMA4 at block_size=32.
 GEMMA_GROUPS = [512, 512, 512, 32]
+
+#: vLLM's reference MLA backend, so that an MLA model runs alike on every CPU: with AMX vLLM
+#: picks its AMX kernels, which take no float32 weights ("expect weight to be bfloat16, ...")
+#: nor 16-token blocks ("No common block size for 16 (AMX_MLA: [MultipleOf(32)])").
+CPU_MLA: dict[str, Any] = {"attention_config": {"backend": "CPU_MLA"}}
+#: A DeepSeek-style MLA model in float32 (a recompute's near-tied tokens hold in it).
+MLA_FLOAT32_ENGINE: dict[str, Any] = {
+    "block_size": 16,
+    "max_model_len": 1024,
+    "dtype": "float32",
+    **CPU_MLA,
+}
+
+
+def own_cache_oracle(
+    run: Engine, model: str, args: dict[str, Any], passes: list[dict[str, Any]] | None = None
+) -> dict[str, Any]:
+    """vLLM alone with the same settings (a drafter's, say) on ``LLAMA_PROMPTS``, 32 tokens:
+    its own prefix cache serves the second pass. Run once a session per settings."""
+    result = run(model=model, engine=args, prompts=LLAMA_PROMPTS, passes=passes or [{}, {}],
+                 max_tokens=32, memo=True)  # fmt: skip
+    assert result["error"] is None, result["error"]
+    assert result["passes"][1]["cached"][0] > 0
+    return result
 
 
 def delta(result: dict[str, Any], n: int, side: str, name: str) -> int:
@@ -157,18 +184,45 @@ def negative_control(
     raise AssertionError(f"the check passed with {fault} on: it cannot see a damaged block")
 
 
-def run_storing_engine(run: Engine, expected: dict[str, Any], /, **spec: Any) -> dict[str, Any]:
+def assert_cold_store(first: dict[str, Any], expected: dict[str, Any]) -> None:
     """The first of two engine processes: right tokens, a cold start, chunks stored."""
-    first = run(**spec)
     assert_same_tokens(first, expected)
     assert first["passes"][0]["cached"][0] == 0
     assert first["stats"]["scheduler"]["stored_chunks"] > 0
+
+
+def run_storing_engine(run: Engine, expected: dict[str, Any], /, **spec: Any) -> dict[str, Any]:
+    first = run(**spec)
+    assert_cold_store(first, expected)
     return first
 
 
 def with_disk(path: Path, disk_bytes: str, **connector: Any) -> dict[str, Any]:
     """Connector settings with a disk tier under ``path``."""
     return {**connector, "disk_path": str(path), "disk_bytes_to_use": disk_bytes}
+
+
+#: Disk tiers an engine process filled, kept pristine, by what stored them (see stored_on_disk).
+_STORED: dict[str, tuple[Path, dict[str, Any]]] = {}
+
+
+def stored_on_disk(run: Engine, path: Path, /, **spec: Any) -> dict[str, Any]:
+    """A disk tier under ``path`` holding what an engine process of ``spec`` stored there.
+
+    ``spec``'s connector names ``path`` as its ``disk_path``. The storing run is paid once
+    per spec in a session: its directory is kept aside untouched and copied to ``path``
+    for every test that asks (tests damage, mount or add to theirs). Returns the storing
+    run's result; the caller checks it.
+    """
+    connector = spec["connector"]
+    key = json.dumps({**spec, "connector": {**connector, "disk_path": None}}, sort_keys=True)
+    if key not in _STORED:
+        kept = Path(tempfile.mkdtemp(prefix="kvoffload-stored-")) / "kv"
+        result = run(**{**spec, "connector": {**connector, "disk_path": str(kept)}})
+        _STORED[key] = (kept, result)
+    kept, result = _STORED[key]
+    shutil.copytree(kept, path)
+    return result
 
 
 def llama_stored_on_disk(
@@ -182,5 +236,5 @@ def llama_stored_on_disk(
     )
     spec = {"model": llama, "engine": LLAMA_ENGINE, "prompts": LLAMA_PROMPTS,
             "connector": connector}  # fmt: skip
-    run_storing_engine(run, expected, **spec)
+    assert_cold_store(stored_on_disk(run, path, **spec), expected)
     return spec, expected

@@ -12,14 +12,14 @@ import json
 import os
 import sys
 import time
-from pathlib import Path
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import _timing
 import pytest
+from _forkserver import ForkServers, server_key
 from _harness import Engine, Reference
-from _forkserver import ForkServers
 from _launch import EngineFailed, run_spec
 from _models import GEMMA4, LLAMA, LLAMA4, QWEN3_NEXT, SLIDING_MISTRAL, build
 
@@ -89,15 +89,21 @@ def engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Engine]:
 
     The process is forked from a server that imported vLLM once (``_forkserver.py``),
     or, with ``fresh=True`` (or ``KVOFFLOAD_E2E_FORK=0`` for every run), a fresh
-    interpreter: for the claims that rest on separate interpreters. A process that
-    dies (rather than returning an ``error``) fails the test with the tail of its
-    output.
+    interpreter: for the claims that rest on separate interpreters. With ``memo=True``
+    a run identical to an earlier one (spec and the environment engines read) is not
+    run again: for oracles that several tests compare with. A process that dies
+    (rather than returning an ``error``) fails the test with the tail of its output.
     """
     work = tmp_path_factory.mktemp("runs")
     forks = ForkServers(work) if os.environ.get("KVOFFLOAD_E2E_FORK", "1") != "0" else None
     count = iter(range(10**6))
 
-    def run(*, fresh: bool = False, **spec: Any) -> dict[str, Any]:
+    done: dict[str, dict[str, Any]] = {}
+
+    def run(*, fresh: bool = False, memo: bool = False, **spec: Any) -> dict[str, Any]:
+        key = server_key({**os.environ, **spec.get("env", {})}, [json.dumps(spec, sort_keys=True)])
+        if memo and key in done:
+            return done[key]
         started = time.perf_counter()
         launcher = None if fresh else forks
         try:
@@ -107,6 +113,8 @@ def engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Engine]:
         except EngineFailed as exc:
             raise AssertionError(str(exc)) from None
         _timing.record(result, time.perf_counter() - started, forked=launcher is not None)
+        if memo:
+            done[key] = result
         return result
 
     yield run

@@ -188,7 +188,9 @@ def test_restart_loads_what_the_previous_process_stored(
     spec, expected = llama_stored_on_disk(engine, reference, llama, tmp_path / "kv", 2)
     assert list((tmp_path / "kv").rglob("*.kv")), "nothing was written to disk"
     # A fresh process: vLLM's cache and the CPU tier are empty, only the disk has the chunks.
-    second = engine(**spec)
+    # A fresh interpreter too (not forked from the suite's server): keys that followed
+    # anything of one interpreter's (its hash seed) would miss here.
+    second = engine(**spec, fresh=True)
     assert_same_output(second, expected)
     cached = second["passes"][0]["cached"]
     assert cached == [connector_hit(p, 64) for p in LLAMA_PROMPTS]

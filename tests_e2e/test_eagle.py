@@ -27,10 +27,12 @@ from _eagle_models import EAGLE3_TARGET, build_agreeing_eagle, build_random_eagl
 from _harness import (
     LLAMA_ENGINE,
     LLAMA_PROMPTS,
+    MLA_FLOAT32_ENGINE,
     Engine,
     assert_loaded_tokens_match,
     assert_passes_match,
     connector_hit,
+    own_cache_oracle,
     random_prompts,
 )
 from _models import build
@@ -55,16 +57,6 @@ def eagle_engine(method: str, head: str, *, drop: bool = False, **more: Any) -> 
     return {**LLAMA_ENGINE, "speculative_config": spec, "disable_log_stats": False, **more}
 
 
-def vllm_cache_reference(engine: Engine, model: str, args: dict[str, Any],
-                         passes: list[dict[str, Any]] | None = None) -> dict[str, Any]:  # fmt: skip
-    """vLLM alone with the same drafter: its own prefix cache serves the second pass."""
-    result = engine(model=model, engine=args, prompts=LLAMA_PROMPTS, passes=passes or [{}, {}],
-                    max_tokens=32)  # fmt: skip
-    assert result["error"] is None, result["error"]
-    assert result["passes"][1]["cached"][0] > 0
-    return result
-
-
 @pytest.mark.parametrize(
     ("bpc", "more"), [(1, {}), (2, {}), (1, CHUNKED)], ids=["bpc1", "bpc2", "chunked-prefill"]
 )
@@ -73,7 +65,7 @@ def test_eagle_kv_is_offloaded_with_the_targets(
 ) -> None:
     target, head = eagle
     args = eagle_engine("eagle", head, **more)
-    expected = vllm_cache_reference(engine, target, args)
+    expected = own_cache_oracle(engine, target, args)
     connector = {"blocks_per_chunk": bpc, "cpu_bytes_to_use": "64MiB"}
     result = engine(model=target, engine=args, prompts=LLAMA_PROMPTS,
                     passes=[{}, {"reset": True}], connector=connector, max_tokens=32)  # fmt: skip
@@ -122,7 +114,7 @@ def test_eagle3_kv_is_offloaded_with_the_targets(engine: Engine, models: Path, b
     target = str(build(EAGLE3_TARGET, models / "eagle3_target"))
     head = build_random_eagle3(EAGLE3_TARGET, models / "eagle3_head")
     args = eagle_engine("eagle3", head)
-    expected = vllm_cache_reference(engine, target, args)
+    expected = own_cache_oracle(engine, target, args)
     connector = {"blocks_per_chunk": bpc, "cpu_bytes_to_use": "64MiB"}
     result = engine(model=target, engine=args, prompts=LLAMA_PROMPTS,
                     passes=[{}, {"reset": True}], connector=connector, max_tokens=32)  # fmt: skip
@@ -147,10 +139,9 @@ def test_mtp_kv_of_an_mla_model_is_offloaded_with_the_targets(
     0.02 to 0.05 apart here, where one damaged block moves them by more than 1."""
     target = str(build_deepseek_mtp(models / "deepseek_v3_mtp"))
     spec = {"method": "mtp", "num_speculative_tokens": 1}
-    args = {"block_size": 16, "max_model_len": 1024, "speculative_config": spec,
-            "dtype": "float32", "disable_log_stats": False}  # fmt: skip
+    args = {**MLA_FLOAT32_ENGINE, "speculative_config": spec, "disable_log_stats": False}
     expected = engine(model=target, engine=args, prompts=LLAMA_PROMPTS, passes=[{}, {}],
-                      max_tokens=32)  # fmt: skip
+                      max_tokens=32, memo=True)  # fmt: skip
     assert expected["error"] is None, expected["error"]
     assert expected["passes"][1]["cached"] == [0, 0, 0]  # no prefix cache for MLA here
     connector = {"blocks_per_chunk": bpc, "cpu_bytes_to_use": "64MiB"}

@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from _harness import MLA_FLOAT32_ENGINE
 from _models_mtp import DEEPSEEK_V3_MTP, QWEN3_NEXT_MTP
 
 from kvoffload.cli import main
@@ -35,7 +36,7 @@ from kvoffload.config.hf_drafter import with_mtp
 
 HELPER = Path(__file__).with_name("_kv_layout.py")
 ALIGN = {"enable_prefix_caching": True, "mamba_cache_mode": "align", "max_model_len": 4096}
-MLA = {"block_size": 16, "max_model_len": 1024, "dtype": "float32"}
+MLA = MLA_FLOAT32_ENGINE
 
 
 def engine_layout(tmp_path: Path, config: dict[str, Any], engine: dict[str, Any],

@@ -28,6 +28,7 @@ from _harness import (
     assert_loaded_tokens_match,
     connector_hit,
     delta,
+    own_cache_oracle,
     random_prompts,
 )
 from _models import LLAMA, build, build_draft
@@ -50,15 +51,6 @@ def draft_engine(draft: str) -> dict[str, Any]:
     return {**LLAMA_ENGINE, "speculative_config": spec, "disable_log_stats": False}
 
 
-def vllm_cache_reference(engine: Engine, llama: str, args: dict[str, Any]) -> dict[str, Any]:
-    """vLLM alone with the same drafter: its own prefix cache serves the second pass."""
-    result = engine(model=llama, engine=args, prompts=LLAMA_PROMPTS, passes=[{}, {}],
-                    max_tokens=32)  # fmt: skip
-    assert result["error"] is None, result["error"]
-    assert result["passes"][1]["cached"][0] > 0
-    return result
-
-
 #: Prefill in steps of 128 tokens: the drafter runs on each step's part of the prompt too.
 CHUNKED = {"max_num_batched_tokens": 128}
 
@@ -73,7 +65,7 @@ def test_draft_model_kv_is_offloaded_with_the_targets(
 ) -> None:
     draft, bpc, more = case
     args = {**draft_engine(drafts[draft]), **more}
-    expected = vllm_cache_reference(engine, llama, args)
+    expected = own_cache_oracle(engine, llama, args)
     connector = {"blocks_per_chunk": bpc, "cpu_bytes_to_use": "64MiB"}
     result = engine(model=llama, engine=args, prompts=LLAMA_PROMPTS,
                     passes=[{}, {"reset": True}], connector=connector, max_tokens=32)  # fmt: skip

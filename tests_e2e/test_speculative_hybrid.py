@@ -18,8 +18,9 @@ prefix cache generated other tokens from the first on (logprobs 0.34 apart in
 bfloat16, 0.46 in float32: not near-ties), and others again in the next pass;
 served by the connector, other tokens too (0.34 apart), the same in every
 pass. Where the misrouted writes land depends on the blocks allocated: on
-``PROMPTS`` below vLLM's own cache came out right. ``test_vllm_032_misroutes...``
-keeps vLLM's side as a tripwire.
+``PROMPTS`` below vLLM's own cache came out right, and on a machine with AMX on
+``GEMMA_PROMPTS`` too. ``test_vllm_032_hands...`` keeps vLLM's side as a
+tripwire, read from its model runner.
 
 So these tests fix it in the engine's process (``_vllm_draft_group_fix``:
 the drafter gets its own group's metadata, one name added to vLLM's list).
@@ -37,6 +38,9 @@ which a corrupt loaded block changes (the negative control), prove the loads.
 
 from __future__ import annotations
 
+import ast
+import inspect
+import textwrap
 from pathlib import Path
 from typing import Any
 
@@ -44,7 +48,6 @@ import pytest
 from _harness import (
     GEMMA_ENGINE,
     GEMMA_GROUPS,
-    GEMMA_PROMPTS,
     Engine,
     assert_loaded_tokens_match,
     assert_passes_match,
@@ -92,21 +95,31 @@ def expected(engine: Engine, gemma4: str, draft: str) -> dict[str, Any]:
     return result
 
 
-def test_vllm_032_misroutes_the_draft_models_kv(engine: Engine, gemma4: str, draft: str) -> None:
-    """Tripwire: without the fix, vLLM 0.32's own prefix cache changes the output here.
+def test_vllm_032_hands_a_draft_model_the_first_groups_metadata() -> None:
+    """Tripwire, read from vLLM's model runner: the drafters handed their own group's attention
+    metadata, which ``DraftModelProposer`` is not one of.
 
-    Where the misrouted writes land depends on the blocks allocated: on
-    ``GEMMA_PROMPTS`` (1120 tokens, hits of 1024) every prompt served from the
-    cache changed its tokens in every run measured; on ``PROMPTS`` it did not.
-    When this fails, vLLM may hand the draft model its own group's metadata:
-    check, and drop the fix.
+    What that changes depends on the blocks allocated: on ``GEMMA_PROMPTS`` (1120 tokens,
+    hits of 1024) every prompt vLLM's own cache served generated other tokens on a 2-core
+    AVX-512 machine, and the same tokens on one with AMX. So vLLM's code is checked, not an
+    output. When this fails, vLLM may hand the draft model its own group's metadata: check,
+    and drop the fix.
     """
-    result = run(engine, gemma4, draft, passes=[{}, {}], prompts=GEMMA_PROMPTS)
-    first, again = result["passes"]
-    assert again["cached"] == [1024] * 3, again["cached"]
-    found = differences(again, first)
-    assert found, "vLLM's cache gave the cold output: fixed in vLLM?"
-    print(f"\nvLLM 0.32 alone, served from its own cache: {'; '.join(found)}")
+    from vllm.v1.worker import gpu_model_runner
+
+    source = textwrap.dedent(
+        inspect.getsource(gpu_model_runner.GPUModelRunner._build_attention_metadata)
+    )
+    handed_their_own = [
+        {element.id for element in call.args[1].elts if isinstance(element, ast.Name)}
+        for call in ast.walk(ast.parse(source))
+        if isinstance(call, ast.Call)
+        and getattr(call.func, "id", None) == "isinstance"
+        and ast.unparse(call.args[0]) == "self.drafter"
+        and isinstance(call.args[1], ast.Tuple)
+    ]
+    assert any("EagleProposer" in names for names in handed_their_own), handed_their_own
+    assert not any("DraftModelProposer" in names for names in handed_their_own), "fixed in vLLM?"
 
 
 @pytest.mark.parametrize("bpc", [1, 2], ids=["bpc1", "bpc2"])

@@ -22,13 +22,14 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from _harness import Engine, Reference
+from _harness import CPU_MLA, Engine, Reference
 from _models import DEEPSEEK_V2, GQA_LLAMA, build
 
 #: Two ranks on the two cores of the CI machine, as issue 28 measured them.
 TP_ENV = {"VLLM_CPU_OMP_THREADS_BIND": "0|1", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
 #: vLLM's CPU MLA backend takes 16-token blocks, its attention backend multiples of 32.
-MLA_TP2 = {"tensor_parallel_size": 2, "block_size": 16}
+MLA_TP1 = {"block_size": 16, **CPU_MLA}
+MLA_TP2 = {**MLA_TP1, "tensor_parallel_size": 2}
 GQA_TP2 = {"tensor_parallel_size": 2, "block_size": 32}
 
 #: Two prompts sharing nothing, long enough for several 16-token blocks each.
@@ -86,7 +87,7 @@ def _served_again(result: dict[str, Any]) -> None:
 def test_mla_stored_once_and_served_to_both_ranks(
     engine: Engine, deepseek_v2: str, tmp_path: Path
 ) -> None:
-    one = _run(engine, deepseek_v2, tmp_path / "tp1", {"block_size": 16})
+    one = _run(engine, deepseek_v2, tmp_path / "tp1", MLA_TP1)
     two = _run(engine, deepseek_v2, tmp_path / "tp2", MLA_TP2)
     _served_again(one)
     _served_again(two)
