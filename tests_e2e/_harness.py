@@ -54,6 +54,8 @@ GEMMA_GROUPS = [512, 512, 512, 32]
 #: picks its AMX kernels, which take no float32 weights ("expect weight to be bfloat16, ...")
 #: nor 16-token blocks ("No common block size for 16 (AMX_MLA: [MultipleOf(32)])").
 CPU_MLA: dict[str, Any] = {"attention_config": {"backend": "CPU_MLA"}}
+#: The same for an MTP drafter's MLA layers (vLLM picks a drafter's backend apart).
+CPU_MLA_DRAFTER: dict[str, Any] = {"attention_backend": "CPU_MLA"}
 #: A DeepSeek-style MLA model in float32 (a recompute's near-tied tokens hold in it).
 MLA_FLOAT32_ENGINE: dict[str, Any] = {
     "block_size": 16,

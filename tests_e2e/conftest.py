@@ -18,7 +18,7 @@ from typing import Any
 
 import _timing
 import pytest
-from _forkserver import ForkServers, server_key
+from _forkserver import ForkServers
 from _harness import Engine, Reference
 from _launch import EngineFailed, run_spec
 from _models import GEMMA4, LLAMA, LLAMA4, QWEN3_NEXT, SLIDING_MISTRAL, build
@@ -101,7 +101,10 @@ def engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Engine]:
     done: dict[str, dict[str, Any]] = {}
 
     def run(*, fresh: bool = False, memo: bool = False, **spec: Any) -> dict[str, Any]:
-        key = server_key({**os.environ, **spec.get("env", {})}, [json.dumps(spec, sort_keys=True)])
+        if not spec.get("env", True):
+            del spec["env"]  # no environment of its own: the same run as without the key
+        environment = {k: v for k, v in os.environ.items() if k != "PYTEST_CURRENT_TEST"}
+        key = json.dumps([spec, environment], sort_keys=True)
         if memo and key in done:
             return done[key]
         started = time.perf_counter()

@@ -86,7 +86,7 @@ def test_llama_round_trip(  # noqa: PLR0917 - pytest passes fixtures and paramet
     expected = reference(llama, LLAMA_ENGINE, LLAMA_PROMPTS)
     spec = {"model": llama, "engine": LLAMA_ENGINE, "prompts": LLAMA_PROMPTS,
             "passes": TWO_PASSES, "connector": {**extra, "cpu_bytes_to_use": "64MiB"}}  # fmt: skip
-    result = engine(**spec)
+    result = engine(**spec, memo=True)  # at blocks_per_chunk 1 test_in_step's run too
     assert_served_by_connector(result, expected)
     hits = result["passes"][1]["cached"]
     # The first prompt's hit is the connector's; the others, looked up in the same step,

@@ -25,6 +25,7 @@ from typing import Any
 import pytest
 from _eagle_models import EAGLE3_TARGET, build_agreeing_eagle, build_random_eagle3
 from _harness import (
+    CPU_MLA_DRAFTER,
     LLAMA_ENGINE,
     LLAMA_PROMPTS,
     MLA_FLOAT32_ENGINE,
@@ -138,7 +139,7 @@ def test_mtp_kv_of_an_mla_model_is_offloaded_with_the_targets(
     (vLLM's path for a prompt with context) rounds otherwise than over a whole prompt,
     0.02 to 0.05 apart here, where one damaged block moves them by more than 1."""
     target = str(build_deepseek_mtp(models / "deepseek_v3_mtp"))
-    spec = {"method": "mtp", "num_speculative_tokens": 1}
+    spec = {"method": "mtp", "num_speculative_tokens": 1, **CPU_MLA_DRAFTER}
     args = {**MLA_FLOAT32_ENGINE, "speculative_config": spec, "disable_log_stats": False}
     expected = engine(model=target, engine=args, prompts=LLAMA_PROMPTS, passes=[{}, {}],
                       max_tokens=32, memo=True)  # fmt: skip

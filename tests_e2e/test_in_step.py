@@ -56,8 +56,15 @@ FAIL = {"KVOFFLOAD_FAILPOINTS": "load.fail_last_chunk=1"}
 
 
 def one_group(model: str) -> dict[str, Any]:
+    """The Llama's is test_connector's round trip at one block per chunk: one run serves both."""
+    connector = {"blocks_per_chunk": 1, "cpu_bytes_to_use": "64MiB"}
     return {"model": model, "engine": LLAMA_ENGINE, "prompts": LLAMA_PROMPTS,
-            "passes": TWO_PASSES, "connector": {"cpu_bytes_to_use": "64MiB"}}  # fmt: skip
+            "passes": TWO_PASSES, "connector": connector}  # fmt: skip
+
+
+def copy_mode(copies: str) -> dict[str, str]:
+    """The environment that picks a copy mode; none for ``before``, the CPU's default."""
+    return {} if copies == "before" else {COPIES: copies}
 
 
 @pytest.mark.parametrize(
@@ -78,7 +85,7 @@ def test_whole_prefix_hits_load_in_the_step_that_asks(
     there prove vLLM waits for each layer before its attention reads the KV."""
     spec = one_group(request.getfixturevalue(model_name))
     expected = reference(spec["model"], LLAMA_ENGINE, LLAMA_PROMPTS)
-    result = engine(**spec, env={COPIES: copies})
+    result = engine(**spec, env=copy_mode(copies), memo=True)
     assert len(result["kv_cache_groups"]) == 1
     assert_same_output(result, expected)
     assert result["passes"][1]["cached"][0] > 0
@@ -108,7 +115,7 @@ def test_a_failed_load_is_recomputed_by_vllm(
 ) -> None:
     spec = one_group(request.getfixturevalue(model_name))
     expected = reference(spec["model"], LLAMA_ENGINE, LLAMA_PROMPTS)
-    result = engine(**spec, env={**FAIL, COPIES: copies}, failure_policy="recompute")
+    result = engine(**spec, env={**FAIL, **copy_mode(copies)}, failure_policy="recompute")
     assert failpoint_fired(result, "load.fail_last_chunk") > 0
     assert_same_output(result, expected)  # the worker lives on, and nothing wrong was used
     scheduler, worker = result["stats"]["scheduler"], result["stats"]["worker"]
@@ -122,16 +129,22 @@ def test_a_failed_load_on_a_recurrent_layout_is_recomputed(
     engine: Engine, reference: Reference, qwen3_next: str
 ) -> None:
     """Several KV cache groups: the load waits a step, and a failure fails the request's load,
-    which vLLM computes again from its own cache (none after the reset)."""
-    expected = reference(qwen3_next, QWEN_ENGINE, QWEN_PROMPTS)
+    which vLLM computes again from its own cache (none after the reset).
+
+    The second pass sends the first prompt alone: on CPUs with AMX a Qwen3-Next prompt's
+    logprobs follow what is batched with it, so its recompute is compared with vLLM
+    computing it alone.
+    """
+    first = QWEN_PROMPTS[:1]
     connector = {"cpu_bytes_to_use": "256MiB"}
     result = engine(model=qwen3_next, engine=QWEN_ENGINE, prompts=QWEN_PROMPTS,
-                    passes=TWO_PASSES, connector=connector, env=FAIL,
-                    failure_policy="recompute")  # fmt: skip
+                    passes=[{}, {"reset": True, "prompts": first}], connector=connector,
+                    env=FAIL, failure_policy="recompute")  # fmt: skip
     assert failpoint_fired(result, "load.fail_last_chunk") > 0
     assert result["error"] is None, result["error"]
-    for n, done in enumerate(result["passes"]):  # cached tokens differ: a load failed
-        found = differences(done, expected["passes"][0])
+    expected = [reference(qwen3_next, QWEN_ENGINE, prompts) for prompts in (QWEN_PROMPTS, first)]
+    for n, (done, want) in enumerate(zip(result["passes"], expected, strict=True)):
+        found = differences(done, want["passes"][0])
         assert not found, f"pass {n}: " + "; ".join(found)
     scheduler, worker = result["stats"]["scheduler"], result["stats"]["worker"]
     assert scheduler["failed_loads"] > 0 and scheduler["in_step_hit_tokens"] == 0

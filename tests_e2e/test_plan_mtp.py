@@ -46,6 +46,8 @@ def engine_layout(tmp_path: Path, config: dict[str, Any], engine: dict[str, Any]
     model.mkdir()
     (model / "config.json").write_text(json.dumps(config))
     mtp = {"method": "mtp", "num_speculative_tokens": tokens}
+    if "attention_config" in engine:  # the drafter's layers on the target's backend
+        mtp["attention_backend"] = engine["attention_config"]["backend"]
     spec = {"model": str(model), "env": {"PYTHONPATH": os.environ.get("PYTHONPATH", "")},
             "engine": {**engine, "load_format": "dummy", "speculative_config": mtp}}  # fmt: skip
     (tmp_path / "spec.json").write_text(json.dumps(spec))

@@ -19,10 +19,13 @@ holds vLLM's side of that (the day vLLM's kept state matches a recompute, it
 fails). The connector stores no state accepted drafts moved
 (``kvoffload.connector._drafts``): the same second turn, served by it after a
 reset, resumes at the first turn's last prefill boundary and generates the
-recompute's tokens and logprobs, with as many drafts accepted, at one and two
-speculative tokens and one and two blocks per chunk. (With the rule turned off,
+recompute's tokens and logprobs, with as many drafts accepted, at one speculative
+token and one block per chunk, and at two and two. (With the rule turned off,
 measured once: it resumed the first prompt at the boundary its drafts crossed,
 as vLLM's cache does, and 157 of its 200 tokens differed from the recompute's.)
+
+Under the interpreter every step costs: a turn generates just enough tokens to
+cross the block boundary it tests (:func:`generated`).
 """
 
 from __future__ import annotations
@@ -72,7 +75,9 @@ def test_vllm_cpu_runs_it_under_tritons_interpreter_only(
     assert cold["metrics"][DRAFTED] > 0
     # Align mode starts (no step yet): two state groups, and one attention group whose two
     # layers are the target's and the MTP layer's (without MTP: three state groups of one).
-    started = engine(model=qwen3_next_mtp, engine=ALIGN_MTP, prompts=PROMPTS, passes=[])
+    started = engine(
+        model=qwen3_next_mtp, engine=ALIGN_MTP, prompts=PROMPTS, passes=[], memo=True
+    )  # the block fixture's run
     assert started["error"] is None, started["error"]
     assert len(set(started["kv_cache_groups"])) == 1 and len(started["kv_cache_groups"]) == 3
     state = started["kv_cache_state_bytes"]
@@ -94,57 +99,83 @@ def agreeing_mtp(models: Path) -> str:
     return str(build_mtp(models / "qwen3_next_mtp_agreeing", agreeing=True))
 
 
-Runs = Callable[[int], dict[str, Any]]
+#: The two conversations of the turn tests.
+TURN_PROMPTS = PROMPTS[:2]
+
+
+def generated(block: int) -> int:
+    """Tokens a turn generates: its output crosses the block boundary after the longer prompt,
+    24 tokens past it (55 at 384-token blocks, 183 at 256). The interpreter's cost is per
+    step: a run generates what the boundary it tests needs, no more."""
+    longest = max(map(len, TURN_PROMPTS))
+    return (longest // block + 1) * block - longest + 24
+
+
+def new_tokens(block: int, *, decode_crosses: bool) -> int:
+    """A second turn's new tokens after the first turn's output: 40, or, where the second
+    turn's decode must cross a boundary too (a drafted state the connector then does not
+    store), enough that its prompt ends 20 tokens before one."""
+    if not decode_crosses:
+        return 40
+    end = max(map(len, TURN_PROMPTS)) + generated(block)
+    boundary = -(-(end + 60) // block) * block
+    return boundary - 20 - end
 
 
 @pytest.fixture(scope="module")
-def turns(agreeing_mtp: str, interpret: dict[str, str]) -> Runs:
-    """The runner arguments of two prompts sharing a prefix, 200 tokens each, with that many
-    speculative tokens; a second turn is a pass with ``follow_up``: each prompt, its output
-    and 40 more tokens."""
+def block(engine: Engine, qwen3_next_mtp: str) -> int:
+    """vLLM's tokens per block (one for every group here): 256 or 384 by processor."""
+    started = engine(model=qwen3_next_mtp, engine=ALIGN_MTP, prompts=PROMPTS, passes=[],
+                     memo=True)  # fmt: skip
+    assert started["error"] is None, started["error"]
+    return int(started["kv_cache_groups"][0])
+
+
+Turn = Callable[..., dict[str, Any]]
+
+
+@pytest.fixture(scope="module")
+def turns(agreeing_mtp: str, interpret: dict[str, str], block: int) -> Turn:
+    """The runner arguments of the two conversations with that many speculative tokens; a
+    second turn is a pass with ``follow_up``: each prompt, its output and new tokens."""
 
     def run(tokens: int) -> dict[str, Any]:
         speculative = {**ORACLE["speculative_config"], "num_speculative_tokens": tokens}
         args = {**ORACLE, "prefix_cache_retention_interval": None,
                 "speculative_config": speculative}  # fmt: skip
-        return {"model": agreeing_mtp, "engine": args, "prompts": PROMPTS[:2],
-                "max_tokens": 200, "env": interpret}  # fmt: skip
+        return {"model": agreeing_mtp, "engine": args, "prompts": TURN_PROMPTS,
+                "max_tokens": generated(block), "env": interpret}  # fmt: skip
 
     return run
 
 
 @pytest.fixture(scope="module")
-def recomputed(engine: Engine, turns: Runs) -> Runs:
-    """Per speculative token count, the second turn recomputed (vLLM's cache reset, no
-    connector), once per module."""
-    done: dict[int, dict[str, Any]] = {}
+def recomputed(engine: Engine, turns: Turn) -> Turn:
+    """The second turn recomputed (vLLM's cache reset, no connector), once per module for
+    each speculative token count and second turn."""
 
-    def get(tokens: int) -> dict[str, Any]:
-        if tokens not in done:
-            result = engine(**turns(tokens),
-                            passes=[{}, {"reset": True, "follow_up": 40}])  # fmt: skip
-            assert result["error"] is None, result["error"]
-            assert result["passes"][1]["cached"] == [0, 0]
-            done[tokens] = result
-        return done[tokens]
+    def get(tokens: int, follow_up: int) -> dict[str, Any]:
+        passes = [{}, {"reset": True, "follow_up": follow_up}]
+        result = engine(**turns(tokens), passes=passes, memo=True)
+        assert result["error"] is None, result["error"]
+        assert result["passes"][1]["cached"] == [0, 0]
+        return result
 
     return get
 
 
 def test_vllms_own_cache_keeps_a_state_a_recompute_does_not_give_once_drafts_are_accepted(
-    engine: Engine, turns: Runs, recomputed: Runs
+    engine: Engine, turns: Turn, recomputed: Turn, block: int
 ) -> None:
-    """A second turn (prompt, 200 generated tokens, 40 more), from vLLM's own cache (it
-    resumes at the output's last block boundary) and recomputed after a reset."""
+    """A second turn (prompt, its output, 40 more), from vLLM's own cache (it resumes at the
+    output's last block boundary) and recomputed after a reset."""
     run = turns(1)
-    prompts = run["prompts"]
     cached = engine(**run, passes=[{}, {"follow_up": 40}])
     assert cached["error"] is None, cached["error"]
     assert cached["metrics"][ACCEPTED] > 0.5 * cached["metrics"][DRAFTED]  # drafts accepted
-    block = cached["kv_cache_groups"][0]
-    ends = [(len(p) + 200 - 1) // block * block for p in prompts]
-    assert cached["passes"][1]["cached"] == ends and min(ends) > len(prompts[1]), ends
-    recompute = recomputed(1)
+    ends = [(len(p) + run["max_tokens"] - 1) // block * block for p in TURN_PROMPTS]
+    assert cached["passes"][1]["cached"] == ends and min(ends) > len(TURN_PROMPTS[1]), ends
+    recompute = recomputed(1, 40)
     assert not differences(recompute["passes"][0], cached["passes"][0])  # the first turn
     found = differences(cached["passes"][1], recompute["passes"][1])
     assert found, (
@@ -154,23 +185,23 @@ def test_vllms_own_cache_keeps_a_state_a_recompute_does_not_give_once_drafts_are
     print(f"\nvLLM's own cache against a recompute, second turn: {'; '.join(found)}")
 
 
-@pytest.mark.parametrize("blocks_per_chunk", [1, 2])
-@pytest.mark.parametrize("tokens", [1, 2])
-def test_the_connector_serves_the_next_turn_as_a_recompute(
-    engine: Engine, turns: Runs, recomputed: Runs, tokens: int, blocks_per_chunk: int
+@pytest.mark.parametrize(("tokens", "blocks_per_chunk"), [(1, 1), (2, 2)])
+def test_the_connector_serves_the_next_turn_as_a_recompute(  # noqa: PLR0917 - fixtures
+    engine: Engine, turns: Turn, recomputed: Turn, block: int, tokens: int, blocks_per_chunk: int
 ) -> None:
-    """The same second turn served by the connector after the reset: it resumes at the
-    first turn's last prefill boundary (its output's boundaries were crossed by accepted
-    drafts: no state stored there), and generates the recompute's tokens and logprobs with
-    as many drafts accepted."""
+    """The second turn served by the connector after the reset: it resumes at the first
+    turn's last prefill boundary (its output's boundaries were crossed by accepted drafts:
+    no state stored there), and generates the recompute's tokens and logprobs with as many
+    drafts accepted. The second turn's decode crosses a boundary too, whose drafted state
+    the connector must not store (``drafted_states``)."""
     run = turns(tokens)
+    follow_up = new_tokens(block, decode_crosses=True)
     connector = {"blocks_per_chunk": blocks_per_chunk, "cpu_bytes_to_use": "256MiB"}
-    served = engine(**run, passes=[{}, {"reset": True, "follow_up": 40}], connector=connector)
+    served = engine(**run, passes=[{}, {"reset": True, "follow_up": follow_up}],
+                    connector=connector)  # fmt: skip
     assert served["error"] is None, served["error"]
-    want = recomputed(tokens)
-    block = served["kv_cache_groups"][0]
-    prompts = run["prompts"]
-    assert served["passes"][1]["cached"] == [(len(p) - 1) // block * block for p in prompts]
+    want = recomputed(tokens, follow_up)
+    assert served["passes"][1]["cached"] == [(len(p) - 1) // block * block for p in TURN_PROMPTS]
     for n in (0, 1):
         found = differences(served["passes"][n], want["passes"][n])
         assert not found, f"turn {n + 1}: " + "; ".join(found)
