@@ -36,6 +36,12 @@ Guarantees:
   store so that it copies the KV the forward pass wrote, a load so that it
   never overwrites blocks a queued kernel still uses), and the host waits for
   that stream only, never the engine's.
+
+Inside, a job on the pool and a load in the step share two parts, each
+handed only what it needs, so that neither reaches back into the engine:
+the job book (:mod:`._book`: ids, locks, the counts the waits read) and the
+chunk copier (:mod:`._copier`: transfer, tiers, fault points). Loads in the
+step start through :mod:`._layered`.
 """
 
 from __future__ import annotations
