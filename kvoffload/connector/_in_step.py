@@ -37,7 +37,7 @@ class StepLoads:
     """This step's loads in the step on ``engine``: copying, then their results until taken."""
 
     def __init__(self, engine: OffloadEngine) -> None:
-        self.engine = engine
+        self._engine = engine
         #: A load in the step of this step failed, or never ran: the step's stores are void.
         self.failed = False
         self._copying: tuple[list[TransferOrder], LayeredLoad] | None = None
@@ -55,7 +55,7 @@ class StepLoads:
     def start(self, orders: list[TransferOrder], copies: CopyMode) -> None:
         """Verify the orders' chunks and start copying them; raises if the engine refuses them."""
         spans, running = [o.spans for o in orders], [o.running_states for o in orders]
-        self._copying = (orders, self.engine.load_by_layer(spans, copies, running))
+        self._copying = (orders, self._engine.load_by_layer(spans, copies, running))
 
     def never_ran(self, order: TransferOrder) -> None:
         """``order`` fails without running: if it is a load in the step, the step failed."""
