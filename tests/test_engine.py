@@ -6,13 +6,16 @@ tensors with pinned slabs included where a GPU is present.
 
 from __future__ import annotations
 
+import ast
 import threading
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import torch
 from _paths import PATHS, TransferPath, as_bytes
 
+import kvoffload.engine
 from kvoffload import build_offloading_config
 from kvoffload.config.layout import CacheGroup, KVLayout
 from kvoffload.engine import ChunkSpan, JobKind, JobResult, JobStatus, OffloadEngine
@@ -280,3 +283,19 @@ def test_a_store_copies_the_kv_the_forward_pass_is_still_writing(path: TransferP
         )
     finally:
         eng.close()
+
+
+def test_the_engines_modules_import_one_way() -> None:
+    """No module of ``kvoffload/engine`` imports one that imports it back, even for types only:
+    each helper is handed what it uses, and none reaches back into the engine."""
+    folder = Path(kvoffload.engine.__file__).parent
+    imports: dict[str, set[str]] = {}
+    for path in folder.glob("*.py"):
+        tree = ast.parse(path.read_text())
+        found = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
+        imports[f"kvoffload.engine.{path.stem}"] = set(found)
+    left = dict(imports)
+    while ready := [m for m, names in left.items() if not names & left.keys() - {m}]:
+        for module in ready:
+            del left[module]
+    assert not left, f"modules in or behind an import circle: {sorted(left)}"

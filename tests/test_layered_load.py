@@ -85,8 +85,8 @@ def untouched(kv: dict[str, torch.Tensor], name: str) -> bool:
 
 def test_model_order_follows_the_layer_index_in_the_name() -> None:
     names = ["model.layers.10.a", "drafter.fc", "model.layers.2.a", "model.layers.2.b"]
-    assert model_order(names) == ["model.layers.2.a", "model.layers.2.b", "model.layers.10.a",
-                                  "drafter.fc"]  # fmt: skip
+    in_order = ["model.layers.2.a", "model.layers.2.b", "model.layers.10.a", "drafter.fc"]
+    assert model_order(names) == in_order
 
 
 def test_one_layer_at_a_time_equals_every_layer_at_once(
@@ -188,8 +188,8 @@ def test_the_copy_mode_is_measured_per_device_unless_named(
     monkeypatch.setenv(COPY_MODE_ENV, " Layer ")
     assert CopyMode.default(cuda=True) is CopyMode.LAYER
     monkeypatch.setenv(COPY_MODE_ENV, "eager")
-    with pytest.raises(ConfigError, match=f"{COPY_MODE_ENV}='eager' is not a copy mode; use "
-                                          "one of thread, layer, before"):  # fmt: skip
+    refusal = f"{COPY_MODE_ENV}='eager' is not a copy mode; use one of thread, layer, before"
+    with pytest.raises(ConfigError, match=refusal):
         CopyMode.default(cuda=False)
 
 
@@ -201,10 +201,19 @@ def test_a_verification_that_raises_leaves_no_lock_or_job_behind(
     with pytest.raises(TierError, match=r"slot must be an int in \[0, 7\], got 99"):
         engine.load_by_layer([[no_slot]], CopyMode.LAYER)
     assert engine.wait(timeout=1)  # not pending
-    taker = threading.Thread(target=lambda: engine.locked([no_slot]).close(), daemon=True)
+    refused: list[Exception] = []
+
+    def again() -> None:  # takes the same locks before it is refused the same way
+        try:
+            engine.load_by_layer([[no_slot]], CopyMode.LAYER)
+        except TierError as exc:
+            refused.append(exc)
+
+    taker = threading.Thread(target=again, daemon=True)
     taker.start()
     taker.join(timeout=10)
     assert not taker.is_alive(), "the failed load still holds its chunks' locks"
+    assert len(refused) == 1
     load = engine.load_by_layer([[LOAD]], CopyMode.LAYER)
     [result] = load.join()
     assert result.status is JobStatus.SUCCESS

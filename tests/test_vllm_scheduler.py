@@ -26,6 +26,7 @@ from kvoffload.config.layout import CacheGroup, KVLayout
 from kvoffload.connector import worker as worker_module
 from kvoffload.connector.loads import failures_by_block, loads_in_step
 from kvoffload.connector.scheduler import OffloadScheduler
+from kvoffload.connector.worker import ForwardPass
 from kvoffload.engine import JobKind
 from kvoffload.keys import KeyExtras, namespace_of
 from kvoffload.messages import JobReport, TransferOrder
@@ -587,9 +588,12 @@ def test_a_hit_in_a_lower_tier_loads_over_later_steps(rigs: list[Rig], tmp_path:
     assert r.worker.stats()["in_step_load_jobs"] == 0
 
 
-@pytest.mark.parametrize(("copies", "full_graph"), [("before", False), ("layer", True)])
+@pytest.mark.parametrize(
+    ("copies", "forward"),
+    [("before", ForwardPass.LAYER_BY_LAYER), ("layer", ForwardPass.FULL_GRAPH)],
+)
 def test_an_in_step_load_fills_the_blocks_before_submit_returns(
-    rigs: list[Rig], monkeypatch: pytest.MonkeyPatch, copies: str, full_graph: bool
+    rigs: list[Rig], monkeypatch: pytest.MonkeyPatch, copies: str, forward: ForwardPass
 ) -> None:
     """The forward pass reads them right after: nothing waits for a poll, nothing is received.
 
@@ -604,7 +608,7 @@ def test_an_in_step_load_fills_the_blocks_before_submit_returns(
     table = r.table(len(ids), offered)
     order = r.scheduler.plan_load("r2", table, offered)
     assert order is not None and order.in_step
-    r.worker.submit(r.scheduler.take_orders(), JobKind.LOAD, full_graph=full_graph)
+    r.worker.submit(r.scheduler.take_orders(), JobKind.LOAD, forward=forward)
     kv, hashes = r.engine.kv, r.engine.block_hashes(ids)
     assert kv is not None
     assert all(kv.holds(0, table[0][b], hashes[0][b]) for b in range(offered // 4))

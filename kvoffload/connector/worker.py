@@ -43,11 +43,12 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvoffload.connector._in_step import ForwardPass, StepLoads
 from kvoffload.connector.stats import WorkerStats
-from kvoffload.engine import CopyMode, JobKind, LayeredLoad, OffloadEngine
+from kvoffload.engine import CopyMode, JobKind, OffloadEngine
 from kvoffload.messages import JobReport, JobResult, TransferOrder, merge_reports
 
-__all__ = ["IDLE_WAIT_S", "OffloadWorker", "PollResult"]
+__all__ = ["IDLE_WAIT_S", "ForwardPass", "OffloadWorker", "PollResult"]
 
 logger = logging.getLogger("kvoffload")
 
@@ -90,16 +91,11 @@ class OffloadWorker:
             kind: deque[float](maxlen=10_000) for kind in (JobKind.STORE, JobKind.LOAD)
         }
         self._suspended = False
-        #: In-step loads run this step, with their results, until :meth:`poll`.
-        self._in_step: list[tuple[TransferOrder, JobResult]] = []
-        #: This step's in-step loads while their layers copy, until :meth:`_end_in_step`.
-        self._copying: tuple[list[TransferOrder], LayeredLoad] | None = None
-        #: An in-step load of this step failed: its stores are not run.
-        self._step_failed = False
+        self._in_step = StepLoads(engine)
 
     def suspend(self) -> None:
         """The engine's KV memory is about to be released: wait for every job first."""
-        self._end_in_step()
+        self._in_step.end()
         self.engine.wait()
         self._suspended = True
 
@@ -109,24 +105,24 @@ class OffloadWorker:
 
     def before_forward(self) -> None:
         """Wait until earlier stores no longer read engine blocks (see the module docstring)."""
-        self._end_in_step()  # a step that raised before its poll leaves none behind
-        self._step_failed = False
+        self._in_step.new_step()
         self.engine.wait_for_sources()
 
     def submit(
-        self, orders: Iterable[TransferOrder], kind: JobKind, *, full_graph: bool = False
+        self,
+        orders: Iterable[TransferOrder],
+        kind: JobKind,
+        *,
+        forward: ForwardPass = ForwardPass.LAYER_BY_LAYER,
     ) -> None:
         """Start this step's orders of ``kind``; each is reported once by :meth:`poll`.
 
-        The ``in_step`` loads start here, before the forward pass, and copy
-        layer by layer (:meth:`wait_layer`); ``full_graph`` (a CUDA graph replays
-        the whole forward pass, so no layer waits) copies them all first. If one
-        fails, every store of the step is failed instead of run: the step
-        computed on top of that load, and what it wrote is recomputed once vLLM
-        learns of the failure.
+        The ``in_step`` loads start here, before the forward pass, and copy as
+        ``forward`` lets them (:mod:`kvoffload.connector._in_step`). If one
+        fails, every store of the step is failed instead of run.
         """
         if kind is JobKind.STORE:
-            self._end_in_step()
+            self._in_step.end()
         in_step: list[TransferOrder] = []
         # Promotions start with the loads, before the forward pass (they fill CPU slots only).
         kinds = (kind,) if kind is JobKind.STORE else (JobKind.LOAD, JobKind.PROMOTE)
@@ -137,24 +133,24 @@ class OffloadWorker:
                 self._loads[order.req_id] += 1
             if self._suspended:  # fails at once: the engine's memory is released
                 self._stats.suspended_orders += 1
-            voided = kind is JobKind.STORE and self._step_failed
+            voided = kind is JobKind.STORE and self._in_step.failed
             if voided:
                 self._stats.voided_store_orders += 1
             if not order.spans or self._suspended or voided:
                 self._instant.append(order)
-                self._step_failed |= order.in_step
+                self._in_step.never_ran(order)
             elif order.in_step:
                 in_step.append(order)
             else:
                 self._start(order, order.kind)
         if in_step:
-            self._start_in_step(in_step, CopyMode.BEFORE if full_graph else self.copies)
+            self._start_in_step(in_step, forward)
 
     def wait_layer(self, name: str) -> None:
         """Return once layer ``name``'s in-step loads are in place (``wait_for_layer_load``)."""
-        if self._copying is not None:
+        if self._in_step.copying:
             self._stats.in_step_layer_waits += 1
-            self._copying[1].wait_layer(name)
+            self._in_step.wait_layer(name)
 
     def _start(self, order: TransferOrder, kind: JobKind) -> None:
         try:
@@ -169,31 +165,18 @@ class OffloadWorker:
         else:
             self._orders[job_id] = order
 
-    def _start_in_step(self, orders: list[TransferOrder], copies: CopyMode) -> None:
+    def _start_in_step(self, orders: list[TransferOrder], forward: ForwardPass) -> None:
         try:
-            spans, running = [o.spans for o in orders], [o.running_states for o in orders]
-            load = self.engine.load_by_layer(spans, copies, running)
+            self._in_step.start(orders, forward.copies(self.copies))
         except Exception as exc:  # a bad order fails its job, never the step
             for order in orders:
                 self._refused(order, exc)
-        else:
-            self._copying = (orders, load)
-
-    def _end_in_step(self) -> None:
-        """Wait for this step's in-step loads to finish copying, and keep their results."""
-        if self._copying is None:
-            return
-        orders, load = self._copying
-        self._copying = None
-        for order, result in zip(orders, load.join(), strict=True):
-            self._in_step.append((order, result))
-            self._step_failed |= not JobReport.of(order, result).ok
 
     def _refused(self, order: TransferOrder, exc: Exception) -> None:
         logger.error("kvoffload: %s order %d refused: %s", order.kind.value, order.job_id, exc)
         self._stats.refused_orders += 1
         self._instant.append(order)
-        self._step_failed |= order.in_step
+        self._in_step.never_ran(order)
 
     def poll(self, *, idle: bool = False) -> PollResult:
         """Wait for this step's stores to read their blocks, then collect finished jobs.
@@ -206,14 +189,13 @@ class OffloadWorker:
         tier took 150-400 ms that way, against a few ms while this thread
         sleeps.
         """
-        self._end_in_step()
+        self._in_step.end()
         if idle and self._orders:
             self.engine.wait_for_any(IDLE_WAIT_S)
         self.engine.wait_for_sources()
         out = PollResult()
-        done: list[tuple[TransferOrder, JobResult | None]] = [*self._in_step]
+        done: list[tuple[TransferOrder, JobResult | None]] = [*self._in_step.take_results()]
         done += [(self._orders.pop(r.job_id), r) for r in self.engine.get_finished()]
-        self._in_step = []
         instant, self._instant = self._instant, []
         for order, result in [*done, *((o, None) for o in instant)]:
             if result is not None and order.kind in self._seconds:
@@ -283,7 +265,7 @@ class OffloadWorker:
 
     def take_failed_blocks(self) -> set[int]:
         """Engine block ids whose load failed since the last call (single-group layouts)."""
-        self._end_in_step()
+        self._in_step.end()
         blocks, self._failed_blocks = self._failed_blocks, set()
         return blocks
 

@@ -28,26 +28,24 @@ for every layer.
 
 from __future__ import annotations
 
+import functools
 import os
 import re
 import threading
 import time
-from collections.abc import Mapping, Sequence
-from concurrent.futures import Future
+from collections.abc import Iterator, Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from enum import Enum
-from typing import TYPE_CHECKING
 
 import torch
 
+from kvoffload.engine._book import JobBook
+from kvoffload.engine._copier import ChunkCopier, Run
 from kvoffload.engine._outcome import Outcome
-from kvoffload.engine._runs import Run, scatter_run, settle, verified_runs
 from kvoffload.errors import ConfigError
-from kvoffload.messages import BlockSpan, ChunkSpan, JobKind, JobResult
+from kvoffload.messages import ChunkSpan, JobKind, JobResult
 
-if TYPE_CHECKING:
-    from kvoffload.engine.engine import OffloadEngine
-
-__all__ = ["COPY_MODE_ENV", "CopyMode", "LayeredLoad", "model_order"]
+__all__ = ["COPY_MODE_ENV", "CopyMode", "LayeredLoader", "LayeredLoad", "model_order"]
 
 #: Environment variable that picks the copy mode (for measurements; the default is measured).
 COPY_MODE_ENV = "KVOFFLOAD_IN_STEP_COPIES"
@@ -95,30 +93,78 @@ def model_order(names: Sequence[str]) -> list[str]:
     return [name for _, name in sorted(enumerate(names), key=index)]
 
 
+class LayeredLoader:
+    """Starts the loads in the step, and holds what they all share.
+
+    That is the copier and the job book (a load in the step is a job like any
+    other: it takes the locks of its chunks and counts as pending), the model's
+    layer order (worked out once, from the layer names), and the copy thread
+    of :class:`CopyMode` ``thread`` (started by the first load that uses it).
+    """
+
+    def __init__(self, copier: ChunkCopier, book: JobBook) -> None:
+        self.copier = copier
+        self.book = book
+        self._thread: ThreadPoolExecutor | None = None
+
+    @functools.cached_property
+    def layers(self) -> list[tuple[str, int, int]]:
+        """``(name, group, index in the group)`` of every layer, in the model's order."""
+        at = self.copier.transfer.layer_index()
+        return [(name, *at[name]) for name in model_order(list(at))]
+
+    def start(
+        self,
+        jobs: Sequence[tuple[ChunkSpan, ...]],
+        after: torch.cuda.Event | None,
+        mode: CopyMode,
+        running_states: Sequence[Mapping[int, int]],
+    ) -> LayeredLoad:
+        """Verify ``jobs``' chunks and start copying them (see :class:`LayeredLoad`)."""
+        self.book.begin(JobKind.LOAD)
+        try:
+            return LayeredLoad(self, jobs, after, mode, running_states)
+        except BaseException:
+            self.book.end_unqueued()
+            raise
+
+    def copy_thread(self) -> ThreadPoolExecutor:
+        if self._thread is None:
+            self._thread = ThreadPoolExecutor(1, thread_name_prefix="kvoffload-layers")
+        return self._thread
+
+    def close(self) -> None:
+        """Let the copy thread finish what it was given."""
+        if self._thread is not None:
+            self._thread.shutdown(wait=True)
+
+
 class LayeredLoad:
     """The step's loads (one :class:`JobResult` each), copied layer by layer.
 
-    Made by :meth:`OffloadEngine.load_by_layer` in the thread that runs the
-    forward pass; :meth:`join` there ends it (the job locks are taken and let
-    go in that thread).
+    Made by :meth:`LayeredLoader.start` in the thread that runs the forward
+    pass; :meth:`join` there ends it (the job locks are taken and let go in
+    that thread).
     """
 
     def __init__(
         self,
-        engine: OffloadEngine,
+        loader: LayeredLoader,
         jobs: Sequence[tuple[ChunkSpan, ...]],
         after: torch.cuda.Event | None,
         mode: CopyMode,
-        running_states: Sequence[Mapping[int, int]] = (),
+        running_states: Sequence[Mapping[int, int]],
     ) -> None:
-        self._engine, self._after, self._start = engine, after, time.perf_counter()
-        self._ids = [engine.new_job_id() for _ in jobs]
+        copier, book = loader.copier, loader.book
+        self._copier, self._book = copier, book
+        self._after, self._start = after, time.perf_counter()
+        self._ids = [book.new_id() for _ in jobs]
         self._outcomes = [Outcome() for _ in jobs]
-        self._locks = engine.locked([s for spans in jobs for s in spans])
-        self._states = engine.transfer.layout.state_groups
+        self._locks = book.locked([s for spans in jobs for s in spans])
+        self._states = copier.transfer.layout.state_groups
         try:
             self._runs = [
-                [run for span in spans for run in verified_runs(engine, span, outcome)]
+                [run for span in spans for run in copier.verified_runs(span, outcome)]
                 for spans, outcome in zip(jobs, self._outcomes, strict=True)
             ]
             self._copy_states(running_states or [{}] * len(jobs))
@@ -126,16 +172,16 @@ class LayeredLoad:
             self._locks.close()
             raise
         groups = {s.group for spans in jobs for s in spans} - self._states
-        self._order = [layer for layer in engine.layers_in_model_order if layer[1] in groups]
+        self._order = [layer for layer in loader.layers if layer[1] in groups]
         self._copied = [threading.Event() for _ in self._order]
         self._position = {name: i for i, (name, _, _) in enumerate(self._order)}
         self._next = 0
         self._lock = threading.Lock()
         self._future: Future[None] | None = None
         if mode is CopyMode.THREAD:
-            self._future = engine.copy_thread().submit(self._advance, len(self._order))
-        elif mode is CopyMode.BEFORE:  # every layer of a run in one call, as a load job
-            self._scatter()
+            self._future = loader.copy_thread().submit(self._advance, len(self._order))
+        elif mode is CopyMode.BEFORE:
+            self._scatter_whole()
             self._next = len(self._order)
 
     def wait_layer(self, name: str) -> None:
@@ -153,13 +199,12 @@ class LayeredLoad:
         else:
             self._future.result()
         self._locks.close()
-        transfer, seconds = self._engine.transfer, time.perf_counter() - self._start
-        bpc = {g: transfer.chunk_blocks(g) for g in range(len(transfer.groups))}
+        seconds = time.perf_counter() - self._start
         results = []
         for job_id, runs, outcome in zip(self._ids, self._runs, self._outcomes, strict=True):
-            settle(runs, outcome, bpc)
+            self._copier.settle(runs, outcome)
             results.append(outcome.result(job_id, JobKind.LOAD, seconds))
-        self._engine.job_ended()
+        self._book.end_unqueued()
         return results
 
     def _advance(self, upto: int) -> None:
@@ -167,34 +212,42 @@ class LayeredLoad:
         with self._lock:
             try:
                 while self._next < upto:
-                    self._scatter(*self._order[self._next][1:])
+                    _, group, layer = self._order[self._next]
+                    self._scatter_layer(group, layer)
                     self._copied[self._next].set()
                     self._next += 1
             except Exception as exc:  # a bug fails the load, never the forward pass's wait
                 self._fail_all(exc)
 
-    def _scatter(self, group: int | None = None, layer: int | None = None) -> None:
-        """Copy the verified runs of ``group``'s ``layer`` (both None: every run whole)."""
+    def _runs_to_copy(self) -> Iterator[tuple[Run, Outcome]]:
+        """The verified runs still to copy: every group's but the states' (copied at start)."""
         for runs, outcome in zip(self._runs, self._outcomes, strict=True):
             for run in runs:
-                g = run.span.group
-                if run.ok and group in (None, g) and g not in self._states:  # states: at start
-                    run.ok = scatter_run(self._engine, run, self._after, outcome, layer)
+                if run.ok and run.span.group not in self._states:
+                    yield run, outcome
+
+    def _scatter_whole(self) -> None:
+        """Copy every layer of each run in one call, as a load job does."""
+        for run, outcome in self._runs_to_copy():
+            run.ok = self._copier.scatter(run, self._after, outcome)
+
+    def _scatter_layer(self, group: int, layer: int) -> None:
+        """Copy ``group``'s ``layer`` of each of its runs."""
+        for run, outcome in self._runs_to_copy():
+            if run.span.group == group:
+                run.ok = self._copier.scatter(run, self._after, outcome, layer)
 
     def _copy_states(self, running: Sequence[Mapping[int, int]]) -> None:
         """Copy the verified states, each also into its request's running-state block."""
-        engine, after = self._engine, self._after
+        copier, after = self._copier, self._after
         for runs, outcome, into in zip(self._runs, self._outcomes, running, strict=True):
             for run in runs:
                 span = run.span
                 if not run.ok or span.group not in self._states:
                     continue
-                run.ok = scatter_run(engine, run, after, outcome)
+                run.ok = copier.scatter(run, after, outcome)
                 if run.ok and span.group in into and run.stop == len(span.keys):
-                    last = ChunkSpan(span.group, span.keys[-1:], span.slots[-1:],
-                                     BlockSpan((into[span.group],)))  # fmt: skip
-                    mirror = Run(last, 0, 1, ok=True)
-                    run.ok = scatter_run(engine, mirror, after, outcome, counted=True)
+                    run.ok = copier.scatter_last_into(run, into[span.group], after, outcome)
 
     def _fail_all(self, exc: Exception) -> None:
         for runs, outcome in zip(self._runs, self._outcomes, strict=True):

@@ -26,6 +26,15 @@ class Outcome:
         else:
             status = JobStatus.PARTIAL if self.done else JobStatus.FAILED
         blocks = {g: tuple(ids) for g, ids in self.failed_blocks.items()}
-        return JobResult(job_id, kind, status, tuple(self.done), tuple(self.failed), blocks,
-                         tuple(self.promoted), tuple(self.errors), self.nbytes,
-                         seconds)  # fmt: skip
+        return JobResult(
+            job_id,
+            kind,
+            status,
+            done_keys=tuple(self.done),
+            failed_keys=tuple(self.failed),
+            failed_blocks=blocks,
+            promoted_keys=tuple(self.promoted),
+            errors=tuple(self.errors),
+            bytes_moved=self.nbytes,
+            seconds=seconds,
+        )

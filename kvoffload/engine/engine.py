@@ -36,24 +36,27 @@ Guarantees:
   store so that it copies the KV the forward pass wrote, a load so that it
   never overwrites blocks a queued kernel still uses), and the host waits for
   that stream only, never the engine's.
+
+Inside, a job on the pool and a load in the step share two parts, each
+handed only what it needs, so that neither reaches back into the engine:
+the job book (:mod:`._book`: ids, locks, the counts the waits read) and the
+chunk copier (:mod:`._copier`: transfer, tiers, fault points). Loads in the
+step start through :mod:`._layered`.
 """
 
 from __future__ import annotations
 
-import functools
-import itertools
-import threading
 import time
 from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import ExitStack
 
 import torch
 
 from kvoffload.config import OffloadConfig
-from kvoffload.engine._layered import CopyMode, LayeredLoad, model_order
+from kvoffload.engine._book import JobBook
+from kvoffload.engine._copier import ChunkCopier
+from kvoffload.engine._layered import CopyMode, LayeredLoad, LayeredLoader
 from kvoffload.engine._outcome import Outcome
-from kvoffload.engine._runs import load_span, promote_span
 from kvoffload.engine.failpoints import FailPoints
 from kvoffload.errors import TransferError
 from kvoffload.messages import ChunkSpan, JobKind, JobResult
@@ -65,8 +68,6 @@ from kvoffload.tiers.stats import TierStats
 from kvoffload.transfer import KVTransfer
 
 __all__ = ["OffloadEngine"]
-
-_LOCK_STRIPES = 64
 
 
 class OffloadEngine:
@@ -81,15 +82,11 @@ class OffloadEngine:
         self.faults = FailPoints.from_env()
         self.transfer = transfer
         self.cascade = cascade
+        self._copier = ChunkCopier(transfer, cascade, self.faults)
+        self._book = JobBook()
+        self._layered = LayeredLoader(self._copier, self._book)
         self._pool = ThreadPoolExecutor(max_workers, thread_name_prefix="kvoffload")
-        self._locks = [threading.Lock() for _ in range(_LOCK_STRIPES)]
-        self._ids = itertools.count(1)
-        self._cond = threading.Condition()
-        self._finished: list[JobResult] = []
-        self._pending = 0
-        self._reading = 0  # store jobs still reading engine blocks
         self._closed = False
-        self._copier: ThreadPoolExecutor | None = None
 
     @classmethod
     def create(
@@ -130,15 +127,7 @@ class OffloadEngine:
     # -- the worker-side interface -------------------------------------------------
     def submit_store(self, spans: Sequence[ChunkSpan]) -> int:
         """Queue a store of whole chunks; returns its job id at once."""
-        for span in spans:
-            self._check_span(span)
-            bpc = self.transfer.chunk_blocks(span.group)
-            if not span.blocks.covers_whole_chunks(bpc):
-                raise TransferError(
-                    f"group {span.group}: a store must cover whole chunks of "
-                    f"{bpc} blocks from offset 0, got "
-                    f"{len(span.blocks.block_ids)} blocks at offset {span.blocks.first_offset}"
-                )
+        self._check(JobKind.STORE, spans)
         return self._submit(JobKind.STORE, spans, self._engine_event())
 
     def submit_load(self, spans: Sequence[ChunkSpan]) -> int:
@@ -148,8 +137,7 @@ class OffloadEngine:
         it, so they never race a kernel still reading or writing the blocks
         the load fills (a freed request's last forward pass, say).
         """
-        for span in spans:
-            self._check_span(span)
+        self._check(JobKind.LOAD, spans)
         return self._submit(JobKind.LOAD, spans, self._engine_event())
 
     def submit_promote(self, spans: Sequence[ChunkSpan]) -> int:
@@ -159,8 +147,7 @@ class OffloadEngine:
         no further: the request that needs them is looked up again once they
         are in and loads them in its step. The spans carry no engine blocks.
         """
-        for span in spans:
-            self._check_span(span, promote=True)
+        self._check(JobKind.PROMOTE, spans)
         return self._submit(JobKind.PROMOTE, spans, None)
 
     def load_by_layer(
@@ -179,41 +166,13 @@ class OffloadEngine:
         (``TransferOrder.running_states``).
         """
         for spans in jobs:
-            for span in spans:
-                self._check_span(span)
-        with self._cond:
-            self._pending += 1
-        try:
-            orders = [tuple(spans) for spans in jobs]
-            return LayeredLoad(self, orders, self._engine_event(), mode, running_states)
-        except BaseException:
-            self.job_ended()
-            raise
-
-    @functools.cached_property
-    def layers_in_model_order(self) -> list[tuple[str, int, int]]:
-        """``(name, group, index in the group)`` of every layer, in the model's order (once)."""
-        at = self.transfer.layer_index()
-        return [(name, *at[name]) for name in model_order(list(at))]
-
-    def new_job_id(self) -> int:
-        return next(self._ids)
-
-    def job_ended(self) -> None:
-        """A job run outside the pool (a load in the step) has ended."""
-        self._finish(None)
-
-    def copy_thread(self) -> ThreadPoolExecutor:
-        """The one thread that copies loads in the step (:class:`CopyMode` ``thread``)."""
-        if self._copier is None:
-            self._copier = ThreadPoolExecutor(1, thread_name_prefix="kvoffload-layers")
-        return self._copier
+            self._check(JobKind.LOAD, spans)
+        orders = [tuple(spans) for spans in jobs]
+        return self._layered.start(orders, self._engine_event(), mode, running_states)
 
     def get_finished(self) -> list[JobResult]:
         """Jobs finished since the last call, each reported exactly once."""
-        with self._cond:
-            done, self._finished = self._finished, []
-        return done
+        return self._book.take_finished()
 
     def wait_for_sources(self, timeout: float | None = None) -> bool:
         """Block until every store submitted so far has finished reading engine blocks.
@@ -224,8 +183,7 @@ class OffloadEngine:
         pass instead of waiting for whole jobs (disk and network included).
         ``False`` on timeout.
         """
-        with self._cond:
-            return self._cond.wait_for(lambda: self._reading == 0, timeout)
+        return self._book.wait_for_sources(timeout)
 
     def wait_for_any(self, timeout: float | None = None) -> bool:
         """Block until a finished job waits in ``get_finished`` or none is pending.
@@ -233,13 +191,11 @@ class OffloadEngine:
         ``False`` on timeout. For a caller with nothing else to do until some
         job ends: sleeping here leaves the GIL to the job threads.
         """
-        with self._cond:
-            return self._cond.wait_for(lambda: bool(self._finished) or self._pending == 0, timeout)
+        return self._book.wait_for_any(timeout)
 
     def wait(self, timeout: float | None = None) -> bool:
         """Block until no job is pending; ``False`` on timeout. Results wait in ``get_finished``."""
-        with self._cond:
-            return self._cond.wait_for(lambda: self._pending == 0, timeout)
+        return self._book.wait(timeout)
 
     def stats(self) -> dict[str, TierStats]:
         """One record per tier, CPU slab first: ``cpu`` counts engine <-> slab copies."""
@@ -251,27 +207,36 @@ class OffloadEngine:
             return
         self._closed = True
         self._pool.shutdown(wait=True)
-        if self._copier is not None:
-            self._copier.shutdown(wait=True)
+        self._layered.close()
         self.cascade.close()
 
     # -- job plumbing ---------------------------------------------------------------
-    def _check_span(self, span: ChunkSpan, *, promote: bool = False) -> None:
-        if self._closed:
-            raise TransferError("the offload engine is closed")
-        need = (
-            len(span.keys)
-            if promote
-            else span.blocks.num_chunks(self.transfer.chunk_blocks(span.group))
-        )
-        if promote and span.blocks.block_ids:
-            raise TransferError(f"group {span.group}: a promotion moves no engine blocks")
-        if not len(span.keys) == len(span.slots) == need:
-            raise TransferError(
-                f"group {span.group}: {len(span.blocks.block_ids)} blocks at offset "
-                f"{span.blocks.first_offset} touch {need} chunks, but the span has "
-                f"{len(span.keys)} keys and {len(span.slots)} slots"
-            )
+    def _check(self, kind: JobKind, spans: Sequence[ChunkSpan]) -> None:
+        """Refuse a job of ``kind`` whose spans the engine cannot run as given, before it queues."""
+        for span in spans:
+            if self._closed:
+                raise TransferError("the offload engine is closed")
+            if kind is not JobKind.PROMOTE:
+                need = span.blocks.num_chunks(self.transfer.chunk_blocks(span.group))
+            elif span.blocks.block_ids:
+                raise TransferError(f"group {span.group}: a promotion moves no engine blocks")
+            else:
+                need = len(span.keys)
+            if not len(span.keys) == len(span.slots) == need:
+                raise TransferError(
+                    f"group {span.group}: {len(span.blocks.block_ids)} blocks at offset "
+                    f"{span.blocks.first_offset} touch {need} chunks, but the span has "
+                    f"{len(span.keys)} keys and {len(span.slots)} slots"
+                )
+            if kind is not JobKind.STORE:
+                continue
+            bpc = self.transfer.chunk_blocks(span.group)
+            if not span.blocks.covers_whole_chunks(bpc):
+                raise TransferError(
+                    f"group {span.group}: a store must cover whole chunks of "
+                    f"{bpc} blocks from offset 0, got "
+                    f"{len(span.blocks.block_ids)} blocks at offset {span.blocks.first_offset}"
+                )
 
     def _engine_event(self) -> torch.cuda.Event | None:
         if not self.transfer.is_cuda:
@@ -283,10 +248,8 @@ class OffloadEngine:
     def _submit(
         self, kind: JobKind, spans: Sequence[ChunkSpan], after: torch.cuda.Event | None
     ) -> int:
-        job_id = next(self._ids)
-        with self._cond:
-            self._pending += 1
-            self._reading += kind is JobKind.STORE
+        job_id = self._book.new_id()
+        self._book.begin(kind)
         self._pool.submit(self._run, job_id, kind, tuple(spans), after, time.perf_counter())
         return job_id
 
@@ -302,31 +265,25 @@ class OffloadEngine:
         outcome = Outcome()
         reading = kind is JobKind.STORE
         try:
-            with self.locked(spans):
+            with self._book.locked(spans):
                 if kind is JobKind.STORE:
-                    gathered = [self._gather_span(span, after, outcome) for span in spans]
-                    self._sources_released()
+                    gathered = [self._copier.gather(span, after, outcome) for span in spans]
+                    self._book.sources_released()
                     reading = False
                     for span, ok in zip(spans, gathered, strict=True):
                         if ok:
-                            self._commit_span(span, outcome)
+                            self._copier.commit(span, outcome)
                 elif kind is JobKind.LOAD:
                     for span in spans:
-                        load_span(self, span, after, outcome)
+                        self._copier.load(span, after, outcome)
                 else:
                     for span in spans:
-                        promote_span(self, span, outcome)
+                        self._copier.promote(span, outcome)
         except Exception as exc:  # a bug must still report the job, never hang the engine
             self._crashed(kind, spans, outcome, exc)
         if reading:
-            self._sources_released()
-        result = outcome.result(job_id, kind, time.perf_counter() - submitted)
-        self._finish(result)
-
-    def _sources_released(self) -> None:
-        with self._cond:
-            self._reading -= 1
-            self._cond.notify_all()
+            self._book.sources_released()
+        self._book.end(outcome.result(job_id, kind, time.perf_counter() - submitted))
 
     @staticmethod
     def _crashed(
@@ -343,54 +300,3 @@ class OffloadEngine:
             return
         done = set(outcome.done) | set(outcome.failed)
         outcome.failed += [k for s in spans for k in s.keys if k not in done]
-
-    def locked(self, spans: Sequence[ChunkSpan]) -> ExitStack:
-        """The job locks over ``spans``' keys and slots, taken in one sorted order."""
-        stripes = {hash(("k", k)) % _LOCK_STRIPES for s in spans for k in s.keys}
-        stripes |= {hash(("s", slot)) % _LOCK_STRIPES for s in spans for slot in s.slots}
-        stack = ExitStack()
-        for stripe in sorted(stripes):
-            stack.enter_context(self._locks[stripe])
-        return stack
-
-    def _finish(self, result: JobResult | None) -> None:
-        """A job ended; its result (a pool job's) waits in ``get_finished``."""
-        with self._cond:
-            if result is not None:
-                self._finished.append(result)
-            self._pending -= 1
-            self._cond.notify_all()
-
-    # -- the two job kinds ------------------------------------------------------------
-    def _gather_span(
-        self, span: ChunkSpan, after: torch.cuda.Event | None, outcome: Outcome
-    ) -> bool:
-        """Copy the span's engine blocks into its reserved CPU slots; ``False`` if that failed."""
-        cpu, nbytes = self.cascade.cpu, self.transfer.chunk_bytes(span.group)
-        for slot in span.slots:
-            cpu.reserve(slot)
-        start = time.perf_counter()
-        try:
-            buffers = [cpu.slot(slot, nbytes) for slot in span.slots]
-            if self.faults is None or not self.faults.drops_store():
-                self.transfer.gather(span.group, span.blocks, buffers, after=after)
-        except Exception as exc:  # reported per chunk below; the slots hold nothing
-            for slot in span.slots:
-                cpu.release(slot)
-            cpu.counters.add(store_failures=len(span.keys))
-            outcome.failed.extend(span.keys)
-            outcome.errors.append(f"transfer: group {span.group}: {exc}")
-            return False
-        moved = nbytes * len(span.keys)
-        cpu.counters.add(stores=len(span.keys), store_bytes=moved,
-                         store_seconds=time.perf_counter() - start)  # fmt: skip
-        outcome.nbytes += moved
-        return True
-
-    def _commit_span(self, span: ChunkSpan, outcome: Outcome) -> None:
-        """Bind the gathered chunks to their keys and write them through to lower tiers."""
-        cpu, nbytes = self.cascade.cpu, self.transfer.chunk_bytes(span.group)
-        for key, slot in zip(span.keys, span.slots, strict=True):
-            cpu.bind(key, slot, nbytes)
-            outcome.errors.extend(self.cascade.write_through(key, slot, nbytes))
-            outcome.done.append(key)

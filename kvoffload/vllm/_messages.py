@@ -3,7 +3,8 @@
 vLLM carries a ``KVConnectorMetadata`` from the scheduler side to every
 worker each step, and a ``KVConnectorWorkerMetadata`` back, merging the
 workers' with ``aggregate``; these wrap kvoffload's plain messages
-(:mod:`kvoffload.messages`).
+(:mod:`kvoffload.messages`). The step's forward context tells the worker how
+the forward pass that reads its loads runs (:func:`forward_pass`).
 """
 
 from __future__ import annotations
@@ -15,9 +16,20 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorWorkerMetadata,
 )
 
+from kvoffload.connector.worker import ForwardPass
 from kvoffload.messages import JobReport, TransferOrder, merge_reports
 
-__all__ = ["KVOffloadMetadata", "KVOffloadWorkerMetadata"]
+__all__ = ["KVOffloadMetadata", "KVOffloadWorkerMetadata", "forward_pass"]
+
+
+def forward_pass(forward_context: object) -> ForwardPass:
+    """How vLLM runs the step's forward pass, as the worker side names it.
+
+    A full CUDA graph (``CUDAGraphMode.FULL``) replays the whole pass and calls no
+    ``wait_for_layer_load``; an eager or piecewise pass calls it before each attention layer.
+    """
+    graph = getattr(getattr(forward_context, "cudagraph_runtime_mode", None), "name", "")
+    return ForwardPass.FULL_GRAPH if graph == "FULL" else ForwardPass.LAYER_BY_LAYER
 
 
 @dataclass

@@ -53,7 +53,7 @@ from kvoffload.messages import TransferOrder
 from kvoffload.vllm._events import ChunkEvents
 from kvoffload.vllm._extras import ExtrasReader, Unkeyable
 from kvoffload.vllm._layout import GroupMap, boundary_states, group_map
-from kvoffload.vllm._messages import KVOffloadMetadata, KVOffloadWorkerMetadata
+from kvoffload.vllm._messages import KVOffloadMetadata, KVOffloadWorkerMetadata, forward_pass
 from kvoffload.vllm._metrics import Deltas, scheduler_series, worker_payload
 from kvoffload.vllm._prom import KVOffloadPromMetrics, KVOffloadStats
 from kvoffload.vllm._ranks import tp_rank, worker_engine
@@ -314,8 +314,8 @@ class KVOffloadConnector(KVConnectorBase_V1, SupportsHMA):
             self._worker.before_forward()
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
-        graph = getattr(getattr(forward_context, "cudagraph_runtime_mode", None), "name", "")
-        self._worker_side().submit(self._orders(), JobKind.LOAD, full_graph=graph == "FULL")
+        forward = forward_pass(forward_context)
+        self._worker_side().submit(self._orders(), JobKind.LOAD, forward=forward)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         self._worker_side().wait_layer(layer_name)  # in-step loads copy layer by layer
