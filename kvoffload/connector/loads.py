@@ -188,7 +188,7 @@ class LoadPlanner:
         slots = dict(zip(resident, index.prepare_load(resident).slots, strict=True))
         promoted: tuple[bytes, ...] = ()
         if lower:
-            reserved = index.prepare_store(lower, admit_all=True, tenant=tenant)
+            reserved = index.prepare_promotion(lower, tenant=tenant)
             if reserved is not None:
                 promoted = reserved.keys
                 if reserved.evicted:
@@ -229,9 +229,7 @@ class LoadPlanner:
         if req.promotion is not None:
             return False
         lower = [(g, k) for g, k in needed if k in req.found_in]
-        reserved = self.index.prepare_store(
-            [k for _, k in lower], admit_all=True, tenant=req.tenant
-        )
+        reserved = self.index.prepare_promotion([k for _, k in lower], tenant=req.tenant)
         if reserved is None or not reserved.keys:
             return False
         if reserved.evicted:
