@@ -13,7 +13,9 @@ from typing import Any
 import pytest
 from test_vllm_scheduler import Rig, gemma_like, llama_like, rig, tokens
 
+from kvoffload import OffloadConfig, build_offloading_config
 from kvoffload.config.layout import KVLayout
+from kvoffload.connector.loads import HitLoading, hit_loading
 from kvoffload.connector.promotions import LOWER_TIER_HITS_ENV, promotes_lower_hits
 from kvoffload.engine import JobKind
 from kvoffload.errors import ConfigError, TransferError
@@ -128,9 +130,20 @@ def test_the_default_loads_lower_tier_hits_over_later_steps(
 def test_the_setting_is_checked(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(LOWER_TIER_HITS_ENV, "prefetch")
     with pytest.raises(ConfigError, match=f"{LOWER_TIER_HITS_ENV}='prefetch'.*load or promote"):
-        promotes_lower_hits(True)
+        promotes_lower_hits()
+    with pytest.raises(ConfigError, match=f"{LOWER_TIER_HITS_ENV}='prefetch'"):
+        hit_loading(config_of("never"), 1)  # checked where no hit loads in its step too
     monkeypatch.setenv(LOWER_TIER_HITS_ENV, " Promote ")
-    assert promotes_lower_hits(True) and not promotes_lower_hits(False)
+    assert promotes_lower_hits()
+    assert hit_loading(config_of("always"), 1) is HitLoading.PROMOTE_FIRST
+    assert hit_loading(config_of("never"), 1) is HitLoading.LATER  # nothing to promote for
+    monkeypatch.delenv(LOWER_TIER_HITS_ENV)
+    assert hit_loading(config_of("always"), 1) is HitLoading.IN_STEP
+
+
+def config_of(load_in_step: str) -> OffloadConfig:
+    settings = {"cpu_bytes_to_use": "1MiB", "load_in_step": load_in_step}
+    return build_offloading_config(settings, llama_like())
 
 
 def test_a_promotion_moves_no_engine_blocks(rigs: list[Rig], tmp_path: Path) -> None:

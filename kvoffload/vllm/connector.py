@@ -169,7 +169,7 @@ class KVOffloadConnector(KVConnectorBase_V1, SupportsHMA):
             self._requests[req_id] = request
         hit = scheduler.lookup(req_id, request.all_token_ids, num_computed_tokens, extras,
                                request.block_hashes)  # fmt: skip
-        if hit and scheduler.hits.found_in:  # some of its chunks wait in a lower tier
+        if scheduler.loads_from_lower_tier(req_id):
             self._from_lower.add(req_id)
         else:
             self._from_lower.discard(req_id)
