@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 from kvoffload.connector._hits import Hit, HitNeeds
 from kvoffload.connector._request import JobState, RequestState
@@ -62,25 +63,16 @@ def promotes_lower_hits() -> bool:
     return value == "promote"
 
 
+@dataclass(slots=True, kw_only=True)
 class Promotions:
     """Reserves CPU slots for lower-tier chunks, orders promotions, and completes them."""
 
-    def __init__(
-        self,
-        needs: HitNeeds,
-        *,
-        index: OffloadIndex,
-        retention: Retention,
-        jobs: JobBook,
-        stats: SchedulerStats,
-        misses: MissLedger,
-    ) -> None:
-        self.needs = needs
-        self.index = index
-        self.retention = retention
-        self.jobs = jobs
-        self.stats = stats
-        self.misses = misses
+    needs: HitNeeds
+    index: OffloadIndex
+    retention: Retention
+    jobs: JobBook
+    stats: SchedulerStats
+    misses: MissLedger
 
     def reserve(self, keys: Sequence[bytes], tenant: str | None) -> StoreResult | None:
         """CPU slots for lower-tier ``keys`` (``None``: no room), evictions counted as misses."""

@@ -86,8 +86,8 @@ class RequestTable:
         req_id: str,
         token_ids: Sequence[int],
         local_hit: int,
-        extras: KeyExtras | None = None,
-        block_hashes: Sequence[bytes] | None = None,
+        extras: KeyExtras | None,
+        block_hashes: Sequence[bytes] | None,
     ) -> Lookup:
         """The request asked about, its last lookup's offer forgotten, keyed up to its top.
 

@@ -145,7 +145,12 @@ class OffloadScheduler:
             tails=self.tails,
         )
         promotions = Promotions(
-            self.hits.needs, index=index, retention=retention, jobs=jobs, stats=stats, misses=misses
+            needs=self.hits.needs,
+            index=index,
+            retention=retention,
+            jobs=jobs,
+            stats=stats,
+            misses=misses,
         )
         loads = LoadPlanner(
             config,
@@ -193,7 +198,7 @@ class OffloadScheduler:
         hit = self.hits.find(lookup)
         if hit is None:
             return 0
-        req.junction = hit.prefix_end
+        req.junction = hit.prefix_end  # a hit point its window chunks are kept for
         offered = self.loads.offer(req, req_id, hit)
         if offered is None:
             self._stats.deferred_lookups += 1
