@@ -181,7 +181,7 @@ class HitFinder:
         found_in: dict[bytes, str] = {}
         hit = self.longest(req.keys, local, top, found_in)
         if tails is not None:
-            hit = self._at_tail(lookup, tails, hit, found_in)
+            hit = self._better_at_tail(lookup, tails, hit, found_in)
         served, reach = max(hit.tokens, local), max(hit.prefix_end, local)
         fits = (
             reach > served
@@ -218,7 +218,9 @@ class HitFinder:
             return Hit(local, False, cap)
         return Hit(best, self._pending(search, best), cap)
 
-    def _at_tail(self, lookup: Lookup, tails: Tails, hit: Hit, found_in: dict[bytes, str]) -> Hit:
+    def _better_at_tail(
+        self, lookup: Lookup, tails: Tails, hit: Hit, found_in: dict[bytes, str]
+    ) -> Hit:
         """A better hit than ``hit`` at a tail, if one is stored: the block boundaries inside
         the chunk where the full-prefix chain stops, best first."""
         req, local = lookup.req, lookup.local_hit

@@ -137,6 +137,7 @@ class LoadPlanner:
         ):
             return None
         req.offered, req.tail_keys, req.found_in = hit.tokens, hit.tail, hit.found_in
+        # Any lower-tier chunk the lookup found, the hit's or past it, loads it later.
         req.in_step = self.mode is not HitLoading.LATER and not hit.found_in
         return hit.tokens - local
 
