@@ -50,6 +50,7 @@ def test_a_promoted_hit_loads_in_the_step_that_finds_it_in_the_cpu_tier(
     r.drain()
     offered = r.lookup("a", ids)
     assert offered == r.top_hit(70) and sched.loads_in_step("a")
+    assert not sched.loads_from_lower_tier("a")  # every chunk is in the CPU tier now
     stats = sched.stats()
     assert stats["promotions"] == 1 and stats["promoted_chunks"] == len(order.keys)
     assert stats["failed_promoted_chunks"] == 0 and stats["index_storing"] == 0
@@ -124,6 +125,7 @@ def test_the_default_loads_lower_tier_hits_over_later_steps(
     ids = tokens(70)
     r = on_disk(rigs, llama_like(), tmp_path, ids)
     assert r.lookup("a", ids) == r.top_hit(70) and not r.scheduler.loads_in_step("a")
+    assert r.scheduler.loads_from_lower_tier("a")  # vLLM 0.34 may start it while busy
     assert r.scheduler.stats()["promotions"] == 0
 
 
