@@ -65,7 +65,8 @@ class RequestState:
     #: The engine's own hit at the last lookup, and the hit we offered.
     local_hit: int = 0
     offered: int = 0
-    #: Whether that hit loads in the step that asks for it (every chunk in the CPU tier).
+    #: Whether that hit loads in the step that asks for it (its lookup found every chunk
+    #: in the CPU tier, none in a lower one).
     in_step: bool = False
     #: Chunks promoted into the CPU tier for its hit -> the tier they came from (``None``:
     #: no promotion; a request promotes once, :mod:`~kvoffload.connector.promotions`).
