@@ -28,7 +28,7 @@ import torch
 
 from kvoffload import build_offloading_config
 from kvoffload.config.layout import CacheGroup, KVLayout, Reuse
-from kvoffload.connector.scheduler import OffloadScheduler
+from kvoffload.connector.scheduler import OffloadScheduler, StepRequest
 from kvoffload.connector.worker import OffloadWorker
 from kvoffload.engine import JobKind, OffloadEngine
 from kvoffload.keys import namespace_of, prefix_keys_for_layout
@@ -360,22 +360,18 @@ class Stand:
         ``held`` orders taken earlier join this step's. ``wait`` waits for
         every job before polling, so the step is deterministic.
         """
-        stops = {}
+        stops, scheduled = {}, []
         for req in compute:
             stop = len(req.tokens) if until is None else min(until, len(req.tokens))
             # vLLM's align mode: a prefill step ends where a state can be kept.
             prompt = req.prompt_len or len(req.tokens)
             stop = aligned_stop(self.layout, req.computed, stop, prompt)
             stops[req.req_id] = stop
-            self.scheduler.plan_store(
-                req.req_id,
-                req.tokens,
-                computed=req.computed,
-                scheduled=stop - req.computed,
-                block_ids=req.blocks,
-                num_prompt_tokens=req.prompt_len or len(req.tokens),
+            run = stop - req.computed
+            scheduled.append(
+                StepRequest(req.req_id, req.tokens, req.computed, run, req.blocks, prompt)
             )
-        orders = [*held, *self.scheduler.take_orders()]
+        orders = [*held, *self.scheduler.plan_step(scheduled)]
         for worker in self.workers:
             worker.submit(orders, JobKind.LOAD)
         for worker in self.workers:

@@ -143,7 +143,10 @@ def test_random_use_through_the_index_keeps_it_consistent(seed: int) -> None:
         store = manager.prepare_store(keys[n:])
         if store is not None:
             assert not set(store.evicted) & set(held.keys)  # pinned chunks survive
-            manager.complete_store(store.keys, success=rng.random() > 0.1)
+            if rng.random() > 0.1:
+                manager.complete_store(store.keys)
+            else:
+                manager.abort_store(store.keys)
         manager.complete_load(keys[:n])
         manager.touch(keys[::-1])
         if rng.random() < 0.01:

@@ -173,13 +173,16 @@ def test_index_engine_and_cascade_together(
         store = index.prepare_store([key])
         assert store is not None
         engine.submit_store([ChunkSpan(1, store.keys, store.slots, BlockSpan(blocks[key]))])
-        index.complete_store(store.keys, one(engine).status is JobStatus.SUCCESS)
+        if one(engine).status is JobStatus.SUCCESS:
+            index.complete_store(store.keys)
+        else:
+            index.abort_store(store.keys)
     assert index.lookup(keys[:1]) == 0 and disk_of(engine).contains_many(keys[:1]) == [True]
     promote = index.prepare_store(keys[:1])  # a disk hit: reserve its CPU slot
     assert promote is not None
     engine.submit_load([ChunkSpan(1, promote.keys, promote.slots, BlockSpan((30, 31)))])
     result = one(engine)
-    index.complete_store(result.promoted_keys, success=True)
+    index.complete_store(result.promoted_keys)
     assert index.lookup(keys[:1]) == 1
     assert torch.equal(as_bytes(kv["f0"][[30, 31]]), snapshot[keys[0]])
     loaded = index.prepare_load([keys[5]])  # a CPU hit

@@ -42,9 +42,8 @@ class Rig:
         self.blocks = [list(range(1 + 100 * g, 100 * (g + 1))) for g in range(len(layout.groups))]
 
     def step(self, req: str, tokens: list[int], computed: int, scheduled: int, prompt: int) -> None:
-        order = self.side.plan_store(req, tokens, computed=computed, scheduled=scheduled,
-                                     block_ids=self.blocks, num_prompt_tokens=prompt)  # fmt: skip
-        if order is not None:
+        step = StepRequest(req, tokens, computed, scheduled, self.blocks, prompt)
+        for order in self.side.plan_step([step]):
             self.side.on_report(JobReport(order.job_id, 1, frozenset(), {}, {}))
 
     def prefill(self, req: str, tokens: list[int], start: int = 0) -> None:

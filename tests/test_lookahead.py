@@ -22,7 +22,7 @@ from hypothesis import strategies as st
 from kvoffload import build_offloading_config
 from kvoffload.config.layout import CacheGroup, KVLayout
 from kvoffload.connector.key_source import choose_engine_hashes
-from kvoffload.connector.scheduler import OffloadScheduler
+from kvoffload.connector.scheduler import OffloadScheduler, StepRequest
 from kvoffload.errors import ConfigError
 from kvoffload.keys import EngineHashes, extend_prefix_keys, namespace_of, prefix_keys
 from kvoffload.messages import JobReport
@@ -113,11 +113,8 @@ class Scheduler:
 
     def step(self, req_id: str, tokens: list[int], computed: int, scheduled: int) -> None:
         """One step of ``req_id`` whose stores succeed."""
-        order = self.side.plan_store(
-            req_id, tokens, computed=computed, scheduled=scheduled, block_ids=[self.blocks],
-            num_prompt_tokens=len(tokens),
-        )  # fmt: skip
-        if order is not None:
+        step = StepRequest(req_id, tokens, computed, scheduled, [self.blocks], len(tokens))
+        for order in self.side.plan_step([step]):
             self.side.on_report(JobReport(order.job_id, 1, frozenset(), {}, {}))
 
     def stored(self, req_id: str) -> int:

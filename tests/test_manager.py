@@ -83,7 +83,7 @@ def test_failed_store_frees_slots_and_emits_nothing(policy: str) -> None:
     manager = OffloadIndex(2, policy)
     store = manager.prepare_store(K[:2])
     assert store is not None
-    manager.complete_store(store.keys, success=False)
+    manager.abort_store(store.keys)
     assert manager.take_events() == []
     assert manager.lookup(K[:2]) == 0
     stats = manager.stats()
@@ -196,7 +196,7 @@ def test_prepare_load_returns_slots_and_pins_each_occurrence(policy: str) -> Non
         (lambda m: m.prepare_store([K[9]]), lambda m: m.complete_store([K[9], K[9]]), "twice"),
         (
             lambda m: m.prepare_store([K[8], K[9]]),
-            lambda m: m.complete_store([K[8], K[10]], success=False),
+            lambda m: m.abort_store([K[8], K[10]]),
             "no store in flight",
         ),
     ],
@@ -412,7 +412,7 @@ def test_a_failed_store_for_the_lower_tiers_frees_its_slot_like_any_other() -> N
     index = OffloadIndex(2, AdmissionFilter(LRUPolicy(2)), write_around=True)
     store = index.prepare_store([K[0]])
     assert store is not None and store.keys == (K[0],)
-    index.complete_store([K[0]], success=False)
+    index.abort_store([K[0]])
     assert index.stats().store_failures == 1 and index.stats().free == 2
     index.check_integrity()
     again = index.prepare_store([K[0]])  # the filter saw it once: admitted now

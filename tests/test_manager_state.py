@@ -180,7 +180,10 @@ class IndexMachine(RuleBasedStateMachine):
         self.checked_complete_store(keys, success)
 
     def checked_complete_store(self, keys: list[bytes], success: bool) -> None:
-        self.manager.complete_store(keys, success=success)
+        if success:
+            self.manager.complete_store(keys)
+        else:
+            self.manager.abort_store(keys)
         slots = {key: self.storing.pop(key) for key in keys}
         around = [key for key in keys if key in self.around]
         self.around.difference_update(keys)

@@ -13,7 +13,9 @@ from typing import Any
 import pytest
 from test_vllm_scheduler import Rig, gemma_like, llama_like, rig, tokens
 
+from kvoffload import OffloadConfig, build_offloading_config
 from kvoffload.config.layout import KVLayout
+from kvoffload.connector.loads import HitLoading, hit_loading
 from kvoffload.connector.promotions import LOWER_TIER_HITS_ENV, promotes_lower_hits
 from kvoffload.engine import JobKind
 from kvoffload.errors import ConfigError, TransferError
@@ -48,6 +50,7 @@ def test_a_promoted_hit_loads_in_the_step_that_finds_it_in_the_cpu_tier(
     r.drain()
     offered = r.lookup("a", ids)
     assert offered == r.top_hit(70) and sched.loads_in_step("a")
+    assert not sched.loads_from_lower_tier("a")  # every chunk is in the CPU tier now
     stats = sched.stats()
     assert stats["promotions"] == 1 and stats["promoted_chunks"] == len(order.keys)
     assert stats["failed_promoted_chunks"] == 0 and stats["index_storing"] == 0
@@ -122,15 +125,27 @@ def test_the_default_loads_lower_tier_hits_over_later_steps(
     ids = tokens(70)
     r = on_disk(rigs, llama_like(), tmp_path, ids)
     assert r.lookup("a", ids) == r.top_hit(70) and not r.scheduler.loads_in_step("a")
+    assert r.scheduler.loads_from_lower_tier("a")  # vLLM 0.34 may start it while busy
     assert r.scheduler.stats()["promotions"] == 0
 
 
 def test_the_setting_is_checked(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(LOWER_TIER_HITS_ENV, "prefetch")
     with pytest.raises(ConfigError, match=f"{LOWER_TIER_HITS_ENV}='prefetch'.*load or promote"):
-        promotes_lower_hits(True)
+        promotes_lower_hits()
+    with pytest.raises(ConfigError, match=f"{LOWER_TIER_HITS_ENV}='prefetch'"):
+        hit_loading(config_of("never"), 1)  # checked where no hit loads in its step too
     monkeypatch.setenv(LOWER_TIER_HITS_ENV, " Promote ")
-    assert promotes_lower_hits(True) and not promotes_lower_hits(False)
+    assert promotes_lower_hits()
+    assert hit_loading(config_of("always"), 1) is HitLoading.PROMOTE_FIRST
+    assert hit_loading(config_of("never"), 1) is HitLoading.LATER  # nothing to promote for
+    monkeypatch.delenv(LOWER_TIER_HITS_ENV)
+    assert hit_loading(config_of("always"), 1) is HitLoading.IN_STEP
+
+
+def config_of(load_in_step: str) -> OffloadConfig:
+    settings = {"cpu_bytes_to_use": "1MiB", "load_in_step": load_in_step}
+    return build_offloading_config(settings, llama_like())
 
 
 def test_a_promotion_moves_no_engine_blocks(rigs: list[Rig], tmp_path: Path) -> None:

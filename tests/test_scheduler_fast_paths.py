@@ -18,8 +18,8 @@ import pytest
 
 from kvoffload import build_offloading_config
 from kvoffload.config.layout import CacheGroup, KVLayout
-from kvoffload.connector._hits import HitFinder
 from kvoffload.connector._request import add_range
+from kvoffload.connector._search import HitFinder
 from kvoffload.connector._spans import StorePiece, run_spans, store_spans
 from kvoffload.connector.scheduler import OffloadScheduler, StepRequest
 from kvoffload.keys import namespace_of
@@ -68,9 +68,9 @@ def test_the_full_attention_search_finds_what_the_general_one_finds(seed: int) -
     index = index_with(rng, [k for group in keys for k in group], rng.choice((6, 20, 60)))
     step = max(spans)
     for local in range(0, top, step):
-        fast = HitFinder(layout, spans, index, ()).find(keys, local, top, step)
-        general = HitFinder(layout, spans, index, (NoLowerTier(),)).find(keys, local, top, step)
-        assert fast == general, (seed, local)
+        fast = HitFinder(layout, spans, index, (), alignment=step).longest(keys, local, top, {})
+        general = HitFinder(layout, spans, index, (NoLowerTier(),), alignment=step)
+        assert fast == general.longest(keys, local, top, {}), (seed, local)
 
 
 def test_available_run_stops_at_the_first_missing_key() -> None:

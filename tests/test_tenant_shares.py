@@ -118,7 +118,7 @@ def test_failed_stores_reset_and_events_keep_the_counts(policy: str) -> None:
     manager = OffloadIndex(8, policy, tenant_share=0.5)
     result = manager.prepare_store(keys_of("alice", 3), tenant="alice")
     assert result is not None
-    manager.complete_store(result.keys, success=False)
+    manager.abort_store(result.keys)
     manager.check_integrity()
     assert manager.tenants is not None and manager.tenants.held() == {}
     store(manager, keys_of("alice", 4), "alice")
@@ -140,7 +140,7 @@ def test_admission_filters_and_promotions_obey_the_cap() -> None:
     store(manager, keys, "alice")
     evicted = store(manager, keys_of("alice", 1, 9), "alice")  # admitted? needs a second sight
     assert evicted == []
-    result = manager.prepare_store(keys_of("alice", 1, 9), admit_all=True, tenant="alice")
+    result = manager.prepare_promotion(keys_of("alice", 1, 9), tenant="alice")
     assert result is not None and len(result.evicted) == 1
     manager.complete_store(result.keys)
     manager.check_integrity()
@@ -203,7 +203,10 @@ class SharesMachine(RuleBasedStateMachine):
     @rule(success=st.booleans())
     def complete_store(self, success: bool) -> None:
         keys, self.storing = list(self.storing), {}
-        self.manager.complete_store(keys, success=success)
+        if success:
+            self.manager.complete_store(keys)
+        else:
+            self.manager.abort_store(keys)
 
     @precondition(lambda self: self.manager._ready)
     @rule(data=st.data())

@@ -21,23 +21,36 @@ from kvoffload.vllm._metrics import (
 def test_counters_travel_as_deltas_and_gauges_only_when_they_change() -> None:
     deltas = Deltas()
     first = deltas.take({"a|": 5, "b|cpu": 0}, {"used|cpu|0": 3})
-    assert first == {"c": {"a|": 5, "b|cpu": 0}, "g": {"used|cpu|0": 3}, "h": {}}  # 0: it exists
+    assert first == {  # 0: it exists
+        "counters": {"a|": 5, "b|cpu": 0},
+        "gauges": {"used|cpu|0": 3},
+        "histograms": {},
+    }
     assert deltas.take({"a|": 5, "b|cpu": 0}, {"used|cpu|0": 3}) is None  # nothing moved
     second = deltas.take({"a|": 7, "b|cpu": 1}, {"used|cpu|0": 3}, {"load_seconds|": [0.1]})
-    assert second == {"c": {"a|": 2, "b|cpu": 1}, "g": {}, "h": {"load_seconds|": [0.1]}}
+    assert second == {
+        "counters": {"a|": 2, "b|cpu": 1},
+        "gauges": {},
+        "histograms": {"load_seconds|": [0.1]},
+    }
     assert deltas.take({"a|": 7, "b|cpu": 1}, {"used|cpu|0": 0}) == {
-        "c": {}, "g": {"used|cpu|0": 0}, "h": {}
-    }  # fmt: skip
+        "counters": {},
+        "gauges": {"used|cpu|0": 0},
+        "histograms": {},
+    }
 
 
 def test_merge_adds_counters_keeps_each_ranks_gauge_and_extends_samples() -> None:
-    rank0 = {"c": {"x|disk": 2}, "g": {"u|disk|0": 10}, "h": {"s|": [0.1]}}
-    rank1 = {"c": {"x|disk": 3}, "g": {"u|disk|1": 12}, "h": {"s|": [0.2]}}
+    rank0 = {"counters": {"x|disk": 2}, "gauges": {"u|disk|0": 10}, "histograms": {"s|": [0.1]}}
+    rank1 = {"counters": {"x|disk": 3}, "gauges": {"u|disk|1": 12}, "histograms": {"s|": [0.2]}}
     merged = merge(rank0, rank1)
-    assert merged == {"c": {"x|disk": 5}, "g": {"u|disk|0": 10, "u|disk|1": 12},
-                      "h": {"s|": [0.1, 0.2]}}  # fmt: skip
-    assert merge(merged, {"g": {"u|disk|0": 11}})["g"]["u|disk|0"] == 11
-    assert rank0["h"]["s|"] == [0.1]  # the inputs are not changed
+    assert merged == {
+        "counters": {"x|disk": 5},
+        "gauges": {"u|disk|0": 10, "u|disk|1": 12},
+        "histograms": {"s|": [0.1, 0.2]},
+    }
+    assert merge(merged, {"gauges": {"u|disk|0": 11}})["gauges"]["u|disk|0"] == 11
+    assert rank0["histograms"]["s|"] == [0.1]  # the inputs are not changed
 
 
 def test_scheduler_series_split_tokens_by_tier_and_index_gauges() -> None:
@@ -104,9 +117,11 @@ def test_worker_series_read_each_tiers_stats_record() -> None:
 
 
 def test_the_log_line_names_tiers_ranks_and_job_latency() -> None:
-    data = {"c": {"hit_tokens|cpu": 64, "lookups|": 2, "zero|": 0},
-            "g": {"usage_bytes|disk|0": 10, "index_used|": 3},
-            "h": {"load_seconds|": [0.001, 0.003]}}  # fmt: skip
+    data = {
+        "counters": {"hit_tokens|cpu": 64, "lookups|": 2, "zero|": 0},
+        "gauges": {"usage_bytes|disk|0": 10, "index_used|": 3},
+        "histograms": {"load_seconds|": [0.001, 0.003]},
+    }
     assert log_line(data) == {
         "hit_tokens[cpu]": 64, "lookups": 2, "usage_bytes[disk,rank0]": 10, "index_used": 3,
         "load_seconds_count": 2, "load_seconds_mean_ms": 2.0,

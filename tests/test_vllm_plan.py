@@ -25,7 +25,7 @@ from _stand import (
 
 from kvoffload import build_offloading_config
 from kvoffload.config.layout import Reuse
-from kvoffload.connector.scheduler import OffloadScheduler
+from kvoffload.connector.scheduler import OffloadScheduler, StepRequest
 from kvoffload.engine import ChunkSpan, JobStatus, OffloadEngine
 from kvoffload.keys import namespace_of, prefix_keys_for_layout
 from kvoffload.messages import BlockSpan, JobReport, merge_reports
@@ -248,11 +248,8 @@ def test_preempted_forgets_what_its_blocks_held(stand: Callable[..., Stand], mod
     skipped = s.scheduler.stats()["skipped_store_chunks"]
     nxt = min(-(-cut // (g.tokens_per_block * model.bpc)) * g.tokens_per_block * model.bpc
               for g in groups)  # fmt: skip
-    order = s.scheduler.plan_store(
-        "p", tokens, computed=cut, scheduled=nxt - cut, block_ids=p.blocks,
-        num_prompt_tokens=len(tokens),
-    )  # fmt: skip
-    assert order is None and s.scheduler.take_orders() == []
+    step = StepRequest("p", tokens, cut, nxt - cut, p.blocks, len(tokens))
+    assert s.scheduler.plan_step([step]) == []
     assert not any(s.ready([keys[g][c]])[0] for g, c in straddling)
     assert s.scheduler.stats()["skipped_store_chunks"] > skipped
 

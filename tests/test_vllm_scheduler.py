@@ -24,8 +24,8 @@ import torch
 from kvoffload import build_offloading_config
 from kvoffload.config.layout import CacheGroup, KVLayout
 from kvoffload.connector import worker as worker_module
-from kvoffload.connector.loads import failures_by_block, loads_in_step
-from kvoffload.connector.scheduler import OffloadScheduler
+from kvoffload.connector.loads import HitLoading, failures_by_block, loads_in_step
+from kvoffload.connector.scheduler import OffloadScheduler, StepRequest
 from kvoffload.connector.worker import ForwardPass
 from kvoffload.engine import JobKind
 from kvoffload.keys import KeyExtras, namespace_of
@@ -135,8 +135,10 @@ class Rig:
         """The scheduler's lookup, called as the connector calls it (block hashes included)."""
         return self.scheduler.lookup(req_id, ids, local, extras, self.hashes(ids, extras))
 
-    def plan_store(self, req_id: str, ids: list[int], **step: Any) -> TransferOrder | None:
-        return self.scheduler.plan_store(req_id, ids, block_hashes=self.hashes(ids), **step)
+    def plan_step(self, req_id: str, ids: list[int], **step: Any) -> list[TransferOrder]:
+        """The orders of a step that runs ``req_id`` alone (``build_connector_meta``)."""
+        scheduled = StepRequest(req_id, ids, block_hashes=self.hashes(ids), **step)
+        return self.scheduler.plan_step([scheduled])
 
     def table(self, n_tokens: int, computed: int) -> list[list[int]]:
         """Blocks for a request of ``n_tokens`` from the stand-in's allocator (nulls included)."""
@@ -227,7 +229,7 @@ def test_an_idle_step_waits_for_its_load_and_reports_it(
     ids = tokens(70)
     r.serve("r1", ids)
     # A load over later steps, as of a lower tier's hit (or with load_in_step never).
-    monkeypatch.setattr(r.scheduler, "load_in_step", False)
+    monkeypatch.setattr(r.scheduler.loads, "mode", HitLoading.LATER)
     offered = r.lookup("r2", ids, 0)
     assert offered
     r.scheduler.plan_load("r2", r.table(len(ids), offered), offered)
@@ -261,9 +263,10 @@ def test_an_idle_step_waits_for_a_store_in_flight(
     monkeypatch.setattr(disk, "put", slow_put)
     ids = tokens(70)
     r.lookup("r1", ids, 0)
-    r.plan_store("r1", ids, computed=0, scheduled=len(ids), block_ids=r.table(70, 0),
-                           num_prompt_tokens=len(ids))  # fmt: skip
-    r.worker.submit(r.scheduler.take_orders(), JobKind.STORE)
+    stores = r.plan_step(
+        "r1", ids, computed=0, scheduled=len(ids), block_ids=r.table(70, 0), num_prompt_tokens=70
+    )
+    r.worker.submit(stores, JobKind.STORE)
     assert r.lookup("r2", ids, 0) is None  # its chunks are being stored
     r.worker.poll(idle=True)
     for report in r.worker.take_reports():
@@ -444,8 +447,7 @@ def test_an_order_completes_when_every_rank_reported_it() -> None:
     ids = tokens(40)
     table: list[list[int]] = [[]]
     assert PrefixCache(layout, NUM_BLOCKS).allocate(table, None, 0, 40)
-    sched.plan_store("r", ids, computed=0, scheduled=40, block_ids=table, num_prompt_tokens=40)
-    [order] = sched.take_orders()
+    [order] = sched.plan_step([StepRequest("r", ids, 0, 40, table, 40)])
     first_key = order.keys[0]
     sched.on_report(JobReport(order.job_id, 1, frozenset(), {}, {}))
     assert sched.stats()["jobs_in_flight"] == 1  # one rank is not enough
@@ -471,9 +473,7 @@ def test_chunks_a_finished_request_never_found_room_for_are_counted() -> None:
     def first_step(sched: OffloadScheduler, req: str) -> tuple[list[list[int]], TransferOrder]:
         table: list[list[int]] = [[]]
         assert PrefixCache(layout, NUM_BLOCKS).allocate(table, None, 0, 40)
-        sched.plan_store(req, ids, computed=0, scheduled=40, block_ids=table,
-                         num_prompt_tokens=40)  # fmt: skip
-        [order] = sched.take_orders()
+        [order] = sched.plan_step([StepRequest(req, ids, 0, 40, table, 40)])
         assert len(order.keys) == 2  # the rest wait for room
         return table, order
 
@@ -485,8 +485,7 @@ def test_chunks_a_finished_request_never_found_room_for_are_counted() -> None:
     settled = OffloadScheduler(config, namespace)
     table, order = first_step(settled, "r")
     settled.on_report(JobReport(order.job_id, 1, frozenset(), {}, {}))  # the slots are free
-    settled.plan_store("r", ids, computed=40, scheduled=1, block_ids=table, num_prompt_tokens=40)
-    [retried] = settled.take_orders()
+    [retried] = settled.plan_step([StepRequest("r", ids, 40, 1, table, 40)])
     assert len(retried.keys) == 2  # the next two, evicting the first (all ready now)
     settled.request_finished("r")
     assert settled.stats()["no_room_chunks"] == 1
@@ -504,11 +503,13 @@ def test_reset_drops_cpu_chunks_and_preemption_forgets_validity(rigs: list[Rig])
     # A preempted request's blocks hold nothing known: nothing below is stored again
     # until it is recomputed.
     table = r.table(40, 0)
-    r.plan_store("p", ids, computed=0, scheduled=16, block_ids=table, num_prompt_tokens=40)
-    stored = len(sched.take_orders())
+    stored = len(
+        r.plan_step("p", ids, computed=0, scheduled=16, block_ids=table, num_prompt_tokens=40)
+    )
     sched.preempted("p")
-    r.plan_store("p", ids, computed=16, scheduled=24, block_ids=table, num_prompt_tokens=40)
-    [order] = sched.take_orders()
+    [order] = r.plan_step(
+        "p", ids, computed=16, scheduled=24, block_ids=table, num_prompt_tokens=40
+    )
     assert stored == 1
     blocks = [b for span in order.spans for b in span.blocks.block_ids]
     assert blocks and not set(blocks) & set(table[0][:4])  # the first 16 tokens' blocks
@@ -638,14 +639,20 @@ def test_a_failed_in_step_load_hands_back_its_blocks_and_voids_the_steps_stores(
     table = r.table(len(longer), offered)
     r.scheduler.plan_load("r2", table, offered)
     loads = r.scheduler.take_orders()
-    store = r.plan_store("r2", longer, computed=offered, scheduled=len(longer) - offered,
-                         block_ids=table, num_prompt_tokens=len(longer))  # fmt: skip
-    assert store is not None and store.spans
+    [store] = r.plan_step(
+        "r2",
+        longer,
+        computed=offered,
+        scheduled=len(longer) - offered,
+        block_ids=table,
+        num_prompt_tokens=len(longer),
+    )
+    assert store.kind is JobKind.STORE and store.spans
     r.worker.before_forward()
     r.worker.submit(loads, JobKind.LOAD)
     assert r.worker.copies.value == copies
     r.worker.wait_layer(r.config.layout.layer_names[0])
-    r.worker.submit(r.scheduler.take_orders(), JobKind.STORE)
+    r.worker.submit([store], JobKind.STORE)
     polled = r.worker.poll()
     assert polled.finished_recving == polled.failed_recving == set()
     chunk = r.config.blocks_per_chunk

@@ -3,11 +3,12 @@
 An engine adapter (:mod:`kvoffload.vllm` today) turns the engine's calls and objects into
 token ids, block id lists and counts and drives two sides:
 
-* the **scheduler side**, :class:`~kvoffload.connector.scheduler.OffloadScheduler`: lookups
-  and the hit rules of each group kind (``_hits``), the request table and its keys
-  (``requests``), load plans (``loads``), store plans and what window and state groups keep
-  (``stores``, ``_retention``, ``_spans``), and the job book of orders out and reports in
-  (``jobs``). It never touches bytes.
+* the **scheduler side**, :class:`~kvoffload.connector.scheduler.OffloadScheduler`: the
+  request table and its keys (``requests``), the hit rules of each group kind (``_hits``)
+  and the search for hits (``_search``, ``_tails``), load plans and promotions (``loads``,
+  ``promotions``), store plans and what window and state groups keep (``stores``,
+  ``_retention``, ``_selection``, ``_spans``), the misses (``misses``), and the job book of
+  orders out and reports in (``jobs``). It never touches bytes.
 * the **worker side**, :class:`~kvoffload.connector.worker.OffloadWorker`: runs each step's
   orders on the :mod:`kvoffload.engine` and reports what finished or failed. It never decides
   what to evict.

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Collection, Container, Sequence
+from collections.abc import Collection, Container, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -60,12 +60,13 @@ class RequestState:
     retry: list[set[int]]
     #: What the request's KV depends on besides its tokens (salt, adapter, ...).
     extras: KeyExtras | None = None
-    #: Keys the last lookup found in a lower tier -> that tier's name.
-    found_in: dict[bytes, str] = field(default_factory=dict)
+    #: Keys the lookup of the offered hit found in a lower tier -> that tier's name.
+    found_in: Mapping[bytes, str] = field(default_factory=dict)
     #: The engine's own hit at the last lookup, and the hit we offered.
     local_hit: int = 0
     offered: int = 0
-    #: Whether that hit loads in the step that asks for it (every chunk in the CPU tier).
+    #: Whether that hit loads in the step that asks for it (its lookup found every chunk
+    #: in the CPU tier, none in a lower one).
     in_step: bool = False
     #: Chunks promoted into the CPU tier for its hit -> the tier they came from (``None``:
     #: no promotion; a request promotes once, :mod:`~kvoffload.connector.promotions`).
@@ -81,8 +82,7 @@ class RequestState:
     #: The trailing hit point (0: none yet), and the keys stored only for it.
     trail: int = 0
     trail_keys: set[bytes] = field(default_factory=set)
-    #: The tail the last lookup offered a hit at (0: none), and its key per group.
-    tail_at: int = 0
+    #: Every group's tail key where the offered hit is at a tail (:mod:`~._tails`).
     tail_keys: tuple[bytes, ...] = ()
     #: The keys of the tail stored at the trailing point, if that is one.
     trail_tail: tuple[bytes, ...] = ()
@@ -179,11 +179,27 @@ class RequestState:
                 continue
             if engine is None:
                 stop = want * span + lookahead
-                keys += extend_prefix_keys(keys, token_ids, span, g, namespace, extras=self.extras,
-                                           stop=stop, lookahead=lookahead)  # fmt: skip
+                keys += extend_prefix_keys(
+                    keys,
+                    token_ids,
+                    span,
+                    g,
+                    namespace,
+                    extras=self.extras,
+                    stop=stop,
+                    lookahead=lookahead,
+                )
             else:
-                keys += extend_engine_keys(keys, block_hashes, span, g, namespace, engine=engine,
-                                           extras=self.extras, stop=want * span)  # fmt: skip
+                keys += extend_engine_keys(
+                    keys,
+                    block_hashes,
+                    span,
+                    g,
+                    namespace,
+                    engine=engine,
+                    extras=self.extras,
+                    stop=want * span,
+                )
 
 
 class StepRequest(NamedTuple):
@@ -198,7 +214,8 @@ class StepRequest(NamedTuple):
     block_ids: Sequence[Sequence[int]]
     num_prompt_tokens: int
     #: ``(group, block id, tokens)`` of recurrent states vLLM says the step writes besides
-    #: the one at its end (see :meth:`~kvoffload.connector.scheduler.OffloadScheduler.plan_store`).
+    #: the one at its end: vLLM's ``boundary_state_offloads``, a prefill checkpoint; the
+    #: states after ``computed`` and after ``computed + scheduled`` are found without it.
     states: Collection[tuple[int, int, int]] = ()
     #: The engine's block hashes of the request (vLLM's ``request.block_hashes``), if keys
     #: are made from them.

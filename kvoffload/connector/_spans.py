@@ -85,9 +85,10 @@ def stateless(
 ) -> set[bytes]:
     """Keys of the states whose block vLLM left null: they have nowhere to go."""
     return {
-        p.keys[0] for p in pieces
+        p.keys[0]
+        for p in pieces
         if groups[p.group].reuse is Reuse.STATE and block_ids[p.group][p.first] == NULL_BLOCK
-    }  # fmt: skip
+    }
 
 
 def load_spans(

@@ -38,7 +38,8 @@ from kvoffload.config import OffloadConfig
 from kvoffload.config.layout import Reuse
 from kvoffload.connector._drafts import DraftedStates
 from kvoffload.connector._request import RequestState, StepRequest, covered
-from kvoffload.connector._retention import Choice, Chosen
+from kvoffload.connector._retention import Choice
+from kvoffload.connector._selection import Chosen
 from kvoffload.connector._spans import NULL_BLOCK
 from kvoffload.keys import EngineHashes, tail_key
 from kvoffload.messages import ChunkSpan
@@ -118,9 +119,17 @@ class Tails:
         for g, group_keys in enumerate(req.keys):
             if len(group_keys) < c:
                 return None
-            key = tail_key(group_keys[:c], token_ids, self.span, g, self.namespace, stop=point,
-                           extras=req.extras, engine=self.engine,
-                           block_hashes=block_hashes or ())  # fmt: skip
+            key = tail_key(
+                group_keys[:c],
+                token_ids,
+                self.span,
+                g,
+                self.namespace,
+                stop=point,
+                extras=req.extras,
+                engine=self.engine,
+                block_hashes=block_hashes or (),
+            )
             if key is None:
                 return None
             out.append(key)
@@ -145,12 +154,16 @@ class Tails:
         return out + trailing
 
     def _at(
-        self, req: RequestState, step: StepRequest, bounds: tuple[int, int], point: int,
+        self,
+        req: RequestState,
+        step: StepRequest,
+        bounds: tuple[int, int],
+        point: int,
         choice: Choice,
-    ) -> list[Chosen]:  # fmt: skip
+    ) -> list[Chosen]:
         """The tail at ``point``, every group's, if the step finds the states there
         (``bounds`` and ``step.states`` as in
-        :meth:`~kvoffload.connector._retention.Retention.select`) and every full-attention
+        :meth:`~kvoffload.connector._selection.Selector.select`) and every full-attention
         block before it holds valid KV; all or nothing (a tail hit needs every group's)."""
         handed = {g: block for g, block, b in step.states if b == point}
         if (point not in bounds and not handed) or DraftedStates.moved(req, point):

@@ -1,35 +1,52 @@
-"""Load plans: what an accepted hit pins, promotes and copies, and what its report completes.
+"""Load plans: how a hit loads, what an accepted hit pins and copies, what its report completes.
 
-A hit was offered at lookup (:class:`~kvoffload.connector._hits.HitFinder`); once vLLM
-allocated the request's blocks and accepted ``num_external`` tokens of it, the chunks it
-needs are pinned where the CPU tier holds them and given a CPU slot to be promoted into
-where a lower tier does. What gets no slot goes into the order as ``unloadable``: the
-worker reports it failed at once and vLLM recomputes it, never waiting on it.
-
-A hit may instead have its lower-tier chunks promoted first, before vLLM accepts it
-(:meth:`LoadPlanner.promote`; when and why: :mod:`~kvoffload.connector.promotions`).
+At lookup, :meth:`LoadPlanner.offer` settles how the hit found
+(:class:`~kvoffload.connector._search.HitFinder`) loads, as :class:`HitLoading` says:
+in the step that asks for it, over later steps, or after its lower-tier chunks are
+promoted into the CPU tier (:mod:`~kvoffload.connector.promotions`). Once vLLM
+allocated the request's blocks and accepted ``num_external`` tokens of it, the chunks
+it needs are pinned where the CPU tier holds them and given a CPU slot to be promoted
+into where a lower tier does. What gets no slot goes into the order as
+``unloadable``: the worker reports it failed at once and vLLM recomputes it, never
+waiting on it.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from dataclasses import replace
+from enum import Enum
 
 from kvoffload.config import OffloadConfig
 from kvoffload.config.layout import KVLayout, Reuse
+from kvoffload.connector._hits import Hit
 from kvoffload.connector._request import JobState, RequestState, StepRequest, tier_shares
 from kvoffload.connector._retention import Retention
 from kvoffload.connector._spans import NULL_BLOCK, load_pieces, load_spans, stateless
 from kvoffload.connector._tails import with_tail
 from kvoffload.connector.jobs import JobBook
 from kvoffload.connector.misses import MissLedger, MissReason
+from kvoffload.connector.promotions import Promotions, promotes_lower_hits
 from kvoffload.connector.stats import SchedulerStats
-from kvoffload.connector.stores import record_stored
 from kvoffload.manager.index import OffloadIndex
 from kvoffload.manager.usage import record_use
-from kvoffload.messages import NO_BLOCKS, ChunkSpan, JobKind, JobReport, TransferOrder
+from kvoffload.messages import JobKind, JobReport, TransferOrder
 
-__all__ = ["LoadPlanner", "failures_by_block", "loads_in_step"]
+__all__ = ["HitLoading", "LoadPlanner", "failures_by_block", "hit_loading", "loads_in_step"]
+
+
+class HitLoading(Enum):
+    """When a hit's chunks are copied into the engine's blocks."""
+
+    #: Over later steps: vLLM waits for the load (``load_in_step: never``, or ``auto``
+    #: where vLLM could not take a failed load in the step back: :func:`loads_in_step`).
+    LATER = "later"
+    #: A hit whose chunks are all in the CPU tier in the step that asks for it (invariant
+    #: 8); one that needs a lower tier over later steps.
+    IN_STEP = "in_step"
+    #: As ``IN_STEP``, but a hit that needs lower-tier chunks has them promoted into the
+    #: CPU tier first, then loads in its step (``KVOFFLOAD_LOWER_TIER_HITS=promote``).
+    PROMOTE_FIRST = "promote_first"
 
 
 def failures_by_block(layout: KVLayout, num_engine_groups: int) -> bool:
@@ -63,19 +80,31 @@ def loads_in_step(config: OffloadConfig, num_engine_groups: int) -> bool:
     return config.load_in_step == "always" or failures_by_block(config.layout, num_engine_groups)
 
 
+def hit_loading(config: OffloadConfig, num_engine_groups: int) -> HitLoading:
+    """How an engine's hits load: the key ``load_in_step`` (:func:`loads_in_step`), and
+    ``KVOFFLOAD_LOWER_TIER_HITS`` where CPU-tier hits load in their step."""
+    promote = promotes_lower_hits()  # a bad value fails at start, whatever the layout
+    if not loads_in_step(config, num_engine_groups):
+        return HitLoading.LATER
+    return HitLoading.PROMOTE_FIRST if promote else HitLoading.IN_STEP
+
+
 class LoadPlanner:
-    """Plans and completes the loads of one scheduler's requests."""
+    """Offers, plans and completes the loads of one scheduler's requests."""
 
     def __init__(
         self,
         config: OffloadConfig,
+        mode: HitLoading,
         *,
         index: OffloadIndex,
         retention: Retention,
         jobs: JobBook,
         stats: SchedulerStats,
         misses: MissLedger,
+        promotions: Promotions,
     ) -> None:
+        self.mode = mode
         self.groups = config.layout.groups
         self.bpc = config.blocks_per_chunk
         self.spans = config.tokens_per_chunk
@@ -84,8 +113,33 @@ class LoadPlanner:
         self.jobs = jobs
         self.stats = stats
         self.misses = misses
+        self.promotions = promotions
         #: This step's in-step loads of a recurrent state, until :meth:`aim_states`.
         self._unaimed: list[JobState] = []
+
+    def offer(self, req: RequestState, req_id: str, hit: Hit) -> int | None:
+        """Settle how ``hit`` loads; the tokens offered beyond the engine's hit, or ``None``.
+
+        ``None`` (vLLM: ask again at a later step) where a chunk it needs is in
+        flight, or its lower-tier chunks are being promoted first: the next lookup
+        finds them in the CPU tier, where planning now would have to fail them or load
+        them over later steps.
+        """
+        local = req.local_hit
+        if hit.tokens <= local:
+            return 0
+        if hit.pending:
+            return None
+        if (
+            self.mode is HitLoading.PROMOTE_FIRST
+            and hit.found_in
+            and self.promotions.promote(req, req_id, hit)
+        ):
+            return None
+        req.offered, req.tail_keys, req.found_in = hit.tokens, hit.tail, hit.found_in
+        # Any lower-tier chunk the lookup found, the hit's or past it, loads it later.
+        req.in_step = self.mode is not HitLoading.LATER and not hit.found_in
+        return hit.tokens - local
 
     def plan(
         self, req: RequestState, req_id: str, block_ids: Sequence[Sequence[int]], num_external: int
@@ -97,7 +151,7 @@ class LoadPlanner:
         """
         if not req.use_recorded:  # vLLM's own prefix-cache hits included
             used, served = self.retention.used(req)
-            if req.tail_at and req.tail_at == req.offered:  # a tail ends the chain it used
+            if req.tail_keys:  # a tail ends the chain it used
                 used = [*used, *req.tail_keys]
             record_use(self.index, used, served)
             req.use_recorded = True
@@ -109,7 +163,7 @@ class LoadPlanner:
         hit = req.offered
         req.mark_valid(0, hit - num_external)
         groups, keys = self.groups, req.keys
-        if hit == req.tail_at:  # a hit at a tail: its keys end with the tail's
+        if req.tail_keys:  # a hit at a tail: its keys end with the tail's
             keys = with_tail(keys, req.tail_keys, hit, self.spans)
         pieces = load_pieces(groups, keys, block_ids, (hit - num_external, hit), self.bpc)
         slots, lost, job = self._reserve([k for p in pieces for k in p.keys], req.tenant)
@@ -188,11 +242,9 @@ class LoadPlanner:
         slots = dict(zip(resident, index.prepare_load(resident).slots, strict=True))
         promoted: tuple[bytes, ...] = ()
         if lower:
-            reserved = index.prepare_store(lower, admit_all=True, tenant=tenant)
+            reserved = self.promotions.reserve(lower, tenant)
             if reserved is not None:
                 promoted = reserved.keys
-                if reserved.evicted:
-                    self.misses.evicted(reserved.evicted, reserved.capped)
                 slots.update(zip(reserved.keys, reserved.slots, strict=True))
         lost = set(lower) - set(promoted)
         placeholder = TransferOrder(0, "", JobKind.LOAD, ())
@@ -204,7 +256,7 @@ class LoadPlanner:
         A promoted chunk is stored in the CPU tier only where every rank promoted it.
         """
         self.index.complete_load(job.pinned)
-        self._record_promoted(req, job, report)
+        self.promotions.record(req, job, report)
         stats = self.stats
         stats.loads += 1
         if not report.ok:
@@ -219,59 +271,3 @@ class LoadPlanner:
         if req is not None:
             for g, lo, hi in job.ranges:
                 req.mark_valid(lo, hi, group=g)
-
-    def promote(self, req: RequestState, req_id: str, needed: Sequence[tuple[int, bytes]]) -> bool:
-        """Order ``req`` 's lower-tier chunks of ``needed`` (``(group, key)``) into the CPU tier.
-
-        ``False``, with nothing reserved, where the request promoted already or
-        the CPU tier has no room for them: the hit then loads over later steps.
-        """
-        if req.promotion is not None:
-            return False
-        lower = [(g, k) for g, k in needed if k in req.found_in]
-        reserved = self.index.prepare_store(
-            [k for _, k in lower], admit_all=True, tenant=req.tenant
-        )
-        if reserved is None or not reserved.keys:
-            return False
-        if reserved.evicted:
-            self.misses.evicted(reserved.evicted, reserved.capped)
-        slot_of = dict(zip(reserved.keys, reserved.slots, strict=True))
-        by_group: dict[int, list[bytes]] = {}
-        for g, k in lower:
-            if k in slot_of:
-                by_group.setdefault(g, []).append(k)
-        spans = tuple(
-            ChunkSpan(g, tuple(keys), tuple(slot_of[k] for k in keys), NO_BLOCKS)
-            for g, keys in by_group.items()
-        )
-        job = JobState(self.jobs.order(req_id, JobKind.PROMOTE, spans), promoted=reserved.keys)
-        self.jobs.queue(req, job)
-        req.promotion = {k: req.found_in[k] for k in reserved.keys}
-        self.stats.promotions += 1
-        return True
-
-    def complete_promotion(
-        self, req: RequestState | None, job: JobState, report: JobReport
-    ) -> None:
-        """Every rank reported the promotion: its chunks are CPU-tier chunks now."""
-        done, unpromoted = self._record_promoted(req, job, report)
-        self.stats.promoted_chunks += len(done)
-        self.stats.failed_promoted_chunks += len(unpromoted)
-
-    def _record_promoted(
-        self, req: RequestState | None, job: JobState, report: JobReport
-    ) -> tuple[Sequence[bytes], set[bytes]]:
-        """Complete ``job`` 's promotions in the index: (chunks now in the CPU tier, the rest).
-
-        A chunk is in the CPU tier only where every rank read its part in.
-        """
-        world = self.jobs.world_size
-        everywhere = {k for k, ranks in report.promoted.items() if ranks >= world}
-        failed = report.failed_keys
-        unpromoted = {k for k in job.promoted if k in failed or k not in everywhere}
-        done = record_stored(
-            self.index, self.retention, req, job, keys=job.promoted, failed=unpromoted
-        )
-        self.misses.stored(done)
-        return done, unpromoted

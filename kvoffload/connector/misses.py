@@ -30,6 +30,10 @@ from collections import OrderedDict, deque
 from collections.abc import Iterable, Sequence
 from enum import Enum
 
+from kvoffload.config import OffloadConfig
+from kvoffload.config.layout import Reuse
+from kvoffload.connector._hits import Hit
+
 __all__ = ["MissLedger", "MissReason"]
 
 
@@ -55,8 +59,11 @@ WARN_AFTER_EVICTED_MISSES = 100
 class MissLedger:
     """Counts misses by reason and remembers recent evictions (see the module docstring)."""
 
-    def __init__(self, capacity: int) -> None:
+    def __init__(self, capacity: int, chain: tuple[int, int] | None = None) -> None:
+        """``chain``: the group whose keys tell where a request's stored prefix ends (the
+        first full-prefix one) and its tokens per chunk; ``None`` where there is none."""
         self.capacity = capacity
+        self._chain = chain
         self.lookups: dict[str, int] = {}
         self.tokens: dict[str, int] = {}
         self._ghosts: OrderedDict[bytes, tuple[int, bool]] = OrderedDict()
@@ -65,11 +72,33 @@ class MissLedger:
         self._distances: deque[int] = deque(maxlen=DISTANCE_SAMPLES)
         self.warned = False
 
+    @classmethod
+    def from_config(cls, config: OffloadConfig) -> MissLedger:
+        """The ledger of a CPU tier of ``num_cpu_chunks``, whose misses the first full-prefix
+        group's chain names."""
+        groups, spans = config.layout.groups, config.tokens_per_chunk
+        chain = next((g for g, group in enumerate(groups) if group.reuse is Reuse.PREFIX), None)
+        return cls(config.num_cpu_chunks, None if chain is None else (chain, spans[chain]))
+
     def count(self, reason: MissReason, tokens: int) -> None:
         if tokens > 0:
             name = reason.value
             self.lookups[name] = self.lookups.get(name, 0) + 1
             self.tokens[name] = self.tokens.get(name, 0) + tokens
+
+    def count_lookup(
+        self, keys: Sequence[Sequence[bytes]], local_hit: int, top: int, hit: Hit
+    ) -> None:
+        """Name why a lookup of a request keyed as ``keys`` serves ``hit`` and not ``top``."""
+        served, reach = max(hit.tokens, local_hit), max(hit.prefix_end, local_hit)
+        if reach > served:  # the full-attention prefix goes further: windows, states or room
+            short = MissReason.WINDOW_OR_STATE if hit.prefix_fits else MissReason.NO_ROOM
+            self.count(short, reach - served)
+        if reach < top and self._chain is not None:
+            g, span = self._chain
+            chunk = reach // span
+            key = keys[g][chunk] if chunk < len(keys[g]) else None
+            self.count(self.stopped_at(key), top - reach)
 
     def stored(self, keys: Sequence[bytes]) -> None:
         """``keys`` are in the CPU tier now: no longer evicted."""

@@ -11,12 +11,30 @@ finds what to complete.
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
+from typing import NamedTuple
 
 from kvoffload.connector._request import RequestState
 from kvoffload.errors import ProtocolError
 from kvoffload.keys import EngineHashes, KeyExtras
 
-__all__ = ["RequestTable"]
+__all__ = ["Lookup", "RequestTable"]
+
+
+class Lookup(NamedTuple):
+    """One lookup of a request, keyed: what the hit finder searches."""
+
+    req: RequestState
+    token_ids: Sequence[int]
+    block_hashes: Sequence[bytes] | None
+    #: The engine's own hit, in tokens.
+    local_hit: int
+    #: Tokens a hit may cover: all but the prompt's unhittable end, as far as they can be
+    #: keyed. A tail may end on any block boundary up to there
+    #: (:mod:`~kvoffload.connector._tails`).
+    keyable: int
+    #: ``keyable`` rounded down to the hit alignment: where hits at chunk ends stop, and
+    #: how far the request is keyed.
+    top: int
 
 
 class RequestTable:
@@ -28,10 +46,13 @@ class RequestTable:
         namespace: bytes,
         *,
         plain: bool,
+        alignment: int = 1,
         engine_hashes: EngineHashes | None = None,
         lookahead: int = 0,
     ) -> None:
         self.tokens_per_chunk = tuple(tokens_per_chunk)
+        #: Hits land on multiples of this many tokens (every group's chunk boundary).
+        self.alignment = alignment
         self.namespace = namespace
         self.engine_hashes = engine_hashes
         #: Tokens after a chunk its KV depends on (``KVLayout.lookahead``).
@@ -59,6 +80,27 @@ class RequestTable:
             req = RequestState.empty(len(self.tokens_per_chunk), extras)
             self._requests[req_id] = req
         return req
+
+    def lookup(
+        self,
+        req_id: str,
+        token_ids: Sequence[int],
+        local_hit: int,
+        extras: KeyExtras | None,
+        block_hashes: Sequence[bytes] | None,
+    ) -> Lookup:
+        """The request asked about, its last lookup's offer forgotten, keyed up to its top.
+
+        Keyed even when the engine's own cache serves everything: ``plan_load`` records
+        the use of every chunk of the prompt.
+        """
+        req = self.open(req_id, extras)
+        keyable = self.keyable(len(token_ids) - self.unhittable, block_hashes)
+        top = keyable // self.alignment * self.alignment
+        req.local_hit, req.offered, req.use_recorded, req.in_step = local_hit, 0, False, False
+        req.tail_keys = ()
+        self.extend_keys(req, token_ids, block_hashes, top)
+        return Lookup(req, token_ids, block_hashes, local_hit, keyable, top)
 
     def release(self, req_id: str, job_id: int | None) -> None:
         """Job ``job_id`` of the request is done (``None``: it finished); forget it once both."""
@@ -103,8 +145,15 @@ class RequestTable:
             )
         if self._plain and len(req.keys[0]) >= tokens // self.tokens_per_chunk[0]:
             return  # keyed already: most steps after a request's lookup
-        req.extend_keys(token_ids, tokens, self.tokens_per_chunk, self.namespace, engine=engine,
-                        block_hashes=block_hashes or (), lookahead=self.lookahead)  # fmt: skip
+        req.extend_keys(
+            token_ids,
+            tokens,
+            self.tokens_per_chunk,
+            self.namespace,
+            engine=engine,
+            block_hashes=block_hashes or (),
+            lookahead=self.lookahead,
+        )
 
     def keys_for(
         self,

@@ -11,9 +11,13 @@ at it. **Stores** keep every full-attention chunk, and window chunks and
 states only for the request's hit points (:mod:`kvoffload.connector._retention`).
 
 The work is split by what it does: the request table and its keys
-(:mod:`~kvoffload.connector.requests`), load plans (:mod:`~kvoffload.connector.loads`),
-store plans (:mod:`~kvoffload.connector.stores`), and the job book of orders out and
-reports in (:mod:`~kvoffload.connector.jobs`). This class is their one face.
+(:mod:`~kvoffload.connector.requests`), the search for hits
+(:mod:`~kvoffload.connector._search`), load plans (:mod:`~kvoffload.connector.loads`,
+:mod:`~kvoffload.connector.promotions`), store plans (:mod:`~kvoffload.connector.stores`),
+the misses (:mod:`~kvoffload.connector.misses`), and the job book of orders out and
+reports in (:mod:`~kvoffload.connector.jobs`). This class is their one face. A lookup
+is one pass through them: the request's keys, then the hit (tails included), then how
+it loads, then the misses it leaves.
 
 **What may be stored.** A chunk whose tokens are computed and whose blocks
 all hold real KV (computed, served by vLLM's prefix cache, or loaded by us).
@@ -35,17 +39,18 @@ completed here whenever their reports arrive.
 from __future__ import annotations
 
 import logging
-from collections.abc import Collection, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 
 from kvoffload.config import OffloadConfig
-from kvoffload.connector._hits import Hit, HitFinder
-from kvoffload.connector._request import RequestState, StepRequest
+from kvoffload.connector._request import StepRequest
 from kvoffload.connector._retention import Retention
-from kvoffload.connector._tails import Tails, with_tail
+from kvoffload.connector._search import HitFinder
+from kvoffload.connector._tails import Tails
 from kvoffload.connector.jobs import JobBook
 from kvoffload.connector.key_source import engine_keys_refusal
-from kvoffload.connector.loads import LoadPlanner
+from kvoffload.connector.loads import HitLoading, LoadPlanner
 from kvoffload.connector.misses import MissLedger, MissReason
+from kvoffload.connector.promotions import Promotions
 from kvoffload.connector.requests import RequestTable
 from kvoffload.connector.stats import SchedulerStats
 from kvoffload.connector.stores import StorePlanner
@@ -56,7 +61,7 @@ from kvoffload.manager.results import IndexEvent
 from kvoffload.messages import JobKind, JobReport, TransferOrder
 from kvoffload.tiers.base import TierProbe
 
-__all__ = ["MAX_FAILED_LOADS", "OffloadScheduler", "StepRequest", "TierProbe"]
+__all__ = ["MAX_FAILED_LOADS", "HitLoading", "OffloadScheduler", "StepRequest", "TierProbe"]
 
 #: Failed loads after which a request is offered nothing more: vLLM starts a request whose
 #: load failed over, lookup included, and a chunk that fails every time (only a bug can
@@ -72,12 +77,10 @@ class OffloadScheduler:
     ``probes`` are the lower tiers as the scheduler side sees them (see
     :class:`TierProbe`); ``world_size`` ranks report every order. With
     ``engine_hashes``, keys are made from the block hashes every lookup and
-    step hands in; without, from the token ids. With ``load_in_step``, a
-    hit whose chunks are all in the CPU tier is loaded in the step that
-    asks for it (:meth:`loads_in_step`); the adapter decides it from the
-    key ``load_in_step`` and from what its engine can recompute. With
-    ``promote_lower`` too, a hit that needs lower-tier chunks has them read
-    into the CPU tier first (:mod:`~kvoffload.connector.promotions`).
+    step hands in; without, from the token ids. ``hit_loading`` says when a
+    hit's chunks are copied into the engine's blocks (:class:`HitLoading`;
+    the adapter decides it with :func:`~kvoffload.connector.loads.hit_loading`
+    from the key ``load_in_step`` and from what its engine can recompute).
     """
 
     def __init__(
@@ -88,8 +91,7 @@ class OffloadScheduler:
         *,
         world_size: int = 1,
         engine_hashes: EngineHashes | None = None,
-        load_in_step: bool = False,
-        promote_lower: bool = False,
+        hit_loading: HitLoading = HitLoading.LATER,
     ) -> None:
         if engine_hashes is not None:
             for span in config.tokens_per_chunk:
@@ -97,35 +99,70 @@ class OffloadScheduler:
             if config.layout.lookahead:
                 raise ConfigError(engine_keys_refusal(config.layout.lookahead))
         self.config = config
-        self.layout = config.layout
-        self.index = OffloadIndex.from_config(config)
+        self.layout = layout = config.layout
+        self.index = index = OffloadIndex.from_config(config)
         self.probes = tuple(probes)
         #: Hits land on multiples of this many tokens (every group's chunk boundary).
         self.alignment = config.hit_alignment
-        self.hits = HitFinder(self.layout, config.tokens_per_chunk, self.index, self.probes)
         self.namespace = namespace
         self.tails = Tails(config, namespace, engine_hashes)
         self.retention = Retention(config, trail_step=self.tails.block)
+        self.hits = HitFinder(
+            layout,
+            config.tokens_per_chunk,
+            index,
+            self.probes,
+            alignment=self.alignment,
+            tails=self.tails,
+        )
         self.requests = RequestTable(
             config.tokens_per_chunk,
             namespace,
             plain=self.retention.plain,
+            alignment=self.alignment,
             engine_hashes=engine_hashes,
-            lookahead=self.layout.lookahead,
+            lookahead=layout.lookahead,
         )
         self.jobs = JobBook(world_size)
-        self.load_in_step = load_in_step
-        self.promote_lower = promote_lower and load_in_step
         self._stats = SchedulerStats()
-        self.misses = misses = MissLedger(config.num_cpu_chunks)
-        #: The group whose chain tells where a request's stored prefix ends (misses).
-        self._chain_group = self.hits.first_prefix_group()
-        index, retention, jobs, stats = self.index, self.retention, self.jobs, self._stats
-        self.stores = StorePlanner(config, index=index, retention=retention, jobs=jobs,
-                                   stats=stats, requests=self.requests, misses=misses,
-                                   tails=self.tails)  # fmt: skip
-        self.loads = LoadPlanner(config, index=index, retention=retention, jobs=jobs,
-                                 stats=stats, misses=misses)  # fmt: skip
+        self.misses = MissLedger.from_config(config)
+        self.stores, self.promotions, self.loads = self._planners(config, hit_loading)
+
+    def _planners(
+        self, config: OffloadConfig, hit_loading: HitLoading
+    ) -> tuple[StorePlanner, Promotions, LoadPlanner]:
+        """What plans and completes the jobs, over the index, books and counters above."""
+        index, retention, jobs = self.index, self.retention, self.jobs
+        stats, misses = self._stats, self.misses
+        stores = StorePlanner(
+            config,
+            index=index,
+            retention=retention,
+            jobs=jobs,
+            stats=stats,
+            requests=self.requests,
+            misses=misses,
+            tails=self.tails,
+        )
+        promotions = Promotions(
+            needs=self.hits.needs,
+            index=index,
+            retention=retention,
+            jobs=jobs,
+            stats=stats,
+            misses=misses,
+        )
+        loads = LoadPlanner(
+            config,
+            hit_loading,
+            index=index,
+            retention=retention,
+            jobs=jobs,
+            stats=stats,
+            misses=misses,
+            promotions=promotions,
+        )
+        return stores, promotions, loads
 
     # -- lookups ------------------------------------------------------------------
     def lookup(
@@ -145,56 +182,30 @@ class OffloadScheduler:
         ``request.block_hashes``), needed with ``engine_hashes``.
 
         ``None`` (vLLM: ask again at a later step) when the best hit needs a
-        chunk another job is storing or promoting right now: waiting a step
-        turns it into a CPU hit, where planning now would have to fail it.
-        Free of side effects on the index and the tiers, as vLLM asks (it may
-        call twice); it remembers the request's keys and what it offered.
+        chunk another job is storing or promoting right now, or has its
+        lower-tier chunks promoted first (:attr:`HitLoading.PROMOTE_FIRST`):
+        waiting turns it into a CPU hit, where planning now would have to fail
+        it. Free of side effects on the index and the tiers (but for such a
+        promotion), as vLLM asks (it may call twice); it remembers the
+        request's keys and what it offered.
         """
         self._stats.lookups += 1
-        requests = self.requests
-        req = requests.open(req_id, extras)
-        block_top = requests.keyable(len(token_ids) - requests.unhittable, block_hashes)
-        top = block_top // self.alignment * self.alignment
-        req.local_hit, req.offered, req.use_recorded, req.in_step = local_hit, 0, False, False
-        req.tail_at, req.tail_keys = 0, ()
-        # Keys even when vLLM's own cache serves everything: plan_load records their use.
-        requests.extend_keys(req, token_ids, block_hashes, top)
-        if top <= local_hit and not self.tails.candidates(block_top, top, local_hit):
-            return 0
+        lookup = self.requests.lookup(req_id, token_ids, local_hit, extras, block_hashes)
+        req = lookup.req
         if req.failed_loads >= MAX_FAILED_LOADS:  # the engine computes it from here on
-            self.misses.count(MissReason.FAILED_LOAD, top - local_hit)
+            self.misses.count(MissReason.FAILED_LOAD, lookup.top - local_hit)
             return 0
-        hit = self.hits.find(req.keys, local_hit, top, self.alignment)
-        if self.tails:
-            hit = self._tail_hit(req, token_ids, block_hashes, block_top, hit)
-        req.found_in = self.hits.found_in
-        req.junction = hit.prefix_end
-        if hit.pending and hit.tokens > local_hit:
+        hit = self.hits.find(lookup)
+        if hit is None:
+            return 0
+        req.junction = hit.prefix_end  # a hit point its window chunks are kept for
+        offered = self.loads.offer(req, req_id, hit)
+        if offered is None:
             self._stats.deferred_lookups += 1
             return None
-        if (
-            self.promote_lower
-            and req.found_in
-            and hit.tokens > local_hit
-            and self.loads.promote(req, req_id, self._needed(req, local_hit, hit.tokens))
-        ):
-            self._stats.deferred_lookups += 1
-            return None
-        if hit.tokens < top:
-            self._count_misses(req.keys, local_hit, top, hit)
-        if hit.tokens <= local_hit:
-            return 0
-        req.offered = hit.tokens
-        req.in_step = self.load_in_step and not req.found_in
-        return hit.tokens - local_hit
-
-    def _needed(self, req: RequestState, local_hit: int, hit: int) -> list[tuple[int, bytes]]:
-        """``(group, key)`` of every chunk a hit at ``hit`` needs beyond ``local_hit``."""
-        keys = req.keys
-        if hit == req.tail_at:  # a hit at a tail: its keys end with the tail's
-            keys = with_tail(keys, req.tail_keys, hit, self.config.tokens_per_chunk)
-        return [(g, keys[g][c]) for g, chunks in enumerate(self.hits.needs(local_hit, hit))
-                for c in chunks]  # fmt: skip
+        if hit.tokens < lookup.top:
+            self.misses.count_lookup(req.keys, local_hit, lookup.top, hit)
+        return offered
 
     def loads_in_step(self, req_id: str) -> bool:
         """Whether the last lookup's hit loads in the step that asks for it.
@@ -210,45 +221,14 @@ class OffloadScheduler:
         req = self.requests.get(req_id)
         return req is not None and req.in_step
 
-    def _tail_hit(
-        self,
-        req: RequestState,
-        token_ids: Sequence[int],
-        block_hashes: Sequence[bytes] | None,
-        block_top: int,
-        hit: Hit,
-    ) -> Hit:
-        """A better hit than ``hit`` at a tail (:mod:`~kvoffload.connector._tails`), if stored."""
-        tails, spans = self.tails, self.config.tokens_per_chunk
-        for point in tails.candidates(block_top, hit.prefix_end, max(hit.tokens, req.local_hit)):
-            keys = tails.keys(req, token_ids, block_hashes, point)
-            if keys is None:
-                continue
-            found = self.hits.find_tail(with_tail(req.keys, keys, point, spans),
-                                        req.local_hit, point)  # fmt: skip
-            if found is not None:
-                req.tail_at, req.tail_keys = point, keys
-                return found._replace(prefix_end=hit.prefix_end)
-        return hit
+    def loads_from_lower_tier(self, req_id: str) -> bool:
+        """Whether the last lookup's hit needs chunks the disk or remote tier holds.
 
-    def _count_misses(
-        self, keys: Sequence[Sequence[bytes]], local_hit: int, top: int, hit: Hit
-    ) -> None:
-        """Name why the lookup serves less than ``top`` tokens (:mod:`~.misses`)."""
-        served, cap = max(hit.tokens, local_hit), max(hit.prefix_end, local_hit)
-        g = self._chain_group
-        if cap > served:  # the full-attention prefix goes further: windows, states or room
-            short = MissReason.NO_ROOM
-            if (
-                not self.retention.plain
-                and self.hits.chunks_needed(local_hit, cap) <= self.index.room()
-            ):
-                short = MissReason.WINDOW_OR_STATE
-            self.misses.count(short, cap - served)
-        if cap < top and g is not None:
-            chunk = cap // self.config.tokens_per_chunk[g]
-            key = keys[g][chunk] if chunk < len(keys[g]) else None
-            self.misses.count(self.misses.stopped_at(key), top - cap)
+        Such a load reads a lower tier, over later steps. It is a hint: true too
+        where the lookup found a lower-tier chunk past the hit.
+        """
+        req = self.requests.get(req_id)
+        return req is not None and bool(req.offered) and bool(req.found_in)
 
     # -- loads and stores -----------------------------------------------------------
     def plan_load(
@@ -285,31 +265,6 @@ class OffloadScheduler:
                 logger.warning(advice)
         return self.jobs.take_orders()
 
-    def plan_store(
-        self,
-        req_id: str,
-        token_ids: Sequence[int],
-        *,
-        computed: int,
-        scheduled: int,
-        block_ids: Sequence[Sequence[int]],
-        num_prompt_tokens: int,
-        states: Collection[tuple[int, int, int]] = (),
-        block_hashes: Sequence[bytes] | None = None,
-    ) -> TransferOrder | None:
-        """Queue a store of the chunks this step completes (tokens ``computed + scheduled``).
-
-        Called for every scheduled request at every step; the worker runs the
-        order after the step's forward pass, when those tokens' KV is written.
-        ``states`` are ``(group, block id, tokens)`` of recurrent states vLLM
-        reports its forward pass writes besides the one at the step's end
-        (vLLM's ``boundary_state_offloads``); the states after ``computed``
-        and after ``computed + scheduled`` tokens are found without it.
-        ``block_hashes`` as in :meth:`lookup`.
-        """
-        return self.stores.plan(StepRequest(req_id, token_ids, computed, scheduled, block_ids,
-                                            num_prompt_tokens, states, block_hashes))  # fmt: skip
-
     # -- reports and lifecycle ----------------------------------------------------------
     def take_orders(self) -> list[TransferOrder]:
         """Orders queued since the last call, for this step's connector metadata."""
@@ -325,7 +280,7 @@ class OffloadScheduler:
         if order.kind is JobKind.LOAD:
             self.loads.complete(req, job, job.report)
         elif order.kind is JobKind.PROMOTE:
-            self.loads.complete_promotion(req, job, job.report)
+            self.promotions.complete(req, job, job.report)
         else:
             self.stores.complete(req, job, job.report)
         self.requests.release(order.req_id, order.job_id)

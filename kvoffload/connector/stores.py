@@ -17,7 +17,8 @@ from kvoffload.config import OffloadConfig
 from kvoffload.config.layout import Reuse
 from kvoffload.connector._drafts import DraftedStates
 from kvoffload.connector._request import JobState, RequestState, StepRequest
-from kvoffload.connector._retention import Choice, Chosen, Retention, Selection
+from kvoffload.connector._retention import Choice, Retention
+from kvoffload.connector._selection import Chosen, Selection, Selector
 from kvoffload.connector._spans import StorePiece, run_spans, store_spans
 from kvoffload.connector._tails import Tails
 from kvoffload.connector._trails import Trails
@@ -58,6 +59,7 @@ class StorePlanner:
         self.stats = stats
         self.misses = misses
         self.retention = retention
+        self.selector = Selector(config, retention)
         self.trails = Trails(index)
         self.drafts = DraftedStates(self.layout)
         self._prompt_only = config.offload_prompt_only
@@ -79,10 +81,10 @@ class StorePlanner:
         req.prompt_tokens = step.num_prompt_tokens
         requests.extend_keys(req, step.token_ids, block_hashes, end)
         moved = retention.advance(req, end)
-        run = retention.plain_run(req, step.block_ids[0], end)
+        run = self.selector.plain_run(req, step.block_ids[0], end)
         if run is not None:  # a plain layout's common step: every new chunk, at once
             return self._store_run(req, req_id, run, step.block_ids[0]) if run else None
-        selection = retention.select(req, step.block_ids, (computed, end), step.states)
+        selection = self.selector.select(req, step.block_ids, (computed, end), step.states)
         if self.tails:
             selection.chosen.extend(self.tails.chosen(req, step, (computed, end)))
         if selection.invalid or selection.unretained or selection.drafted:
@@ -104,7 +106,7 @@ class StorePlanner:
         """Reserve CPU slots for the selected chunks (as many as fit) and queue their store."""
         keys, chosen = self._candidates(req, selection)
         reserved, n = self._reserve_slots(keys, req.tenant)
-        self.retention.retry_later(req, chosen[n:])
+        self.selector.retry_later(req, chosen[n:])
         if self._windowed:
             new = set(reserved.keys) if reserved is not None else set()
             trailing = [k for k, c in zip(keys, chosen, strict=True) if c.choice is Choice.TRAIL]
@@ -112,11 +114,12 @@ class StorePlanner:
         if reserved is None or not reserved.keys:
             return None
         position = {key: i for i, key in enumerate(keys)}
-        spans = store_spans([
+        pieces = [
             StorePiece(c.group, c.chunk, key, slot, c.blocks)
             for key, slot in zip(reserved.keys, reserved.slots, strict=True)
             for c in (chosen[position[key]],)
-        ])  # fmt: skip
+        ]
+        spans = store_spans(pieces)
         return self._queue(req, req_id, spans)
 
     def _store_run(
@@ -125,7 +128,7 @@ class StorePlanner:
         """:meth:`_store` for a plain step's chunks ``run``, in the one group's ``blocks``."""
         keys = req.keys[0][run.start : run.stop]
         reserved, n = self._reserve_slots(keys, req.tenant)
-        self.retention.retry_run(req, run[n:])
+        self.selector.retry_run(req, run[n:])
         if reserved is None or not reserved.keys:
             return None
         if len(reserved.keys) == len(keys):
@@ -133,8 +136,9 @@ class StorePlanner:
         else:  # admission turned some away; the others keep their order
             position = {key: i for i, key in enumerate(keys)}
             chunks = [run.start + position[key] for key in reserved.keys]
-        spans = run_spans(0, chunks, reserved.keys, reserved.slots, blocks,
-                          blocks_per_chunk=self.bpc)  # fmt: skip
+        spans = run_spans(
+            0, chunks, reserved.keys, reserved.slots, blocks, blocks_per_chunk=self.bpc
+        )
         return self._queue(req, req_id, spans, chunks)
 
     def _reserve_slots(

@@ -38,7 +38,7 @@ class StoreResult(NamedTuple):
 class EventKind(Enum):
     """What happened to a chunk, for KV-cache event publishers."""
 
-    #: ``complete_store(success=True)``: the chunk is loadable from now on.
+    #: ``complete_store``: the chunk is loadable from now on.
     STORED = "stored"
     #: Evicted by ``prepare_store`` or dropped by ``reset``: no longer loadable.
     REMOVED = "removed"

@@ -73,9 +73,9 @@ def record_stores(
         elif not (0 <= first < len(request_keys) and request_keys[first] == done[0]):
             raise ProtocolError(f"record_stores: done[0] is not chunk {first} of the chain")
     if failed:
-        index.complete_store(list(failed), success=False)
+        index.abort_store(list(failed))
     if not done:
         return
-    index.complete_store(done[::-1], success=True)
+    index.complete_store(done[::-1])
     if first:
         index.refresh(request_keys[first - 1 :: -1])  # an order, not another use

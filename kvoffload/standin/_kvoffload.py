@@ -17,8 +17,7 @@ import torch
 
 from kvoffload.config import OffloadConfig
 from kvoffload.connector.key_source import choose_engine_hashes
-from kvoffload.connector.loads import failures_by_block, loads_in_step
-from kvoffload.connector.promotions import promotes_lower_hits
+from kvoffload.connector.loads import failures_by_block, hit_loading
 from kvoffload.connector.scheduler import OffloadScheduler, StepRequest
 from kvoffload.connector.worker import OffloadWorker
 from kvoffload.engine import JobKind, OffloadEngine
@@ -73,14 +72,12 @@ class KVOffloadSide:
         transfers: bool = True,
     ) -> None:
         hashes = EngineHashes(math.gcd(*config.layout.tokens_per_block), STANDIN_HASHES)
-        in_step = loads_in_step(config, len(config.layout.groups))
         self.scheduler = OffloadScheduler(
             config,
             namespace,
             probes,
             engine_hashes=choose_engine_hashes(config, hashes, reproducible=True),
-            load_in_step=in_step,
-            promote_lower=promotes_lower_hits(in_step),
+            hit_loading=hit_loading(config, len(config.layout.groups)),
         )
         # Without them the index keeps no events, as the connector's when vLLM
         # publishes none (its default); nobody drains them here.

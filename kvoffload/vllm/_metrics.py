@@ -7,9 +7,9 @@ what :data:`SERIES` lists. It imports neither vLLM nor torch.
 
 **The payload** (``KVConnectorStats.data``) of one step, from each side::
 
-    {"c": {"name|tier": delta},           # counters: growth since the side's last step
-     "g": {"name|tier|rank": value},      # gauges: the value now, where it changed
-     "h": {"name|tier": [seconds, ...]}}  # histograms: the samples of the step
+    {"counters": {"name|tier": delta},              # growth since the side's last step
+     "gauges": {"name|tier|rank": value},           # the value now, where it changed
+     "histograms": {"name|tier": [seconds, ...]}}   # the samples of the step
 
 ``tier`` is ``""`` where none applies. vLLM merges the workers' payloads and
 the scheduler's with :func:`merge` (counters add, gauges of a rank replace,
@@ -32,9 +32,13 @@ if TYPE_CHECKING:
     from kvoffload.connector.worker import OffloadWorker
 
 __all__ = [
+    "COUNTERS",
+    "GAUGES",
+    "HISTOGRAMS",
     "SERIES",
     "Deltas",
     "Series",
+    "empty_payload",
     "merge",
     "scheduler_series",
     "worker_series",
@@ -43,6 +47,13 @@ __all__ = [
 
 SEP = "|"
 Payload = dict[str, dict[str, Any]]
+#: The payload's parts.
+COUNTERS, GAUGES, HISTOGRAMS = "counters", "gauges", "histograms"
+
+
+def empty_payload() -> Payload:
+    """A payload with nothing in it (what a step that changed nothing would carry)."""
+    return {COUNTERS: {}, GAUGES: {}, HISTOGRAMS: {}}
 
 
 @dataclass(frozen=True, slots=True)
@@ -198,33 +209,33 @@ class Deltas:
         self._counters, self._gauges = dict(counters), dict(gauges)
         if not (c or g or h):
             return None
-        return {"c": c, "g": g, "h": h}
+        return {COUNTERS: c, GAUGES: g, HISTOGRAMS: h}
 
 
 def merge(a: Mapping[str, Any], b: Mapping[str, Any]) -> Payload:
     """Two payloads as one: counters add, a rank's gauge takes ``b``'s value, samples extend."""
-    c = dict(a.get("c", {}))
-    for k, v in b.get("c", {}).items():
-        c[k] = c.get(k, 0) + v
-    g = {**a.get("g", {}), **b.get("g", {})}
-    h = {k: list(v) for k, v in a.get("h", {}).items()}
-    for k, v in b.get("h", {}).items():
-        h.setdefault(k, []).extend(v)
-    return {"c": c, "g": g, "h": h}
+    counters = dict(a.get(COUNTERS, {}))
+    for k, v in b.get(COUNTERS, {}).items():
+        counters[k] = counters.get(k, 0) + v
+    gauges = {**a.get(GAUGES, {}), **b.get(GAUGES, {})}
+    samples = {k: list(v) for k, v in a.get(HISTOGRAMS, {}).items()}
+    for k, v in b.get(HISTOGRAMS, {}).items():
+        samples.setdefault(k, []).extend(v)
+    return {COUNTERS: counters, GAUGES: gauges, HISTOGRAMS: samples}
 
 
 def log_line(data: Mapping[str, Any]) -> dict[str, int | float]:
     """One interval's payload as the flat figures vLLM logs (``KV Transfer metrics: ...``)."""
     out: dict[str, int | float] = {}
-    for k, v in data.get("c", {}).items():
+    for k, v in data.get(COUNTERS, {}).items():
         name, tier = k.split(SEP)
         if v:
             out[f"{name}[{tier}]" if tier else name] = v
-    for k, v in data.get("g", {}).items():
+    for k, v in data.get(GAUGES, {}).items():
         name, tier, *rank = k.split(SEP)
         label = ",".join(x for x in (tier, *(f"rank{r}" for r in rank)) if x)
         out[f"{name}[{label}]" if label else name] = v
-    for k, samples in data.get("h", {}).items():
+    for k, samples in data.get(HISTOGRAMS, {}).items():
         name = k.split(SEP)[0]
         out[f"{name}_count"] = len(samples)
         out[f"{name}_mean_ms"] = round(1000 * sum(samples) / len(samples), 3)

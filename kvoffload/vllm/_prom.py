@@ -22,7 +22,18 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
     KVConnectorStats,
 )
 
-from kvoffload.vllm._metrics import BUCKETS, SEP, SERIES, Series, log_line, merge
+from kvoffload.vllm._metrics import (
+    BUCKETS,
+    COUNTERS,
+    GAUGES,
+    HISTOGRAMS,
+    SEP,
+    SERIES,
+    Series,
+    empty_payload,
+    log_line,
+    merge,
+)
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -37,7 +48,7 @@ class KVOffloadStats(KVConnectorStats):
     """One step's (or, in the log, one interval's) stats; see :mod:`kvoffload.vllm._metrics`."""
 
     def reset(self) -> None:
-        self.data: dict[str, Any] = {"c": {}, "g": {}, "h": {}}
+        self.data: dict[str, Any] = empty_payload()
 
     def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
         return KVOffloadStats(data=merge(self.data, other.data))
@@ -46,7 +57,7 @@ class KVOffloadStats(KVConnectorStats):
         return log_line(self.data)
 
     def is_empty(self) -> bool:
-        return not any(self.data.get(part) for part in ("c", "g", "h"))
+        return not any(self.data.get(part) for part in (COUNTERS, GAUGES, HISTOGRAMS))
 
 
 class KVOffloadPromMetrics(KVConnectorPromMetrics):
@@ -89,13 +100,13 @@ class KVOffloadPromMetrics(KVConnectorPromMetrics):
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
         data = transfer_stats_data
-        for k, delta in data.get("c", {}).items():
+        for k, delta in data.get(COUNTERS, {}).items():
             name, tier = k.split(SEP)
             if name in self._series:  # a first 0 creates the series, so it shows
                 child = self._child(engine_idx, name, tier)
                 if delta > 0:
                     child.inc(delta)
-        for k, value in data.get("g", {}).items():
+        for k, value in data.get(GAUGES, {}).items():
             name, tier, *rank = k.split(SEP)
             series = self._series.get(name)
             if series is not None:
@@ -103,7 +114,7 @@ class KVOffloadPromMetrics(KVConnectorPromMetrics):
                 ranks[rank[0] if rank else ""] = value
                 combined = sum(ranks.values()) if series.ranks == "sum" else max(ranks.values())
                 self._child(engine_idx, name, tier).set(combined)
-        for k, samples in data.get("h", {}).items():
+        for k, samples in data.get(HISTOGRAMS, {}).items():
             name = k.split(SEP)[0]
             if name in self._series:
                 child = self._child(engine_idx, name, "")

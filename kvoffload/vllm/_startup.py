@@ -15,8 +15,7 @@ import vllm
 
 from kvoffload.config import OffloadConfig
 from kvoffload.connector.key_source import choose_engine_hashes
-from kvoffload.connector.loads import loads_in_step
-from kvoffload.connector.promotions import promotes_lower_hits
+from kvoffload.connector.loads import hit_loading
 from kvoffload.connector.scheduler import OffloadScheduler
 from kvoffload.errors import ConfigError
 from kvoffload.keys import EngineHashes
@@ -83,7 +82,6 @@ def build_scheduler(
     announce(vllm.__version__, engine_log)
     algorithm = str(vllm_config.cache_config.prefix_caching_hash_algo)
     hashed_every = int(kv_cache_config.hash_block_size or config.layout.tokens_per_block[0])
-    in_step = loads_in_step(config, len(kv_cache_config.kv_cache_groups))
     return OffloadScheduler(
         config,
         namespaces[0],
@@ -94,8 +92,7 @@ def build_scheduler(
             EngineHashes(hashed_every, algorithm),
             reproducible=vllm_hashes_reproducible(algorithm),
         ),
-        load_in_step=in_step,
-        promote_lower=promotes_lower_hits(in_step),
+        hit_loading=hit_loading(config, len(kv_cache_config.kv_cache_groups)),
     )
 
 

@@ -54,7 +54,7 @@ from kvoffload.vllm._events import ChunkEvents
 from kvoffload.vllm._extras import ExtrasReader, Unkeyable
 from kvoffload.vllm._layout import GroupMap, boundary_states, group_map
 from kvoffload.vllm._messages import KVOffloadMetadata, KVOffloadWorkerMetadata, forward_pass
-from kvoffload.vllm._metrics import Deltas, scheduler_series, worker_payload
+from kvoffload.vllm._metrics import Deltas, empty_payload, scheduler_series, worker_payload
 from kvoffload.vllm._prom import KVOffloadPromMetrics, KVOffloadStats
 from kvoffload.vllm._ranks import tp_rank, worker_engine
 from kvoffload.vllm._startup import build_scheduler, check_engine, drafter_lookahead, kv_identity
@@ -169,7 +169,7 @@ class KVOffloadConnector(KVConnectorBase_V1, SupportsHMA):
             self._requests[req_id] = request
         hit = scheduler.lookup(req_id, request.all_token_ids, num_computed_tokens, extras,
                                request.block_hashes)  # fmt: skip
-        if hit and scheduler.hits.found_in:  # some of its chunks wait in a lower tier
+        if scheduler.loads_from_lower_tier(req_id):
             self._from_lower.add(req_id)
         else:
             self._from_lower.discard(req_id)
@@ -368,7 +368,7 @@ class KVOffloadConnector(KVConnectorBase_V1, SupportsHMA):
     def build_kv_connector_stats(
         cls, data: dict[str, Any] | None = None
     ) -> KVConnectorStats | None:
-        return KVOffloadStats(data=dict(data or {"c": {}, "g": {}, "h": {}}))
+        return KVOffloadStats(data=dict(data or empty_payload()))
 
     @classmethod
     def build_prom_metrics(
