@@ -37,8 +37,9 @@ def _bench_layout(chunk_bytes: int) -> KVLayout:
         unit = _LAYERS * _BLOCKS_PER_CHUNK * 4 * _TOKENS_PER_BLOCK
         raise ConfigError(f"cpu bench: chunk of {chunk_bytes} B must be a multiple of {unit} B")
     names = tuple(f"layer{i}" for i in range(_LAYERS))
-    group = CacheGroup(kind="full", tokens_per_block=_TOKENS_PER_BLOCK, layer_names=names,
-                       page_bytes=page)  # fmt: skip
+    group = CacheGroup(
+        kind="full", tokens_per_block=_TOKENS_PER_BLOCK, layer_names=names, page_bytes=page
+    )
     return KVLayout(groups=(group,))
 
 
@@ -170,8 +171,17 @@ def bench_disk(
         finally:
             probe.close()
             tier.close()
-    return BenchRow("disk", chunk_bytes, rates[1], rates[3], rates[0], rates[2], tier.direct_io,
-                    lookups_per_s=lookups[1], ref_lookups_per_s=lookups[0])  # fmt: skip
+    return BenchRow(
+        "disk",
+        chunk_bytes,
+        rates[1],
+        rates[3],
+        rates[0],
+        rates[2],
+        tier.direct_io,
+        lookups_per_s=lookups[1],
+        ref_lookups_per_s=lookups[0],
+    )
 
 
 def _measure_lookups(

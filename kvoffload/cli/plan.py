@@ -74,8 +74,9 @@ def _key_help() -> str:
         sorted(IGNORED_KEYS)
     )
     lines += textwrap.wrap(ignored, _HELP_WIDTH, initial_indent="  ", subsequent_indent="    ")
-    header = "  " + "  ".join(t.ljust(w) for t, w in zip(("key", "type", "default"), widths,
-                                                        strict=True))  # fmt: skip
+    header = "  " + "  ".join(
+        t.ljust(w) for t, w in zip(("key", "type", "default"), widths, strict=True)
+    )
     return "keys of --extra-config:\n" + header + "  meaning\n" + "\n".join(lines)
 
 
@@ -248,8 +249,9 @@ def plan_summary(config: OffloadConfig, **model: Any) -> dict[str, Any]:
     field of its name, so a new key appears here by itself (docs/cli.md).
     """
     layout = config.layout
-    engine_page = max((g.page_bytes for g in layout.groups if g.reuse is not Reuse.STATE),
-                      default=0)  # fmt: skip
+    engine_page = max(
+        (g.page_bytes for g in layout.groups if g.reuse is not Reuse.STATE), default=0
+    )
     settings = {
         f.name: getattr(config, f.name) for f in dataclasses.fields(config) if f.name != "layout"
     }
@@ -284,11 +286,14 @@ def _group_table(summary: dict[str, Any]) -> list[str]:
             else f"{entry['cpu_tokens_if_alone']} tokens"
         )
         shares = (_ranks_text(entry, ranks),) if ranks > 1 else ()
-        rows.append((str(entry["index"]), entry["kind"], entry["needs"], entry["page"],
-                     *shares, holds))  # fmt: skip
+        rows.append(
+            (str(entry["index"]), entry["kind"], entry["needs"], entry["page"], *shares, holds)
+        )
     widths = [max(len(row[c]) for row in rows) for c in range(len(rows[0]))]
-    lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip()
-             for row in rows]  # fmt: skip
+    lines = [
+        "  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip()
+        for row in rows
+    ]
     lines.insert(1, "  ".join("-" * w for w in widths))
     return lines
 
@@ -306,15 +311,20 @@ def _copies(config: OffloadConfig) -> str:
     if ranks == 1:
         return ""
     if config.copies == 1:
-        return (f" Every group is replicated: each chunk is stored once for all {ranks} "
-                "ranks (one CPU slot, one disk file, one remote value) and every rank loads "
-                "it, so the budgets hold what they hold at one rank.")  # fmt: skip
+        return (
+            f" Every group is replicated: each chunk is stored once for all {ranks} "
+            "ranks (one CPU slot, one disk file, one remote value) and every rank loads "
+            "it, so the budgets hold what they hold at one rank."
+        )
     mixed = any(g.replicated for g in config.layout.groups)
-    note = (" (a replicated group beside sharded ones is stored per rank too, for now)"
-            if mixed else "")  # fmt: skip
-    return (f" Sharded groups: each of the {ranks} ranks stores its shard of every chunk "
-            f"under its own key{note}, in its 1/{ranks} of the budgets (sizes above are one "
-            "rank's shard).")  # fmt: skip
+    note = (
+        " (a replicated group beside sharded ones is stored per rank too, for now)" if mixed else ""
+    )
+    return (
+        f" Sharded groups: each of the {ranks} ranks stores its shard of every chunk "
+        f"under its own key{note}, in its 1/{ranks} of the budgets (sizes above are one "
+        "rank's shard)."
+    )
 
 
 def _holds(config: OffloadConfig, summary: dict[str, Any]) -> str:
@@ -350,9 +360,13 @@ def run(args: argparse.Namespace) -> int:
     )
     drafter = drafter_summary(args, config, target)
     summary = plan_summary(
-        config, model=args.model, dtype=args.dtype, block_size=args.block_size,
-        hybrid=args.hybrid, **{k: drafter[k] for k in DRAFTER_FIELDS},
-    )  # fmt: skip
+        config,
+        model=args.model,
+        dtype=args.dtype,
+        block_size=args.block_size,
+        hybrid=args.hybrid,
+        **{k: drafter[k] for k in DRAFTER_FIELDS},
+    )
     if drafter["speculative_method"] is not None:
         for entry, extra in zip(summary["groups"], drafter["groups"], strict=True):
             entry.update(extra)

@@ -109,8 +109,16 @@ class StandIn:
         needed = self.cache.caching or self.kv is not None
         hashes = self.block_hashes(tokens, extras) if needed else [[] for _ in range(groups)]
         flat = self.request_hashes(tokens, extras, known=hashes)
-        req = SimRequest(req_id, tokens, hashes, [[] for _ in range(groups)], extras,
-                         told=[0] * groups, num_prompt=num_prompt, block_hashes=flat)  # fmt: skip
+        req = SimRequest(
+            req_id,
+            tokens,
+            hashes,
+            [[] for _ in range(groups)],
+            extras,
+            told=[0] * groups,
+            num_prompt=num_prompt,
+            block_hashes=flat,
+        )
         if self.layout.lookahead and self.kv is not None:  # what a block holds until final
             req.provisional = self.block_hashes(tokens, extras, lookahead=0)
         self.side.add_request(req)
@@ -296,8 +304,10 @@ class StandIn:
         need = sum(-(-req.num_tokens // t) for t in tpb)
         for other in [*self.running, *self.waiting]:
             if other.blocks[0] or other.status is not Status.WAITING:
-                need += sum(max(0, -(-other.num_tokens // t) - len(ids))
-                            for t, ids in zip(tpb, other.blocks, strict=True))  # fmt: skip
+                need += sum(
+                    max(0, -(-other.num_tokens // t) - len(ids))
+                    for t, ids in zip(tpb, other.blocks, strict=True)
+                )
         return need <= self.cache.num_free
 
     # -- after the forward pass -----------------------------------------------------------

@@ -118,8 +118,11 @@ class KVTransfer:
             return copier, None
         sizes = [self.chunk_bytes(g) for g in range(len(self.groups))]
         choice = calibrate(self.groups, blocks, sizes)
-        logger.info("kvoffload transfer on %s, kernel or DMA per call: %s",
-                    torch.cuda.get_device_name(self.device), choice.summary())  # fmt: skip
+        logger.info(
+            "kvoffload transfer on %s, kernel or DMA per call: %s",
+            torch.cuda.get_device_name(self.device),
+            choice.summary(),
+        )
         return copier, choice
 
     @property
@@ -250,9 +253,17 @@ class KVTransfer:
             kernel.copy(group, span, ids, chunks, to_chunks=to_chunks)
             return
         if self.staged:
-            staged_copy(pages.layers, span, ids, chunks, pages.bpc, pages.size,
-                        to_chunks=to_chunks, max_staging_bytes=self.max_staging_bytes,
-                        after=after)  # fmt: skip
+            staged_copy(
+                pages.layers,
+                span,
+                ids,
+                chunks,
+                pages.bpc,
+                pages.size,
+                to_chunks=to_chunks,
+                max_staging_bytes=self.max_staging_bytes,
+                after=after,
+            )
             return
         if after is not None:
             torch.cuda.current_stream(self.device).wait_event(after)
@@ -283,9 +294,10 @@ class KVTransfer:
                 layer_start += bpc * layer.page_bytes
                 base = chunks[c]
                 dst = base.as_strided(
-                    (m, k, layer.page_bytes), (step, layer.page_bytes, 1),
+                    (m, k, layer.page_bytes),
+                    (step, layer.page_bytes, 1),
                     base.storage_offset() + offset,
-                )  # fmt: skip
+                )
                 move_run(layer, dst, int(run[0]), index, to_chunks=to_chunks)
             c += m
 

@@ -151,8 +151,16 @@ class DiskTier(Tier):
             owner.release()
             raise
         self._index, self._owner = index, owner
-        self._writer = ChunkWriter(self._dir, index, owner, self._io, self._counters,
-                                   self._namespace, self._capacity, self._remove)  # fmt: skip
+        self._writer = ChunkWriter(
+            self._dir,
+            index,
+            owner,
+            self._io,
+            self._counters,
+            self._namespace,
+            self._capacity,
+            self._remove,
+        )
         self._last = index.totals()
 
     def _recover(self, index: SharedIndex, owner: OwnerLock) -> None:
@@ -179,8 +187,10 @@ class DiskTier(Tier):
         logger.warning(
             "disk_path %r is read-only (%s): serving its %d chunks of this model, skipping "
             "stores to the disk tier (counted as read_only_skips)",
-            root, cause, held.chunks,
-        )  # fmt: skip
+            root,
+            cause,
+            held.chunks,
+        )
 
     @property
     def directory(self) -> Path:
