@@ -67,17 +67,7 @@ def bench_redis(
         _delete(tier, client, keys, names)
         tier.close()  # the remote tier too
         client.close()
-    return BenchRow(
-        "redis",
-        chunk_bytes,
-        rates[1],
-        rates[3],
-        rates[0],
-        rates[2],
-        direct_io=False,
-        lookups_per_s=rates[5],
-        ref_lookups_per_s=rates[4],
-    )
+    return BenchRow.of("redis", chunk_bytes, rates, direct_io=False, lookups=rates[4:6])
 
 
 def _delete(tier: WriteBehind, client: Any, keys: list[bytes], names: list[bytes]) -> None:
