@@ -69,8 +69,9 @@ def run_bench(
         raise ConfigError(f"bench: unknown tier {unknown[0]!r}; use one of {BENCH_TIERS}")
     if "redis" in tiers:
         if remote_url is None:
-            raise ConfigError("bench --tier redis needs --remote-url, e.g. "
-                              "--remote-url redis://127.0.0.1:6379/0")  # fmt: skip
+            raise ConfigError(
+                "bench --tier redis needs --remote-url, e.g. --remote-url redis://127.0.0.1:6379/0"
+            )
         if isinstance(remote_url, str):
             remote_url = parse_remote_url("--remote-url", remote_url)
         reference_client(remote_url).close()  # unreachable: fail before measuring anything

@@ -37,8 +37,9 @@ def _bench_layout(chunk_bytes: int) -> KVLayout:
         unit = _LAYERS * _BLOCKS_PER_CHUNK * 4 * _TOKENS_PER_BLOCK
         raise ConfigError(f"cpu bench: chunk of {chunk_bytes} B must be a multiple of {unit} B")
     names = tuple(f"layer{i}" for i in range(_LAYERS))
-    group = CacheGroup(kind="full", tokens_per_block=_TOKENS_PER_BLOCK, layer_names=names,
-                       page_bytes=page)  # fmt: skip
+    group = CacheGroup(
+        kind="full", tokens_per_block=_TOKENS_PER_BLOCK, layer_names=names, page_bytes=page
+    )
     return KVLayout(groups=(group,))
 
 
@@ -92,7 +93,7 @@ def bench_cpu(chunk_bytes: int, total_bytes: int, repeat: int = 3) -> BenchRow:
         for j, fn in enumerate((ref_store, store, ref_load, load)):
             rates[j] = best_rate(nbytes, fn, rates[j])
     tier.close()
-    return BenchRow("cpu", chunk_bytes, rates[1], rates[3], rates[0], rates[2], direct_io=False)
+    return BenchRow.of("cpu", chunk_bytes, rates, direct_io=False)
 
 
 def _drop_page_cache(paths: Sequence[Path]) -> None:
@@ -170,8 +171,7 @@ def bench_disk(
         finally:
             probe.close()
             tier.close()
-    return BenchRow("disk", chunk_bytes, rates[1], rates[3], rates[0], rates[2], tier.direct_io,
-                    lookups_per_s=lookups[1], ref_lookups_per_s=lookups[0])  # fmt: skip
+    return BenchRow.of("disk", chunk_bytes, rates, direct_io=tier.direct_io, lookups=lookups)
 
 
 def _measure_lookups(

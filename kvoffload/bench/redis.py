@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Callable, Sequence
+from functools import partial
 from typing import Any
 
 import numpy as np
@@ -65,8 +67,7 @@ def bench_redis(
         _delete(tier, client, keys, names)
         tier.close()  # the remote tier too
         client.close()
-    return BenchRow("redis", chunk_bytes, rates[1], rates[3], rates[0], rates[2], direct_io=False,
-                    lookups_per_s=rates[5], ref_lookups_per_s=rates[4])  # fmt: skip
+    return BenchRow.of("redis", chunk_bytes, rates, direct_io=False, lookups=rates[4:6])
 
 
 def _delete(tier: WriteBehind, client: Any, keys: list[bytes], names: list[bytes]) -> None:
@@ -124,19 +125,36 @@ def _measure_redis(
             found["tier"] = tier.contains_many(keys)
 
     lookups = trips * len(keys)
-    pairs = ((ref_store, store, nbytes, 1e9), (ref_load, load, nbytes, 1e9),
-             (ref_lookup, lookup, lookups, 1.0))  # fmt: skip
-    rates = [0.0] * 6  # ref store, store, ref load, load, ref lookups, lookups
+    pairs = (
+        (ref_store, store, nbytes, 1e9),
+        (ref_load, load, nbytes, 1e9),
+        (ref_lookup, lookup, lookups, 1.0),
+    )
+    fresh = partial(_delete, tier, client, keys, names)  # every round stores fresh values
+    rates = _taking_turns(pairs, repeat, before_round=fresh)
+    if _lost(tier) or not np.array_equal(out, data) or not all(found["ref"] + found["tier"]):
+        raise TierError("redis bench: a stored value was not found or loaded back intact")
+    return rates
+
+
+def _taking_turns(
+    pairs: Sequence[tuple[Callable[[], None], Callable[[], None], int, float]],
+    repeat: int,
+    *,
+    before_round: Callable[[], None],
+) -> list[float]:
+    """The best rate of each side of each ``(reference, tier, amount, unit)`` pair over
+    ``repeat`` rounds, in that order (ref store, store, ref load, load, ...).
+
+    Whichever side stores first in a round was up to 1.5x faster here, so the sides take
+    turns going first (and the best of each is kept)."""
+    rates = [0.0] * (2 * len(pairs))
     for round_ in range(repeat):
-        _delete(tier, client, keys, names)  # every round stores fresh values
+        before_round()
         for step, (ref_fn, tier_fn, amount, unit) in enumerate(pairs):
-            # Whichever side stores first in a round was up to 1.5x faster here, so the
-            # sides take turns going first (and the best of each is kept).
             sides = ((0, ref_fn), (1, tier_fn))
             for side, fn in sides if round_ % 2 == 0 else sides[::-1]:
                 rates[2 * step + side] = best_rate(amount, fn, rates[2 * step + side], unit)
-    if _lost(tier) or not np.array_equal(out, data) or not all(found["ref"] + found["tier"]):
-        raise TierError("redis bench: a stored value was not found or loaded back intact")
     return rates
 
 

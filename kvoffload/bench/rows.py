@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -27,6 +27,31 @@ class BenchRow:
     direct_io: bool
     lookups_per_s: float | None = None
     ref_lookups_per_s: float | None = None
+
+    @classmethod
+    def of(
+        cls,
+        tier: str,
+        chunk_bytes: int,
+        rates: Sequence[float],
+        *,
+        direct_io: bool,
+        lookups: Sequence[float] = (),
+    ) -> BenchRow:
+        """A row from rates in the order a bench measures them: ref store, store, ref load,
+        load (GB/s); ``lookups``: ref, tier (keys per second), if measured."""
+        ref_lookups, tier_lookups = lookups or (None, None)
+        return cls(
+            tier,
+            chunk_bytes,
+            store_gbps=rates[1],
+            load_gbps=rates[3],
+            ref_store_gbps=rates[0],
+            ref_load_gbps=rates[2],
+            direct_io=direct_io,
+            lookups_per_s=tier_lookups,
+            ref_lookups_per_s=ref_lookups,
+        )
 
     @property
     def store_ratio(self) -> float:

@@ -98,16 +98,22 @@ def plan_layout(
     """The target's ``layout`` with the drafter's layers (``source``: a model argument's path;
     ``hybrid``: vLLM's hybrid allocator, for an MTP target grouped again with its layers)."""
     if args.speculative_method == "mtp":
-        return with_mtp(source(args.model), args.num_speculative_tokens, dtype=args.dtype,
-                        block_size=args.block_size, hybrid=hybrid,
-                        tensor_parallel_size=args.world_size)[0]  # fmt: skip
+        return with_mtp(
+            source(args.model),
+            args.num_speculative_tokens,
+            dtype=args.dtype,
+            block_size=args.block_size,
+            hybrid=hybrid,
+            tensor_parallel_size=args.world_size,
+        )[0]
     if not args.draft_model:
         return layout
     draft = source(args.draft_model)
     if args.speculative_method in ("eagle", "eagle3"):
         target = source(args.model)
-        return with_eagle_head(layout, target, draft, args.dtype, args.block_size,
-                               tensor_parallel_size=args.world_size)  # fmt: skip
+        return with_eagle_head(
+            layout, target, draft, args.dtype, args.block_size, tensor_parallel_size=args.world_size
+        )
     return with_draft_model(layout, draft, args.dtype, args.block_size, args.world_size)
 
 
@@ -126,14 +132,23 @@ def drafter_summary(
         group = config.layout.groups[g]
         pages = dict(zip(group.layer_names, group.layer_pages, strict=True))
         per_rank = sum(pages[name] for name in layers) * config.blocks_per_chunk
-        groups.append({"drafter_layers": len(layers), "drafter_chunk_bytes": per_rank,
-                       "drafter_layer_names": layers})  # fmt: skip
+        groups.append(
+            {
+                "drafter_layers": len(layers),
+                "drafter_chunk_bytes": per_rank,
+                "drafter_layer_names": layers,
+            }
+        )
     tokens = args.num_speculative_tokens
     if method == "mtp" and tokens is None:  # vLLM's default: one per module
         tokens = sum(g["drafter_layers"] for g in groups)
-    return {"speculative_method": method, "draft_model": args.draft_model or None,
-            "num_speculative_tokens": tokens, "lookahead": config.layout.lookahead,
-            "groups": groups}  # fmt: skip
+    return {
+        "speculative_method": method,
+        "draft_model": args.draft_model or None,
+        "num_speculative_tokens": tokens,
+        "lookahead": config.layout.lookahead,
+        "groups": groups,
+    }
 
 
 def _layers(n: int) -> str:

@@ -96,8 +96,10 @@ def _check_remote(args: argparse.Namespace) -> RemoteURL | None:
     """The parsed ``--remote-url``, if the chosen tiers use one."""
     if args.remote_url is None:
         if args.tier == "redis":
-            raise ConfigError("--tier redis needs --remote-url naming a server, e.g. "
-                              "--remote-url redis://127.0.0.1:6379/0")  # fmt: skip
+            raise ConfigError(
+                "--tier redis needs --remote-url naming a server, e.g. "
+                "--remote-url redis://127.0.0.1:6379/0"
+            )
         return None
     if args.tier not in ("redis", "all"):
         raise ConfigError(f"--remote-url is for --tier redis or all, not --tier {args.tier}")

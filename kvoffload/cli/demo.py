@@ -34,7 +34,7 @@ from kvoffload.errors import ConfigError
 from kvoffload.keys import namespace_of
 from kvoffload.replay.engine import engine_requests
 from kvoffload.replay.trace import load_trace
-from kvoffload.standin import KVOffloadSide, KVPages, StandIn
+from kvoffload.standin import KVOffloadSide, KVPages, StandIn, StandInStats
 from kvoffload.tiers.disk import DiskProbe
 from kvoffload.tiers.disk.inspect import stored_chunks
 from kvoffload.transfer import allocate_kv_caches
@@ -123,35 +123,65 @@ def serve(args: argparse.Namespace, disk_path: str) -> dict[str, Any]:
         stats = engine.run(engine_requests(trace, progress=progress, desc="demo"))
     finally:
         side.close()
+    served = _served(stats, side)
+    return {
+        "ok": stats.mismatched_blocks == 0 and served["failed_stores"] == 0,
+        "requests": stats.requests,
+        "seconds": stats.seconds,
+        "steps": stats.steps,
+        "gpu_blocks": args.gpu_blocks,
+        "device": args.device,
+        "drafter": args.drafter,
+        "lookahead": layout.lookahead,
+        **served,
+        "disk_path": disk_path,
+        "reused_disk_chunks": reused,
+    }
+
+
+def _served(stats: StandInStats, side: KVOffloadSide) -> dict[str, Any]:
+    """What the run moved and checked: tokens, chunks, each tier's bytes, failures."""
     assert side.worker is not None  # a side that moves bytes has one
     sched, worker = side.scheduler.stats(), side.worker.stats()
     tiers = side.worker.engine.stats()
-    failed_stores = sched["failed_store_chunks"]
     return {
-        "ok": stats.mismatched_blocks == 0 and failed_stores == 0,
-        "requests": stats.requests, "seconds": stats.seconds, "steps": stats.steps,
-        "gpu_blocks": args.gpu_blocks, "device": args.device, "drafter": args.drafter,
-        "lookahead": layout.lookahead,
         "prompt_tokens": stats.prompt_tokens,
-        "gpu_hit_tokens": stats.gpu_hit_tokens, "loaded_tokens": stats.loaded_tokens,
+        "gpu_hit_tokens": stats.gpu_hit_tokens,
+        "loaded_tokens": stats.loaded_tokens,
         "failed_load_tokens": stats.failed_load_tokens,
-        **{name: sched[name] for name in ("cpu_hit_chunks", "lower_hit_chunks",
-                                             "stored_chunks", "skipped_store_chunks")},
+        **{
+            name: sched[name]
+            for name in (
+                "cpu_hit_chunks",
+                "lower_hit_chunks",
+                "stored_chunks",
+                "skipped_store_chunks",
+            )
+        },
         "tiers": {
-            name: {"stored_bytes": t.store_bytes, "store_gbps": t.store_gbps,
-                   "loaded_bytes": t.load_bytes, "load_gbps": t.load_gbps,
-                   "failures": t.store_failures + t.dropped + t.load_failures + t.corrupt}
+            name: {
+                "stored_bytes": t.store_bytes,
+                "store_gbps": t.store_gbps,
+                "loaded_bytes": t.load_bytes,
+                "load_gbps": t.load_gbps,
+                "failures": t.store_failures + t.dropped + t.load_failures + t.corrupt,
+            }
             for name, t in tiers.items()
         },
-        "verified_blocks": stats.verified_blocks, "mismatched_blocks": stats.mismatched_blocks,
-        "failed_load_jobs": worker.get("failed_load_jobs", 0), "failed_stores": failed_stores,
-        "disk_path": disk_path, "reused_disk_chunks": reused,
-    }  # fmt: skip
+        "verified_blocks": stats.verified_blocks,
+        "mismatched_blocks": stats.mismatched_blocks,
+        "failed_load_jobs": worker.get("failed_load_jobs", 0),
+        "failed_stores": sched["failed_store_chunks"],
+    }
 
 
 #: The configuration keys the demo's flags set, as its messages name them.
-_FLAGS = {"cpu_bytes_to_use": "--cpu-bytes", "disk_bytes_to_use": "--disk-bytes",
-          "blocks_per_chunk": "--blocks-per-chunk", "disk_path": "--disk-path"}  # fmt: skip
+_FLAGS = {
+    "cpu_bytes_to_use": "--cpu-bytes",
+    "disk_bytes_to_use": "--disk-bytes",
+    "blocks_per_chunk": "--blocks-per-chunk",
+    "disk_path": "--disk-path",
+}
 
 
 def _flag_names(message: str) -> str:
@@ -207,7 +237,7 @@ def render(report: dict[str, Any]) -> str:
         f"  computed            {_share(computed, prompt)}",
         "",
         "tier  stored       GB/s  loaded       GB/s  failures",
-    ]  # fmt: skip
+    ]
     for name, t in report["tiers"].items():
         lines.append(
             f"{name:<4}  {format_bytes(t['stored_bytes']):>10}  {t['store_gbps']:>5.2f}  "

@@ -75,12 +75,22 @@ def render(report: DiskReport) -> str:
     ]
     rows = [("namespace", "chunks", "bytes", "files", "oldest use", "newest use", "damaged")]
     for ns in report.namespaces:
-        rows.append((ns.namespace, str(ns.indexed), format_bytes(ns.indexed_bytes),
-                     str(ns.files), _when(ns.oldest_use_ns), _when(ns.newest_use_ns),
-                     str(len(ns.damaged))))  # fmt: skip
+        rows.append(
+            (
+                ns.namespace,
+                str(ns.indexed),
+                format_bytes(ns.indexed_bytes),
+                str(ns.files),
+                _when(ns.oldest_use_ns),
+                _when(ns.newest_use_ns),
+                str(len(ns.damaged)),
+            )
+        )
     widths = [max(len(row[c]) for row in rows) for c in range(len(rows[0]))]
-    lines += ["  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip()
-              for row in rows]  # fmt: skip
+    lines += [
+        "  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip()
+        for row in rows
+    ]
     if not report.namespaces:
         lines.append("(no namespace: nothing stored yet)")
     for ns in report.namespaces:

@@ -7,7 +7,6 @@ It runs the same validation as the engine adapter, so a configuration that
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import textwrap
 from importlib import resources
@@ -23,13 +22,14 @@ from kvoffload.cli._drafter import (
 )
 from kvoffload.cli._drafter import plan_layout as with_drafter
 from kvoffload.cli._flags import HelpFormatter, int_in, warn_line
+from kvoffload.cli._plan_summary import PLAN_SCHEMA, plan_summary
 from kvoffload.cli._resolved import resolved_choices
 from kvoffload.config import OffloadConfig, build_offloading_config
 from kvoffload.config.hf_layout import layout_from_hf_config
 from kvoffload.config.keys import IGNORED_KEYS, KEYS
-from kvoffload.config.layout import CacheGroup, Reuse
+from kvoffload.config.layout import Reuse
 from kvoffload.config.values import format_bytes, safe_repr
-from kvoffload.connector._hits import coarse_state_hits, needed_chunks
+from kvoffload.connector._hits import coarse_state_hits
 from kvoffload.errors import ConfigError
 
 __all__ = ["EXAMPLES", "PLAN_SCHEMA", "example_path", "plan_summary", "register", "run"]
@@ -41,9 +41,6 @@ DEFAULT_EXTRA = '{"cpu_bytes_to_use": "1GiB"}'
 #: The largest --block-size: vLLM's are at most a few thousand tokens (hybrid models raise
 #: theirs to fit a state); past this a chunk outgrows any budget for the wrong reason.
 MAX_BLOCK_SIZE = 1 << 16
-#: Version of ``plan --json``'s layout (docs/cli.md): raised only when a field changes
-#: meaning or goes away, never when one is added.
-PLAN_SCHEMA = 1
 
 
 def example_path(name: str) -> Path:
@@ -74,8 +71,9 @@ def _key_help() -> str:
         sorted(IGNORED_KEYS)
     )
     lines += textwrap.wrap(ignored, _HELP_WIDTH, initial_indent="  ", subsequent_indent="    ")
-    header = "  " + "  ".join(t.ljust(w) for t, w in zip(("key", "type", "default"), widths,
-                                                        strict=True))  # fmt: skip
+    header = "  " + "  ".join(
+        t.ljust(w) for t, w in zip(("key", "type", "default"), widths, strict=True)
+    )
     return "keys of --extra-config:\n" + header + "  meaning\n" + "\n".join(lines)
 
 
@@ -155,120 +153,6 @@ def _retention_note(config: OffloadConfig) -> str:
     return f"{config.retention_step} tokens"
 
 
-def _needs(group: CacheGroup) -> str:
-    """What a hit at ``H`` needs from ``group``, in words."""
-    if group.reuse is Reuse.STATE:
-        per = "one state" if group.num_layers == 1 else f"{group.num_layers} states, one a layer"
-        return f"the state at H ({per})"
-    if group.attention_chunk_size is not None:
-        return f"tokens since H's {group.attention_chunk_size}-token chunk"
-    if group.sliding_window is not None:
-        return f"the {group.sliding_window} tokens before H"
-    return "every token before H"
-
-
-def _page_text(group: CacheGroup, engine_page: int) -> str:
-    if group.reuse is Reuse.STATE:
-        padded = f" (page {format_bytes(engine_page)})" if engine_page > group.page_bytes else ""
-        return f"{format_bytes(group.page_bytes)} state{padded}"
-    pages = sorted(set(group.layer_pages))
-    if len(pages) == 1:
-        return format_bytes(pages[0])
-    return f"{format_bytes(pages[0])}..{format_bytes(pages[-1])} ({len(pages)} sizes)"
-
-
-#: The longest prefix ``cpu_prefix_tokens`` considers: past any context window.
-MAX_PREFIX = 1 << 24
-
-
-def prefix_chunks(config: OffloadConfig, tokens: int) -> int:
-    """Chunks a prefix of ``tokens`` tokens keeps: every chunk of the full-prefix groups,
-    and of window and state groups what its hit points need (its end, every retention step).
-
-    A window's chunks only move right as the hit point grows, so the union of
-    the points' windows is one sweep.
-    """
-    step = config.retention_step
-    points = [*range(step, tokens, step), tokens] if step else [tokens]
-    total = 0
-    for group, span in zip(config.layout.groups, config.tokens_per_chunk, strict=True):
-        if group.reuse is Reuse.PREFIX:
-            total += tokens // span
-            continue
-        reached = 0
-        for point in points:
-            needed = needed_chunks(group, span, 0, point)
-            total += max(0, needed.stop - max(needed.start, reached))
-            reached = max(reached, needed.stop)
-    return total
-
-
-def cpu_prefix_tokens(config: OffloadConfig) -> int:
-    """The longest prefix (on a hit boundary, at most ``MAX_PREFIX``) the CPU tier holds."""
-    align, room = config.hit_alignment, config.num_cpu_chunks
-    low, high = 0, MAX_PREFIX // align
-    while low < high:  # the chunks a prefix keeps grow with it
-        mid = (low + high + 1) // 2
-        if prefix_chunks(config, mid * align) <= room:
-            low = mid
-        else:
-            high = mid - 1
-    return low * align
-
-
-def _group_entry(config: OffloadConfig, index: int, engine_page: int) -> dict[str, Any]:
-    group = config.layout.groups[index]
-    span, size = config.tokens_per_chunk[index], config.chunk_bytes[index]
-    entry: dict[str, Any] = {
-        "index": index,
-        "kind": group.kind,
-        "reuse": group.reuse.value,
-        "window": group.sliding_window or group.attention_chunk_size,
-        "needs": _needs(group),
-        "layers": group.num_layers,
-        "tokens_per_block": group.tokens_per_block,
-        "page_bytes": list(group.layer_pages) if group.layer_page_bytes else group.page_bytes,
-        "page": _page_text(group, engine_page),
-        "tokens_per_chunk": span,
-        "chunk_bytes": size,
-        "tensor_parallel": "replicated" if group.replicated else "sharded",
-    }
-    if group.reuse is Reuse.STATE:
-        entry["cpu_states_if_alone"] = config.num_cpu_chunks
-    else:
-        entry["cpu_tokens_if_alone"] = config.num_cpu_chunks * span
-    return entry
-
-
-def plan_summary(config: OffloadConfig, **model: Any) -> dict[str, Any]:
-    """Machine-readable plan: every setting, the groups, what the budgets hold.
-
-    ``model`` names what was planned (``model``, ``dtype``, ``block_size``,
-    ``hybrid``). Every ``OffloadConfig`` field but the layout is a top-level
-    field of its name, so a new key appears here by itself (docs/cli.md).
-    """
-    layout = config.layout
-    engine_page = max((g.page_bytes for g in layout.groups if g.reuse is not Reuse.STATE),
-                      default=0)  # fmt: skip
-    settings = {
-        f.name: getattr(config, f.name) for f in dataclasses.fields(config) if f.name != "layout"
-    }
-    return {
-        "schema": PLAN_SCHEMA,
-        **model,
-        **settings,
-        "groups": [_group_entry(config, i, engine_page) for i in range(len(layout.groups))],
-        "cpu_chunks_per_worker": config.num_cpu_chunks,
-        "chunk_copies": config.copies,
-        "cpu_slot_bytes": config.max_chunk_bytes,
-        "cpu_prefix_tokens": cpu_prefix_tokens(config),
-        "hit_alignment": config.hit_alignment,
-        "retention_step": config.retention_step,
-        "disk_chunks": config.num_disk_chunks,
-        "resolved": {name: choice for name, (choice, _) in resolved_choices(config).items()},
-    }
-
-
 def _group_table(summary: dict[str, Any]) -> list[str]:
     """One row per group: what a hit needs of it, its page, what the tiers keep of it for the
     tensor-parallel ranks (with more than one), what the CPU tier holds of it alone."""
@@ -284,11 +168,14 @@ def _group_table(summary: dict[str, Any]) -> list[str]:
             else f"{entry['cpu_tokens_if_alone']} tokens"
         )
         shares = (_ranks_text(entry, ranks),) if ranks > 1 else ()
-        rows.append((str(entry["index"]), entry["kind"], entry["needs"], entry["page"],
-                     *shares, holds))  # fmt: skip
+        rows.append(
+            (str(entry["index"]), entry["kind"], entry["needs"], entry["page"], *shares, holds)
+        )
     widths = [max(len(row[c]) for row in rows) for c in range(len(rows[0]))]
-    lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip()
-             for row in rows]  # fmt: skip
+    lines = [
+        "  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip()
+        for row in rows
+    ]
     lines.insert(1, "  ".join("-" * w for w in widths))
     return lines
 
@@ -306,15 +193,20 @@ def _copies(config: OffloadConfig) -> str:
     if ranks == 1:
         return ""
     if config.copies == 1:
-        return (f" Every group is replicated: each chunk is stored once for all {ranks} "
-                "ranks (one CPU slot, one disk file, one remote value) and every rank loads "
-                "it, so the budgets hold what they hold at one rank.")  # fmt: skip
+        return (
+            f" Every group is replicated: each chunk is stored once for all {ranks} "
+            "ranks (one CPU slot, one disk file, one remote value) and every rank loads "
+            "it, so the budgets hold what they hold at one rank."
+        )
     mixed = any(g.replicated for g in config.layout.groups)
-    note = (" (a replicated group beside sharded ones is stored per rank too, for now)"
-            if mixed else "")  # fmt: skip
-    return (f" Sharded groups: each of the {ranks} ranks stores its shard of every chunk "
-            f"under its own key{note}, in its 1/{ranks} of the budgets (sizes above are one "
-            "rank's shard).")  # fmt: skip
+    note = (
+        " (a replicated group beside sharded ones is stored per rank too, for now)" if mixed else ""
+    )
+    return (
+        f" Sharded groups: each of the {ranks} ranks stores its shard of every chunk "
+        f"under its own key{note}, in its 1/{ranks} of the budgets (sizes above are one "
+        "rank's shard)."
+    )
 
 
 def _holds(config: OffloadConfig, summary: dict[str, Any]) -> str:
@@ -350,9 +242,13 @@ def run(args: argparse.Namespace) -> int:
     )
     drafter = drafter_summary(args, config, target)
     summary = plan_summary(
-        config, model=args.model, dtype=args.dtype, block_size=args.block_size,
-        hybrid=args.hybrid, **{k: drafter[k] for k in DRAFTER_FIELDS},
-    )  # fmt: skip
+        config,
+        model=args.model,
+        dtype=args.dtype,
+        block_size=args.block_size,
+        hybrid=args.hybrid,
+        **{k: drafter[k] for k in DRAFTER_FIELDS},
+    )
     if drafter["speculative_method"] is not None:
         for entry, extra in zip(summary["groups"], drafter["groups"], strict=True):
             entry.update(extra)

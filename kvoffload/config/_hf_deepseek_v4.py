@@ -125,17 +125,18 @@ def _layers(config: Mapping[str, Any], dtype: str) -> list[_Layer]:
         p = f"model.layers.{i}.attn"
         if r == 4:
             keys = index_head + index_head // 128 * 4  # fp8 keys and their scales
-            layers.append(_Layer(f"{p}.indexer.k_cache", "compressed_mla", 256, None,
-                                 page(64, keys)))  # fmt: skip
-            layers.append(_Layer(f"{p}.indexer.compressor.state_cache", "sliding_mla", 4, 8,
-                                 page(4, 4 * 4 * index_head)))  # fmt: skip
+            indexer = f"{p}.indexer"
+            state = page(4, 4 * 4 * index_head)
+            layers.append(_Layer(f"{indexer}.k_cache", "compressed_mla", 256, None, page(64, keys)))
+            layers.append(_Layer(f"{indexer}.compressor.state_cache", "sliding_mla", 4, 8, state))
         layers.append(_Layer(f"{p}.swa_cache", "sliding_mla", 64, window, page(64, entry)))
         if r > 1:
             coff = 2 if r == 4 else 1
             layers.append(_Layer(p, "compressed_mla", 256, None, page(256 // r, entry)))
             block = 4 if r == 4 else 8
-            layers.append(_Layer(f"{p}.compressor.state_cache", "sliding_mla", block, coff * r,
-                                 page(block, 4 * 2 * coff * head)))  # fmt: skip
+            compressor = f"{p}.compressor.state_cache"
+            state = page(block, 4 * 2 * coff * head)
+            layers.append(_Layer(compressor, "sliding_mla", block, coff * r, state))
     return layers
 
 

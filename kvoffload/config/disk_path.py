@@ -24,10 +24,28 @@ __all__ = ["check_disk_path", "disk_path_notes"]
 
 #: File system types that are views of the kernel, not storage.
 _PSEUDO_FS = frozenset(
-    ("proc", "sysfs", "devtmpfs", "devpts", "cgroup", "cgroup2", "debugfs", "tracefs",
-     "securityfs", "pstore", "bpf", "configfs", "fusectl", "mqueue", "efivarfs",
-     "binfmt_misc", "autofs", "nsfs", "rpc_pipefs")
-)  # fmt: skip
+    (
+        "proc",
+        "sysfs",
+        "devtmpfs",
+        "devpts",
+        "cgroup",
+        "cgroup2",
+        "debugfs",
+        "tracefs",
+        "securityfs",
+        "pstore",
+        "bpf",
+        "configfs",
+        "fusectl",
+        "mqueue",
+        "efivarfs",
+        "binfmt_misc",
+        "autofs",
+        "nsfs",
+        "rpc_pipefs",
+    )
+)
 
 
 def _existing(path: Path) -> tuple[Path, list[Path]]:

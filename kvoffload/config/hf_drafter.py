@@ -66,13 +66,16 @@ def _with_layers(group: CacheGroup, names: tuple[str, ...], pages: tuple[int, ..
     """``group`` with the drafter's layers ``names`` (of pages ``pages``) after its own."""
     all_pages = group.layer_pages + pages
     return dataclasses.replace(
-        group, layer_names=group.layer_names + names, page_bytes=max(all_pages),
+        group,
+        layer_names=group.layer_names + names,
+        page_bytes=max(all_pages),
         layer_page_bytes=all_pages,
-    )  # fmt: skip
+    )
 
 
-def _join_full(layout: KVLayout, names: tuple[str, ...], pages: tuple[int, ...], tokens: int,
-               lookahead: int) -> KVLayout:  # fmt: skip
+def _join_full(
+    layout: KVLayout, names: tuple[str, ...], pages: tuple[int, ...], tokens: int, lookahead: int
+) -> KVLayout:
     """``layout`` with layers ``names`` (pages ``pages``) in its first full-attention group."""
     full = [i for i, g in enumerate(layout.groups) if g.kind == "full"]
     if not full:
@@ -112,8 +115,13 @@ def with_eagle_head(
     layers = load_hf_config(target).get("num_hidden_layers")
     if type(layers) is not int or layers < 1:
         raise ConfigError("the target's config has no num_hidden_layers to name the head's after")
-    drafter = layout_from_hf_config(head, dtype=dtype, block_size=block_size, hybrid=False,
-                                    tensor_parallel_size=tensor_parallel_size)  # fmt: skip
+    drafter = layout_from_hf_config(
+        head,
+        dtype=dtype,
+        block_size=block_size,
+        hybrid=False,
+        tensor_parallel_size=tensor_parallel_size,
+    )
     pages = tuple(p for g in drafter.groups for p in g.layer_pages)
     tokens = {g.tokens_per_block for g in drafter.groups}
     if len(tokens) > 1 or any(g.kind != "full" for g in drafter.groups):
@@ -153,8 +161,13 @@ def with_draft_model(
     place: one with other than full-attention layers, or of several layers beside a hybrid
     target.
     """
-    drafter = layout_from_hf_config(draft, dtype=dtype, block_size=block_size, hybrid=False,
-                                    tensor_parallel_size=tensor_parallel_size)  # fmt: skip
+    drafter = layout_from_hf_config(
+        draft,
+        dtype=dtype,
+        block_size=block_size,
+        hybrid=False,
+        tensor_parallel_size=tensor_parallel_size,
+    )
     names = tuple(DRAFT_PREFIX + name for g in drafter.groups for name in g.layer_names)
     pages = tuple(p for g in drafter.groups for p in g.layer_pages)
     tokens = {g.tokens_per_block for g in drafter.groups}
@@ -179,8 +192,9 @@ def with_draft_model(
             f"cannot unify page sizes: the drafter's {per_token} bytes per token do not divide "
             f"the target's page of {page} bytes"
         )
-    own = CacheGroup(kind="full", tokens_per_block=page // per_token, layer_names=names,
-                     page_bytes=page)  # fmt: skip
+    own = CacheGroup(
+        kind="full", tokens_per_block=page // per_token, layer_names=names, page_bytes=page
+    )
     return KVLayout((*layout.groups, own))
 
 
@@ -197,8 +211,13 @@ def with_mtp(
     grouped with the target's, as vLLM groups them, and their lookahead; and what they are.
     ``ConfigError`` for a family whose MTP is not planned, or a config without MTP layers."""
     mtp = mtp_layers(load_hf_config(target), num_speculative_tokens)
-    layout = layout_from_hf_config(target, dtype=dtype, block_size=block_size, hybrid=hybrid,
-                                   tensor_parallel_size=tensor_parallel_size,
-                                   more_layers=mtp.layers,
-                                   speculative_tokens=mtp.num_speculative_tokens)  # fmt: skip
+    layout = layout_from_hf_config(
+        target,
+        dtype=dtype,
+        block_size=block_size,
+        hybrid=hybrid,
+        tensor_parallel_size=tensor_parallel_size,
+        more_layers=mtp.layers,
+        speculative_tokens=mtp.num_speculative_tokens,
+    )
     return dataclasses.replace(layout, lookahead=mtp.lookahead), mtp

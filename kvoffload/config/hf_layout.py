@@ -48,6 +48,7 @@ from kvoffload.errors import ConfigError
 __all__ = ["DTYPE_BYTES", "layout_from_hf_config", "load_hf_config"]
 
 #: Bytes per element of the KV cache dtypes vLLM offers.
+# One row per width, laid out by hand (fmt: skip): formatting would put each on a line.
 DTYPE_BYTES = {
     "float32": 4, "fp32": 4, "float": 4,
     "bfloat16": 2, "bf16": 2, "float16": 2, "fp16": 2, "half": 2,
@@ -146,10 +147,14 @@ def _state_bytes(config: Mapping[str, Any], dtype_bytes: int, tp: int = 1, spec:
     """A gated DeltaNet layer's state (vLLM's ``gated_delta_net_state_shape``): conv and SSM,
     of one of ``tp`` tensor-parallel ranks (each holds its share of the heads); the conv
     state keeps a row more for each of ``spec`` speculative tokens."""
-    k_heads, v_heads = (max(1, int_field(config, "linear_num_key_heads") // tp),
-                        max(1, int_field(config, "linear_num_value_heads") // tp))  # fmt: skip
-    k_dim, v_dim = (int_field(config, "linear_key_head_dim"),
-                    int_field(config, "linear_value_head_dim"))  # fmt: skip
+    k_heads, v_heads = (
+        max(1, int_field(config, "linear_num_key_heads") // tp),
+        max(1, int_field(config, "linear_num_value_heads") // tp),
+    )
+    k_dim, v_dim = (
+        int_field(config, "linear_key_head_dim"),
+        int_field(config, "linear_value_head_dim"),
+    )
     conv_dim = 2 * k_dim * k_heads + v_dim * v_heads
     conv = (int_field(config, "linear_conv_kernel_dim") - 1 + spec) * conv_dim
     ssm = v_heads * v_dim * k_dim
@@ -157,9 +162,14 @@ def _state_bytes(config: Mapping[str, Any], dtype_bytes: int, tp: int = 1, spec:
 
 
 def _layer_spec(
-    config: Mapping[str, Any], layer: int, layer_type: str, dtype_bytes: int, tp: int = 1,
-    *, spec: int = 0,
-) -> _LayerSpec:  # fmt: skip
+    config: Mapping[str, Any],
+    layer: int,
+    layer_type: str,
+    dtype_bytes: int,
+    tp: int = 1,
+    *,
+    spec: int = 0,
+) -> _LayerSpec:
     """One layer's KV on one of ``tp`` tensor-parallel ranks: an MLA latent whole (every rank
     holds it), KV heads and recurrent states split (vLLM gives each rank at least one head);
     ``spec``: speculative tokens, whose conv rows a recurrent state keeps."""
@@ -254,8 +264,9 @@ def _dtype_bytes(config: Mapping[str, Any], dtype: str) -> int:
     return DTYPE_BYTES[dtype]
 
 
-def _layer_specs(config: Mapping[str, Any], dtype_bytes: int, tp: int,
-                 more_layers: Mapping[str, str], spec: int) -> dict[str, _LayerSpec]:  # fmt: skip
+def _layer_specs(
+    config: Mapping[str, Any], dtype_bytes: int, tp: int, more_layers: Mapping[str, str], spec: int
+) -> dict[str, _LayerSpec]:
     """Every layer with its own KV, by vLLM's name: the config's, then ``more_layers``."""
     num_layers, shared = layer_count(config), config.get("num_kv_shared_layers") or 0
     specs = {}
@@ -289,8 +300,9 @@ def layout_from_hf_config(
     config = load_hf_config(path_or_dict)
     if config.get("model_type") == "deepseek_v4":
         return deepseek_v4_layout(config, dtype)
-    specs = _layer_specs(config, _dtype_bytes(config, dtype), tp, more_layers or {},
-                         speculative_tokens)  # fmt: skip
+    specs = _layer_specs(
+        config, _dtype_bytes(config, dtype), tp, more_layers or {}, speculative_tokens
+    )
     chunked = any(spec.kind == "chunked_local" for spec in specs.values())
     if hybrid is False or (hybrid is None and chunked):
         specs = _promote(specs)

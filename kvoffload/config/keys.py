@@ -143,31 +143,54 @@ _SIGHTINGS = values.Bounds(1, 1000)
 _MILLISECONDS = values.Bounds(1, 86_400_000, "one day")
 
 KEYS: tuple[Key, ...] = (
-    Key("cpu_bytes_to_use", KeyType.SIZE,
+    Key(
+        "cpu_bytes_to_use",
+        KeyType.SIZE,
         "Host-memory budget for offloaded KV, the total across all workers (as in vLLM). "
         "An integer or a size: '512MiB', '8GiB', '500MB'. "
         "Must hold one chunk of the largest group. With tensor parallelism it is one "
         "shared-memory region in /dev/shm that every rank maps (replicated MLA KV: one "
         "copy), which must have the room.",
-        bounds=_BYTES),
-    Key("blocks_per_chunk", KeyType.INT,
+        bounds=_BYTES,
+    ),
+    Key(
+        "blocks_per_chunk",
+        KeyType.INT,
         "Engine blocks per offloaded chunk, in every group. Works for any layout, hybrid "
-        "ones included. Excludes `block_size`.", bounds=_BLOCKS),
-    Key("block_size", KeyType.INT,
+        "ones included. Excludes `block_size`.",
+        bounds=_BLOCKS,
+    ),
+    Key(
+        "block_size",
+        KeyType.INT,
         "Tokens per chunk (the older vLLM key). Only for layouts whose groups all share one "
         "`tokens_per_block`, and must be a multiple of it. Excludes `blocks_per_chunk`.",
-        bounds=_TOKENS, sets_field=False),
-    Key("eviction_policy", KeyType.POLICY,
+        bounds=_TOKENS,
+        sets_field=False,
+    ),
+    Key(
+        "eviction_policy",
+        KeyType.POLICY,
         f"Eviction policy of the offload index: one of {', '.join(POLICIES.names())}. "
         "Its admission filter (adaptive's) decides what the CPU tier keeps; with a disk or "
-        "remote tier every chunk still reaches them."),
-    Key("store_threshold", KeyType.INT,
+        "remote tier every chunk still reaches them.",
+    ),
+    Key(
+        "store_threshold",
+        KeyType.INT,
         "Keep a chunk in the CPU tier once it has been seen this many times (1: on first "
         "sight; 2 and more filter out one-off prefixes). A disk or remote tier gets every "
-        "chunk regardless.", bounds=_SIGHTINGS),
-    Key("offload_prompt_only", KeyType.BOOL,
-        "Offload only chunks that lie wholly inside the prompt, not generated tokens."),
-    Key("key_source", KeyType.KEY_SOURCE,
+        "chunk regardless.",
+        bounds=_SIGHTINGS,
+    ),
+    Key(
+        "offload_prompt_only",
+        KeyType.BOOL,
+        "Offload only chunks that lie wholly inside the prompt, not generated tokens.",
+    ),
+    Key(
+        "key_source",
+        KeyType.KEY_SOURCE,
         "What chunk keys are hashed from. `tokens`: the token ids (with salt, adapter and "
         "multimodal inputs), the same in every process and every vLLM version. `engine`: "
         "vLLM's own block hashes of the request, which it computes anyway, so the connector "
@@ -175,14 +198,20 @@ KEYS: tuple[Key, ...] = (
         "`prefix_caching_hash_algo` sha256 or sha256_cbor, or `PYTHONHASHSEED` set), and a "
         "vLLM version that hashes differently misses what another stored. `auto`: `engine` "
         "where vLLM's hashes are the same in every process or no disk or remote tier "
-        "outlives the process, `tokens` otherwise."),
-    Key("transfer_kernel", KeyType.TRANSFER_KERNEL,
+        "outlives the process, `tokens` otherwise.",
+    ),
+    Key(
+        "transfer_kernel",
+        KeyType.TRANSFER_KERNEL,
         "How the worker moves pages between GPU KV and host memory. `off`: torch copies "
         "through a staging buffer (measured on an H200). `auto`: per group, direction and "
         "call size, the faster of those and one Triton kernel launch per call, timed at "
         "start on scratch memory and logged. `always`: the kernel. Opt-in until it has run "
-        "on a GPU (docs/data-plane.md); host KV always uses torch copies."),
-    Key("load_in_step", KeyType.LOAD_IN_STEP,
+        "on a GPU (docs/data-plane.md); host KV always uses torch copies.",
+    ),
+    Key(
+        "load_in_step",
+        KeyType.LOAD_IN_STEP,
         "When a hit whose chunks are all in the CPU tier is loaded. `auto`: in the step that "
         "asks for it (vLLM schedules the rest of the prompt at once, as for a hit in its own "
         "cache) where vLLM can recompute a failed load from the failed block on: one KV cache "
@@ -194,48 +223,77 @@ KEYS: tuple[Key, ...] = (
         "is logged as an error). `never`: one step later. Hits that need "
         "the disk or remote tier load over later steps (with `KVOFFLOAD_LOWER_TIER_HITS="
         "promote` they are read into the CPU tier first and then load in their step: "
-        "measured no faster here, docs/vllm.md)."),
-    Key("tenant_cpu_share", KeyType.FRACTION,
+        "measured no faster here, docs/vllm.md).",
+    ),
+    Key(
+        "tenant_cpu_share",
+        KeyType.FRACTION,
         "Most of the CPU tier one tenant (one `cache_salt`; requests without one are a "
         "tenant too) may hold, as a fraction of its chunks: a tenant at its share evicts "
-        "its own chunks, never the others'. Unset: no limit."),
-    Key("retention_interval", KeyType.INT,
+        "its own chunks, never the others'. Unset: no limit.",
+    ),
+    Key(
+        "retention_interval",
+        KeyType.INT,
         "Sliding-window chunks and recurrent states are stored only where a later hit can "
         "land: the aligned ends of each request's prompt and output, where its prefix left "
         "what was stored, and one hit point every this many tokens (rounded up to a chunk "
         "boundary of every group). 0: no periodic points; 1: every chunk boundary (stores "
         "every chunk). Full-attention chunks are always all stored. The default kept 98% of "
         "the hits of storing every chunk for 29% of its bytes (docs/benchmarks.md).",
-        bounds=_INTERVAL),
-    Key("disk_path", KeyType.PATH,
+        bounds=_INTERVAL,
+    ),
+    Key(
+        "disk_path",
+        KeyType.PATH,
         "Directory of the disk tier (created 0700), on a local file system. Processes may "
         "share it (data-parallel replicas, several servers, tensor-parallel ranks): each "
-        "loads what the others stored. Unset: no disk tier. Needs `disk_bytes_to_use`."),
-    Key("disk_bytes_to_use", KeyType.SIZE,
+        "loads what the others stored. Unset: no disk tier. Needs `disk_bytes_to_use`.",
+    ),
+    Key(
+        "disk_bytes_to_use",
+        KeyType.SIZE,
         "Byte budget of everything under `disk_path`: per directory (so per host), not per "
         "rank or process. All processes and tensor-parallel ranks on the path stay within it "
         "together, evicting in one LRU order; give them all the same value. Needs `disk_path`.",
-        bounds=_BYTES),
-    Key("remote_url", KeyType.URL,
+        bounds=_BYTES,
+    ),
+    Key(
+        "remote_url",
+        KeyType.URL,
         "The shared remote tier, behind CPU and disk: `redis://host:6379/0` (Redis or "
         "Valkey), `rediss://` for TLS, `redis+cluster://host:7000` for a Redis Cluster. "
         "Unset: no remote tier. The server evicts on its own (`maxmemory` with an LRU or "
-        "LFU policy)."),
-    Key("remote_password_env", KeyType.ENV,
+        "LFU policy).",
+    ),
+    Key(
+        "remote_password_env",
+        KeyType.ENV,
         "Name of the environment variable that holds the remote server's password "
-        "(never the password itself). Needs `remote_url`."),
-    Key("remote_timeout_ms", KeyType.INT,
+        "(never the password itself). Needs `remote_url`.",
+    ),
+    Key(
+        "remote_timeout_ms",
+        KeyType.INT,
         "Timeout of every call to the remote tier, in milliseconds; a slower server is "
-        "treated as down. Needs `remote_url`.", bounds=_MILLISECONDS),
-    Key("remote_retry_ms", KeyType.INT,
+        "treated as down. Needs `remote_url`.",
+        bounds=_MILLISECONDS,
+    ),
+    Key(
+        "remote_retry_ms",
+        KeyType.INT,
         "Longest wait between reconnection attempts while the remote tier is down, in "
         "milliseconds (the wait doubles from 100 ms up to this). Needs `remote_url`.",
-        bounds=_MILLISECONDS),
-    Key("remote_queue_bytes", KeyType.SIZE,
+        bounds=_MILLISECONDS,
+    ),
+    Key(
+        "remote_queue_bytes",
+        KeyType.SIZE,
         "Bytes of stores waiting for the remote tier: stores are written behind the store "
         "job from a queue this big; when it is full a store skips the remote tier (counted, "
         "named in the job's errors) and stays in CPU and disk. Needs `remote_url`.",
-        bounds=_BYTES),
+        bounds=_BYTES,
+    ),
     *(
         Key(name, KeyType.IGNORED, _VLLM_ONLY, sets_field=False)
         for name in (
@@ -249,7 +307,7 @@ KEYS: tuple[Key, ...] = (
             "backpressure",
         )
     ),
-)  # fmt: skip
+)
 
 KEYS_BY_NAME: dict[str, Key] = {key.name: key for key in KEYS}
 IGNORED_KEYS: frozenset[str] = frozenset(key.name for key in KEYS if key.ignored)

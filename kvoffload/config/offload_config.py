@@ -138,15 +138,23 @@ class OffloadConfig:
             zip(self.layout.groups, self.tokens_per_chunk, self.chunk_bytes, strict=True)
         ):
             rows.append(
-                (str(i), group.kind, str(group.num_layers), str(group.tokens_per_block),
-                 str(span), format_bytes(size))
-            )  # fmt: skip
+                (
+                    str(i),
+                    group.kind,
+                    str(group.num_layers),
+                    str(group.tokens_per_block),
+                    str(span),
+                    format_bytes(size),
+                )
+            )
         widths = [max(len(row[c]) for row in rows) for c in range(len(rows[0]))]
         table = [
-            "  ".join(cell.rjust(w) if c else cell.ljust(w) for c, (cell, w) in
-                      enumerate(zip(row, widths, strict=True)))
+            "  ".join(
+                cell.rjust(w) if c else cell.ljust(w)
+                for c, (cell, w) in enumerate(zip(row, widths, strict=True))
+            )
             for row in rows
-        ]  # fmt: skip
+        ]
         table.insert(1, "  ".join("-" * w for w in widths))
         disk = (
             f"{self.disk_path} ({format_bytes(self.disk_bytes_to_use)} shared by every "
@@ -163,18 +171,24 @@ class OffloadConfig:
             ("key_source", self.key_source),
             ("transfer_kernel", self.transfer_kernel),
             ("load_in_step", self.load_in_step),
-            ("tenant_cpu_share", "off" if self.tenant_cpu_share is None
-             else f"{self.tenant_cpu_share:g} of the CPU tier per tenant"),
+            (
+                "tenant_cpu_share",
+                "off"
+                if self.tenant_cpu_share is None
+                else f"{self.tenant_cpu_share:g} of the CPU tier per tenant",
+            ),
             ("retention_interval", self._retention_text()),
             ("disk tier", disk),
             ("remote tier", self._remote_text()),
-        ]  # fmt: skip
+        ]
         summary = [f"{name:<20} {value}" for name, value in settings]
         return "\n".join([*table, "", *summary])
 
     def _cpu_text(self) -> str:
-        text = (f"{format_bytes(self.cpu_bytes_to_use)} across {self.world_size} worker(s): "
-                f"{self.num_cpu_chunks} chunks per worker")  # fmt: skip
+        text = (
+            f"{format_bytes(self.cpu_bytes_to_use)} across {self.world_size} worker(s): "
+            f"{self.num_cpu_chunks} chunks per worker"
+        )
         if self.world_size == 1:
             return text
         if self.copies == 1:

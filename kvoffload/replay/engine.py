@@ -93,15 +93,34 @@ class EngineRow:
     miss_tokens: dict[str, int] = field(default_factory=dict)
 
     @classmethod
-    def of(cls, trace: Trace, connector: str, policy: str, settings: tuple[int, int],
-           stats: StandInStats, *, miss_tokens: dict[str, int] | None = None,
-           ) -> EngineRow:  # fmt: skip
+    def of(
+        cls,
+        trace: Trace,
+        connector: str,
+        policy: str,
+        settings: tuple[int, int],
+        stats: StandInStats,
+        *,
+        miss_tokens: dict[str, int] | None = None,
+    ) -> EngineRow:
         """A row from a run's stats; ``settings`` are ``(capacity, gpu_blocks)``."""
         capacity, gpu_blocks = settings
-        return cls(trace.name, connector, policy, capacity, gpu_blocks, stats.requests,
-                   stats.steps, stats.prompt_tokens, stats.gpu_hit_tokens, stats.loaded_tokens,
-                   stats.failed_load_tokens, stats.scheduler_seconds, stats.seconds,
-                   dict(miss_tokens or {}))  # fmt: skip
+        return cls(
+            trace.name,
+            connector,
+            policy,
+            capacity,
+            gpu_blocks,
+            stats.requests,
+            stats.steps,
+            stats.prompt_tokens,
+            stats.gpu_hit_tokens,
+            stats.loaded_tokens,
+            stats.failed_load_tokens,
+            stats.scheduler_seconds,
+            stats.seconds,
+            dict(miss_tokens or {}),
+        )
 
     @property
     def hit_ratio(self) -> float:
@@ -119,13 +138,17 @@ class EngineRow:
         return 1000 * self.scheduler_seconds / self.steps if self.steps else 0.0
 
     def as_dict(self) -> dict[str, object]:
-        return {**asdict(self), "hit_ratio": self.hit_ratio, "gpu_hit_ratio": self.gpu_hit_ratio,
-                "scheduler_ms_per_step": self.scheduler_ms_per_step}  # fmt: skip
+        return {
+            **asdict(self),
+            "hit_ratio": self.hit_ratio,
+            "gpu_hit_ratio": self.gpu_hit_ratio,
+            "scheduler_ms_per_step": self.scheduler_ms_per_step,
+        }
 
 
-def engine_requests(trace: Trace, *, progress: bool = False, desc: str = "") -> Iterator[
-    tuple[str, Sequence[int]]
-]:  # fmt: skip
+def engine_requests(
+    trace: Trace, *, progress: bool = False, desc: str = ""
+) -> Iterator[tuple[str, Sequence[int]]]:
     """``(request id, token ids)`` for every request of ``trace``, built as the engine asks.
 
     Token ids are a list, as vLLM hands them to a connector (``all_token_ids``).
@@ -161,9 +184,13 @@ def replay_engine(
     """
     layout = trace_layout() if layout is None else layout
     slot = max(g.chunk_bytes(1) for g in layout.groups)
-    keys = {"cpu_bytes_to_use": capacity * slot, "blocks_per_chunk": 1,
-            "eviction_policy": policy, "key_source": key_source,
-            "load_in_step": load_in_step}  # fmt: skip
+    keys = {
+        "cpu_bytes_to_use": capacity * slot,
+        "blocks_per_chunk": 1,
+        "eviction_policy": policy,
+        "key_source": key_source,
+        "load_in_step": load_in_step,
+    }
     config = build_offloading_config(keys, layout)
     kv = allocate_kv_caches(layout, settings.gpu_blocks, torch.uint8)
     # No KV events, as vLLM runs by default (its own connector then keeps none either).
@@ -172,8 +199,9 @@ def replay_engine(
     stats = run_side(trace, side, layout, settings, progress=progress, desc=f"{policy}@{capacity}")
     misses = side.scheduler.stats()["miss_tokens_by_reason"]
     assert isinstance(misses, dict)  # the figure's type, for mypy
-    return EngineRow.of(trace, "kvoffload", policy, (capacity, settings.gpu_blocks), stats,
-                        miss_tokens=misses)  # fmt: skip
+    return EngineRow.of(
+        trace, "kvoffload", policy, (capacity, settings.gpu_blocks), stats, miss_tokens=misses
+    )
 
 
 def run_side(
@@ -199,8 +227,15 @@ def run_side(
 def format_engine_table(rows: Sequence[EngineRow]) -> str:
     """A fixed-width table: the connector's hit ratio (tokens it loaded over prompt tokens),
     the GPU cache's beside it, scheduler ms per step."""
-    header = ("connector", "policy", "capacity", "gpu blocks", "loaded", "gpu cache",
-              "sched ms/step")  # fmt: skip
+    header = (
+        "connector",
+        "policy",
+        "capacity",
+        "gpu blocks",
+        "loaded",
+        "gpu cache",
+        "sched ms/step",
+    )
     lines = ["{:<10} {:<9} {:>8} {:>10} {:>7} {:>9} {:>13}".format(*header)]
     for r in rows:
         lines.append(

@@ -4,29 +4,17 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Collection, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 
 from kvoffload.config.layout import KVLayout
 from kvoffload.errors import ConfigError, IntegrityError
 from kvoffload.keys import KeyExtras, prefix_keys, prefix_keys_for_layout
-from kvoffload.standin._forward import (
-    carry_states,
-    check_lookahead,
-    final_after,
-    verify_blocks,
-    write_step,
-)
+from kvoffload.standin._forward import carry_states, check_lookahead, final_after, write_step
 from kvoffload.standin._kv import KVPages
+from kvoffload.standin._loads import LoadOutcomes
 from kvoffload.standin._prefix_cache import PrefixCache
 from kvoffload.standin._state import aligned_stop, state_block_size
-from kvoffload.standin._types import (
-    ConnectorSide,
-    SimRequest,
-    StandInStats,
-    Status,
-    StepPlan,
-    WorkerResult,
-)
+from kvoffload.standin._types import ConnectorSide, SimRequest, StandInStats, Status, StepPlan
 
 __all__ = ["MAX_IDLE_STEPS", "StandIn"]
 
@@ -80,8 +68,9 @@ class StandIn:
         self.waiting: list[SimRequest] = []
         self.running: list[SimRequest] = []
         self.stats = StandInStats()
+        #: What becomes of the connector's loads (counted in :attr:`stats`).
+        self.loads = LoadOutcomes(layout, self.cache, self.stats, kv)
         self._finished: set[str] = set()
-        self._received: dict[str, bool] = {}
         self._idle = 0
 
     # -- feeding requests -----------------------------------------------------------------
@@ -109,8 +98,16 @@ class StandIn:
         needed = self.cache.caching or self.kv is not None
         hashes = self.block_hashes(tokens, extras) if needed else [[] for _ in range(groups)]
         flat = self.request_hashes(tokens, extras, known=hashes)
-        req = SimRequest(req_id, tokens, hashes, [[] for _ in range(groups)], extras,
-                         told=[0] * groups, num_prompt=num_prompt, block_hashes=flat)  # fmt: skip
+        req = SimRequest(
+            req_id,
+            tokens,
+            hashes,
+            [[] for _ in range(groups)],
+            extras,
+            told=[0] * groups,
+            num_prompt=num_prompt,
+            block_hashes=flat,
+        )
         if self.layout.lookahead and self.kv is not None:  # what a block holds until final
             req.provisional = self.block_hashes(tokens, extras, lookahead=0)
         self.side.add_request(req)
@@ -188,14 +185,14 @@ class StandIn:
                 carry_states(self.kv, self.layout, req, n)
         result = self.side.run_worker(meta, lambda: self._forward(plan))
         for req, n in plan.scheduled:
-            if req.req_id in plan.in_step and not self._loaded_in_step(req, result):
+            if req.req_id in plan.in_step and not self.loads.loaded_in_step(req, result):
                 continue  # vLLM drops the step's output and recomputes from the failed block
             req.computed += n
             req.final = final_after(self.layout, req, req.computed)
             if req.computed >= req.last:
                 self._finish(req)
         self.side.update_connector_output(result)
-        self._received_loads(result)
+        self.loads.record(self.waiting, result)
         stats = self.stats
         stats.steps += 1
         stats.scheduler_seconds = self.side.clock.seconds
@@ -232,10 +229,10 @@ class StandIn:
         while i < len(self.waiting) and budget > 0 and len(self.running) < self.max_running:
             req = self.waiting[i]
             if req.status is Status.LOADING:
-                if req.req_id not in self._received:
+                if req.req_id not in self.loads.received:
                     i += 1
                     continue
-                self._resume(req, self._received.pop(req.req_id))
+                self.loads.resume(req, self.loads.received.pop(req.req_id))
             hit, local, external = None, 0, 0
             if req.computed == 0 and not self._fits(req):
                 break
@@ -296,8 +293,10 @@ class StandIn:
         need = sum(-(-req.num_tokens // t) for t in tpb)
         for other in [*self.running, *self.waiting]:
             if other.blocks[0] or other.status is not Status.WAITING:
-                need += sum(max(0, -(-other.num_tokens // t) - len(ids))
-                            for t, ids in zip(tpb, other.blocks, strict=True))  # fmt: skip
+                need += sum(
+                    max(0, -(-other.num_tokens // t) - len(ids))
+                    for t, ids in zip(tpb, other.blocks, strict=True)
+                )
         return need <= self.cache.num_free
 
     # -- after the forward pass -----------------------------------------------------------
@@ -311,57 +310,6 @@ class StandIn:
         self.stats.requests += 1
         self.stats.prompt_tokens += req.num_prompt
 
-    def _received_loads(self, result: WorkerResult) -> None:
-        """Loads that finished this step; the request resumes when next scheduled."""
-        for req in self.waiting:
-            if req.status is Status.LOADING and req.req_id in result.finished_recving:
-                if req.req_id in result.failed_recving:
-                    self._received[req.req_id] = False
-                    continue
-                self._cut_at_failed_block(req, result.failed_blocks)
-                self._received[req.req_id] = True
-
-    def _cut_at_failed_block(self, req: SimRequest, failed_blocks: Collection[int]) -> bool:
-        """vLLM's ``_update_requests_with_invalid_blocks``: with block ids (one group), the
-        request's computed tokens go back to its first failed block; ``True`` if one was."""
-        if len(self.layout.groups) != 1:
-            return False
-        tpb = self.layout.groups[0].tokens_per_block
-        for i, block in enumerate(req.blocks[0][: -(-req.computed // tpb)]):
-            if block in failed_blocks:
-                self.stats.failed_load_tokens += req.computed - i * tpb
-                req.computed = req.final = i * tpb
-                return True
-        return False
-
-    def _loaded_in_step(self, req: SimRequest, result: WorkerResult) -> bool:
-        """vLLM's ``_handle_invalid_blocks`` for a load the step ran: ``False`` if it failed
-        (only layouts of one group load in the step, see
-        :func:`kvoffload.connector.loads.loads_in_step`)."""
-        loaded = req.computed - req.local_hit
-        if self._cut_at_failed_block(req, result.failed_blocks):
-            return False
-        self.stats.loaded_tokens += loaded
-        if loaded and self.kv is not None:
-            self._verify(req, req.local_hit, req.computed)
-        return True
-
-    def _resume(self, req: SimRequest, ok: bool) -> None:
-        """vLLM's ``_update_waiting_for_remote_kv``: cache what is valid, or start over."""
-        if not ok:  # a failed request (hybrid layouts): vLLM starts it over, lookups included
-            self.stats.failed_load_tokens += req.computed - req.local_hit
-            req.computed = req.final = 0
-        loaded = max(0, req.computed - req.local_hit)
-        self.stats.loaded_tokens += loaded
-        if loaded and self.kv is not None:
-            self._verify(req, req.local_hit, req.computed)
-        if req.computed:
-            self.cache.cache(req.blocks, req.hashes, req.computed)
-        else:
-            self.cache.free(req.blocks)
-            req.told = [0] * len(req.blocks)
-        req.status = Status.WAITING
-
     # -- the forward pass -----------------------------------------------------------------
     def _forward(self, plan: StepPlan) -> None:
         """Write the KV of every full block the step computes or makes final (with ``kv``);
@@ -369,10 +317,3 @@ class StandIn:
         if self.kv is not None:
             for req, n in plan.scheduled:
                 self.stats.mismatched_blocks += write_step(self.kv, self.layout, req, n)
-
-    def _verify(self, req: SimRequest, start: int, stop: int) -> None:
-        """Check every full block a load of tokens ``[start, stop)`` filled, bit-exact."""
-        assert self.kv is not None
-        exact, wrong = verify_blocks(self.kv, self.layout, req, start, stop)
-        self.stats.verified_blocks += exact
-        self.stats.mismatched_blocks += wrong

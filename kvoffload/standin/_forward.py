@@ -121,9 +121,9 @@ def write_step(kv: KVPages, layout: KVLayout, req: SimRequest, n: int) -> int:
     return wrong
 
 
-def verify_blocks(kv: KVPages, layout: KVLayout, req: SimRequest, start: int, stop: int) -> tuple[
-    int, int
-]:  # fmt: skip
+def verify_blocks(
+    kv: KVPages, layout: KVLayout, req: SimRequest, start: int, stop: int
+) -> tuple[int, int]:
     """``(exact, wrong)``: the full blocks a load of tokens ``[start, stop)`` filled, checked
     bit-exact against their final KV. A block that cannot be final (the tokens after it do
     not exist) is wrong whatever it holds."""

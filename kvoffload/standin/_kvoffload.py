@@ -167,8 +167,13 @@ def _completed(orders: Sequence[TransferOrder]) -> WorkerResult:
     """The worker's answer to ``orders`` had every one of them succeeded at once."""
     loads = [order for order in orders if order.kind is JobKind.LOAD and not order.in_step]
     reports = [
-        JobReport(order.job_id, 1, frozenset(),
-                  {} if order.kind is JobKind.STORE else dict.fromkeys(order.keys, 1), {})
+        JobReport(
+            order.job_id,
+            1,
+            frozenset(),
+            {} if order.kind is JobKind.STORE else dict.fromkeys(order.keys, 1),
+            {},
+        )
         for order in orders
-    ]  # fmt: skip
+    ]
     return WorkerResult({order.req_id for order in loads}, set(), set(), reports)

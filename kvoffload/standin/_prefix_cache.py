@@ -84,8 +84,12 @@ class PrefixCache:
         table: Table = []
         for g, group in enumerate(self.layout.groups):
             first = needed_tokens(group, 0, hit)[0] // tpb[g]
-            table.append([found[g][b] or NULL_BLOCK if b >= first else NULL_BLOCK
-                          for b in range(hit // tpb[g])])  # fmt: skip
+            table.append(
+                [
+                    found[g][b] or NULL_BLOCK if b >= first else NULL_BLOCK
+                    for b in range(hit // tpb[g])
+                ]
+            )
         return hit, table
 
     def _servable(self, found: Sequence[Sequence[int | None]], hit: int) -> bool:
@@ -115,9 +119,11 @@ class PrefixCache:
         for g, group in enumerate(self.layout.groups):
             tpb = self.tokens_per_block[g]
             skipped = needed_tokens(group, 0, computed)[0] // tpb
-            base = table[g] if hit is None else [
-                b if i >= skipped else NULL_BLOCK for i, b in enumerate(hit[g])
-            ]  # fmt: skip
+            base = (
+                table[g]
+                if hit is None
+                else [b if i >= skipped else NULL_BLOCK for i, b in enumerate(hit[g])]
+            )
             stop = -(-total // tpb)
             plans.append((base, skipped, stop))
             new = max(0, stop - max(len(base), skipped))

@@ -122,8 +122,11 @@ class WriteBehind(WrappedTier):
         """The tier's stats, with the queue's: ``dropped``, ``queued`` and its byte gauges."""
         inner, mine = self.tier.stats(), self._counters.snapshot()
         with self._cond:
-            gauges = {"queue_bytes": self._queue_bytes, "queue_peak_bytes": self._peak_bytes,
-                      "queue_max_bytes": self.max_bytes}  # fmt: skip
+            gauges = {
+                "queue_bytes": self._queue_bytes,
+                "queue_peak_bytes": self._peak_bytes,
+                "queue_max_bytes": self.max_bytes,
+            }
         return dataclasses.replace(
             inner,
             dropped=inner.dropped + mine.dropped,

@@ -69,8 +69,15 @@ _FIRST_RETRY_S = 0.1
 
 
 #: The remote tier's own counters beside the shared ones (see :mod:`kvoffload.tiers.stats`).
-_EXTRA = ("probes", "probed_keys", "probe_hits", "probe_failures", "discard_failures",
-          "outages", "reconnects")  # fmt: skip
+_EXTRA = (
+    "probes",
+    "probed_keys",
+    "probe_hits",
+    "probe_failures",
+    "discard_failures",
+    "outages",
+    "reconnects",
+)
 
 
 def _redis() -> Any:

@@ -84,8 +84,9 @@ def _scratch_layers(layers: Sequence[LayerPages], blocks: int) -> list[LayerPage
             view = torch.empty((2, blocks, page // 2), dtype=torch.uint8, device=device)
         else:
             stride = pages.pages.stride(0)  # padded and packed pages keep their spacing
-            view = torch.empty_strided((blocks, page), (stride, 1), dtype=torch.uint8,
-                                       device=device)  # fmt: skip
+            view = torch.empty_strided(
+                (blocks, page), (stride, 1), dtype=torch.uint8, device=device
+            )
         out.append(LayerPages(pages.name, pages.split, blocks, page, view))
     return out
 
@@ -126,8 +127,17 @@ def _measure_group(
         span = BlockSpan(tuple(range(n * bpc)))
         ids = np.arange(n * bpc, dtype=np.int64)
         for to_chunks in (False, True):
-            dma = partial(staged_copy, scratch, span, ids, chunks, bpc, chunk_bytes,
-                          to_chunks=to_chunks, max_staging_bytes=MAX_SCRATCH_BYTES)  # fmt: skip
+            dma = partial(
+                staged_copy,
+                scratch,
+                span,
+                ids,
+                chunks,
+                bpc,
+                chunk_bytes,
+                to_chunks=to_chunks,
+                max_staging_bytes=MAX_SCRATCH_BYTES,
+            )
             by_kernel = partial(kernel.copy, 0, span, ids, chunks, to_chunks=to_chunks)
             directions[int(to_chunks)].append((_best(dma, stream), _best(by_kernel, stream)))
     return tuple(tuple(rows) for rows in directions)

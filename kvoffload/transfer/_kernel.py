@@ -126,8 +126,9 @@ class KernelCopier:
 
     def __init__(self, groups: Sequence[Sequence[LayerPages]], chunk_blocks: Sequence[int]) -> None:
         self._launch = _load_launch()
-        self._groups = [_pieces(layers, bpc) for layers, bpc in zip(groups, chunk_blocks,
-                                                                     strict=True)]  # fmt: skip
+        self._groups = [
+            _pieces(layers, bpc) for layers, bpc in zip(groups, chunk_blocks, strict=True)
+        ]
         self.device = groups[0][0].device
 
     def accepts(self, chunks: Sequence[torch.Tensor]) -> bool:

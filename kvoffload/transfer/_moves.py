@@ -2,8 +2,10 @@
 
 A *run* is ``m`` chunks of ``k`` blocks each whose bytes for one layer sit at
 a fixed step in memory (``dst``: ``[m, k, page]``; one chunk, or evenly spaced
-slots of one slab). Measured on the project's CPU host (out of cache, one
-thread), against ``np.copyto`` of the same bytes:
+slots of one slab). :func:`move_span` splits a span into runs (the direct path,
+for host tensors and ``staged=False``); :func:`move_run` moves one. Measured on
+the project's CPU host (out of cache, one thread), against ``np.copyto`` of the
+same bytes:
 
 * a consecutive run is one ``np.copyto`` between numpy views of the same
   memory (torch's ``copy_`` measured ~10% slower);
@@ -16,13 +18,87 @@ thread), against ``np.copyto`` of the same bytes:
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import numpy as np
 import numpy.typing as npt
 import torch
 
+from kvoffload.messages import BlockSpan
 from kvoffload.transfer.views import KVSplit, LayerPages
 
-__all__ = ["move_run"]
+__all__ = ["move_run", "move_span"]
+
+
+def move_span(
+    layers: Sequence[LayerPages],
+    span: BlockSpan,
+    ids: npt.NDArray[np.int64],
+    chunks: Sequence[torch.Tensor],
+    *,
+    bpc: int,
+    size: int,
+    to_chunks: bool,
+) -> None:
+    """Move ``layers``' blocks ``ids`` of ``span`` between the engine and ``chunks`` (of
+    ``bpc`` blocks, ``size`` bytes each): the span split into runs, one copy per layer per run."""
+    ranges = span.chunk_ranges(bpc)
+    c = 0
+    while c < len(ranges):
+        m, step = _mergeable(chunks, ranges, c, bpc, size)
+        start, stop, pos = ranges[c]
+        stop = ranges[c + m - 1][1]
+        run = ids[start:stop]
+        index = None if bool((np.diff(run) == 1).all()) else run.reshape(m, -1)
+        k = (stop - start) // m
+        layer_start = 0  # layers' pages differ in size in DeepSeek-V4's packed groups
+        for layer in layers:
+            offset = layer_start + pos * layer.page_bytes
+            layer_start += bpc * layer.page_bytes
+            base = chunks[c]
+            dst = base.as_strided(
+                (m, k, layer.page_bytes),
+                (step, layer.page_bytes, 1),
+                base.storage_offset() + offset,
+            )
+            move_run(layer, dst, int(run[0]), index, to_chunks=to_chunks)
+        c += m
+
+
+def _mergeable(
+    chunks: Sequence[torch.Tensor],
+    ranges: Sequence[tuple[int, int, int]],
+    c: int,
+    bpc: int,
+    size: int,
+) -> tuple[int, int]:
+    """How many chunks from ``c`` one copy per layer can move, and their buffer step in bytes.
+
+    They must be whole chunks whose buffers lie evenly spaced, without
+    overlap, in one storage (slots of one slab, typically). A partial chunk
+    (the first of an unaligned load, the last of a span) is a run by itself.
+    """
+
+    def whole(i: int) -> bool:
+        return BlockSpan.is_whole(ranges[i], bpc)
+
+    single = (1, size)
+    if c + 1 >= len(ranges) or not whole(c):
+        return single
+    base = chunks[c]
+    step = chunks[c + 1].data_ptr() - base.data_ptr()
+    if step < size:
+        return single
+    storage = base.untyped_storage().data_ptr()
+    m = 1
+    while (
+        c + m < len(ranges)
+        and whole(c + m)
+        and chunks[c + m].data_ptr() - chunks[c + m - 1].data_ptr() == step
+        and chunks[c + m].untyped_storage().data_ptr() == storage
+    ):
+        m += 1
+    return (m, step) if m > 1 else single
 
 
 def _engine_side(pages: LayerPages, dst: torch.Tensor) -> tuple[torch.Tensor, int]:

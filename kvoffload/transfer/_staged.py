@@ -85,8 +85,16 @@ def staged_copy(  # noqa: PLR0917 - private helper, called positionally by KVTra
             start, pos, end = ranges[c0][0], ranges[c0][2], ranges[c1 - 1][1]
             index = _device_index(ids[start:end], device)
             rows = staging[c0 - first : c1 - first]
-            _move_layers(layers, rows, pos, (end - start) // (c1 - c0), index, int(ids[start]),
-                         bpc=bpc, to_chunks=to_chunks)  # fmt: skip
+            _move_layers(
+                layers,
+                rows,
+                pos,
+                (end - start) // (c1 - c0),
+                index,
+                int(ids[start]),
+                bpc=bpc,
+                to_chunks=to_chunks,
+            )
         if to_chunks:
             _host_copies(staging, chunks[first:stop], size, to_host=True)
 

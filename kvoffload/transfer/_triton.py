@@ -90,8 +90,13 @@ def launch(  # noqa: PLR0917 - private helper, called positionally by the kernel
     ``aligned16``: every address and size is a multiple of 16 bytes, ``word`` is 8.
     """
     args = (pieces, blocks, blocks.shape[1])
-    meta = {"WORD": _WORDS[word], "WORD_BYTES": word, "TILE": tile, "TO_CHUNKS": to_chunks,
-            "ALIGNED16": aligned16}  # fmt: skip
+    meta = {
+        "WORD": _WORDS[word],
+        "WORD_BYTES": word,
+        "TILE": tile,
+        "TO_CHUNKS": to_chunks,
+        "ALIGNED16": aligned16,
+    }
     if pieces.device.type == "cuda":
         # No floating point here; naming the option keeps Triton 3.9 from warning on its default.
         _compiled[grid](*args, **meta, enable_fp_fusion=False)

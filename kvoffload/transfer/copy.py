@@ -48,7 +48,7 @@ from kvoffload.errors import TransferError
 from kvoffload.messages import BlockSpan
 from kvoffload.transfer._calibrate import PathChoice, calibrate
 from kvoffload.transfer._kernel import KernelCopier, KernelUse, kernel_use
-from kvoffload.transfer._moves import move_run
+from kvoffload.transfer._moves import move_span
 from kvoffload.transfer._staged import DEFAULT_MAX_STAGING_BYTES, staged_copy
 from kvoffload.transfer.views import KVSplit, LayerPages, register_layers
 
@@ -118,8 +118,11 @@ class KVTransfer:
             return copier, None
         sizes = [self.chunk_bytes(g) for g in range(len(self.groups))]
         choice = calibrate(self.groups, blocks, sizes)
-        logger.info("kvoffload transfer on %s, kernel or DMA per call: %s",
-                    torch.cuda.get_device_name(self.device), choice.summary())  # fmt: skip
+        logger.info(
+            "kvoffload transfer on %s, kernel or DMA per call: %s",
+            torch.cuda.get_device_name(self.device),
+            choice.summary(),
+        )
         return copier, choice
 
     @property
@@ -250,44 +253,22 @@ class KVTransfer:
             kernel.copy(group, span, ids, chunks, to_chunks=to_chunks)
             return
         if self.staged:
-            staged_copy(pages.layers, span, ids, chunks, pages.bpc, pages.size,
-                        to_chunks=to_chunks, max_staging_bytes=self.max_staging_bytes,
-                        after=after)  # fmt: skip
+            staged_copy(
+                pages.layers,
+                span,
+                ids,
+                chunks,
+                pages.bpc,
+                pages.size,
+                to_chunks=to_chunks,
+                max_staging_bytes=self.max_staging_bytes,
+                after=after,
+            )
             return
         if after is not None:
             torch.cuda.current_stream(self.device).wait_event(after)
-        self._copy_chunks(pages, span, ids, to_chunks=to_chunks)
-
-    @staticmethod
-    def _copy_chunks(
-        pages: _Pages,
-        span: BlockSpan,
-        ids: npt.NDArray[np.int64],
-        *,
-        to_chunks: bool,
-    ) -> None:
-        """Split the span into runs (see :mod:`._moves`); one copy per layer per run."""
-        layers, chunks, bpc, size = pages.layers, pages.chunks, pages.bpc, pages.size
-        ranges = span.chunk_ranges(bpc)
-        c = 0
-        while c < len(ranges):
-            m, step = _mergeable(chunks, ranges, c, bpc, size)
-            start, stop, pos = ranges[c]
-            stop = ranges[c + m - 1][1]
-            run = ids[start:stop]
-            index = None if bool((np.diff(run) == 1).all()) else run.reshape(m, -1)
-            k = (stop - start) // m
-            layer_start = 0  # layers' pages differ in size in DeepSeek-V4's packed groups
-            for layer in layers:
-                offset = layer_start + pos * layer.page_bytes
-                layer_start += bpc * layer.page_bytes
-                base = chunks[c]
-                dst = base.as_strided(
-                    (m, k, layer.page_bytes), (step, layer.page_bytes, 1),
-                    base.storage_offset() + offset,
-                )  # fmt: skip
-                move_run(layer, dst, int(run[0]), index, to_chunks=to_chunks)
-            c += m
+        bpc, size = pages.bpc, pages.size
+        move_span(pages.layers, span, ids, chunks, bpc=bpc, size=size, to_chunks=to_chunks)
 
 
 @dataclass(frozen=True, slots=True)
@@ -319,39 +300,3 @@ class _Pages:
         size = bpc * layers[layer].page_bytes
         narrowed = [buf.narrow(0, start, size) for buf in chunks]
         return cls(group, (layers[layer],), narrowed, bpc, size, whole=False)
-
-
-def _mergeable(
-    chunks: Sequence[torch.Tensor],
-    ranges: Sequence[tuple[int, int, int]],
-    c: int,
-    bpc: int,
-    size: int,
-) -> tuple[int, int]:
-    """How many chunks from ``c`` one copy per layer can move, and their buffer step in bytes.
-
-    They must be whole chunks whose buffers lie evenly spaced, without
-    overlap, in one storage (slots of one slab, typically). A partial chunk
-    (the first of an unaligned load, the last of a span) is a run by itself.
-    """
-
-    def whole(i: int) -> bool:
-        return BlockSpan.is_whole(ranges[i], bpc)
-
-    single = (1, size)
-    if c + 1 >= len(ranges) or not whole(c):
-        return single
-    base = chunks[c]
-    step = chunks[c + 1].data_ptr() - base.data_ptr()
-    if step < size:
-        return single
-    storage = base.untyped_storage().data_ptr()
-    m = 1
-    while (
-        c + m < len(ranges)
-        and whole(c + m)
-        and chunks[c + m].data_ptr() - chunks[c + m - 1].data_ptr() == step
-        and chunks[c + m].untyped_storage().data_ptr() == storage
-    ):
-        m += 1
-    return (m, step) if m > 1 else single

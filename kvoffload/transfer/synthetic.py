@@ -63,8 +63,9 @@ def _state_tensor(group: CacheGroup, num_blocks: int, stride: int, device: str) 
     """A recurrent layer as vLLM hands it over: ``[num_blocks, 1, 1, state_bytes]`` of int8
     whose blocks lie ``stride`` bytes apart (vLLM pads a state page to the attention page)."""
     buffer = torch.zeros(num_blocks * stride, dtype=torch.int8, device=device)
-    return buffer.as_strided((num_blocks, 1, 1, group.page_bytes), (stride, group.page_bytes,
-                             group.page_bytes, 1))  # fmt: skip
+    return buffer.as_strided(
+        (num_blocks, 1, 1, group.page_bytes), (stride, group.page_bytes, group.page_bytes, 1)
+    )
 
 
 def state_page_stride(layout: KVLayout, group: CacheGroup) -> int:
@@ -106,7 +107,13 @@ def fill_blocks(kv_caches: dict[str, torch.Tensor], seed: int = 0) -> None:
     for tensor in kv_caches.values():
         if tensor.device not in generators:
             generators[tensor.device] = torch.Generator(tensor.device).manual_seed(seed)
-        raw = torch.randint(0, 256, (tensor.numel() * tensor.element_size(),), dtype=torch.uint8,
-                            generator=generators[tensor.device], device=tensor.device)  # fmt: skip
+        raw = torch.randint(
+            0,
+            256,
+            (tensor.numel() * tensor.element_size(),),
+            dtype=torch.uint8,
+            generator=generators[tensor.device],
+            device=tensor.device,
+        )
         flat = raw.view(tensor.dtype).view(tensor.shape) if tensor.dim() else raw
         tensor.copy_(flat)

@@ -4,9 +4,10 @@
   is built this way is in that module's docstring.
 * :class:`DiskProbe` (:mod:`~kvoffload.tiers.disk._probe`): the scheduler side's view of a
   ``disk_path``; it asks the directory, so it imports no SQLite.
-* The rest is private: the shared SQLite index (``_index``, ``_schema``), file handling and
-  clean-up (``_files``, ``_repair``), and the one syscall that moves a chunk file
-  (``_chunk_io``, ``_direct_io``; the format is :mod:`kvoffload.tiers._record`).
+* The rest is private: the shared SQLite index (``_index``, ``_schema``), file handling,
+  temp files' owners and clean-up (``_files``, ``_owners``, ``_repair``), and the one
+  syscall that moves a chunk file (``_chunk_io``, ``_direct_io``; the format is
+  :mod:`kvoffload.tiers._record`).
 
 ``DiskTier`` is imported on first use, so the scheduler side reads ``DiskProbe`` from here
 without loading the tier's machinery.

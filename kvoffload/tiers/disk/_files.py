@@ -21,26 +21,16 @@ them reaches outside ``disk_path``, blocks, or is mistaken for a chunk:
 * **Blocks, not lengths.** A file found on disk is charged what it occupies
   (``st_blocks * 512``), so a 1 TiB sparse file costs its few blocks, not the
   budget.
-* **Owners.** Each tier holds an exclusive ``flock`` on ``<owner>.owner``
-  for its life and names its temp files ``<key>.<owner>.<n>.tmp``. Another
-  process removes them only after taking that lock itself, which succeeds only
-  once the owner has exited (the kernel drops ``flock`` locks of a dead
-  process, whatever its pid namespace): temp files of a live writer are never
-  deleted, those of a crashed one always can be. The owner file is locked
-  under another name and then renamed into place, so no process ever sees an
-  unlocked owner file of a live one. ``flock`` (not ``fcntl`` locks) because
-  closing another descriptor of the same file in the same process does not
-  drop it.
+
+Which process may remove whose temp files is :mod:`~kvoffload.tiers.disk._owners`.
 """
 
 from __future__ import annotations
 
 import contextlib
 import errno
-import fcntl
 import os
 import re
-import secrets
 import stat
 from collections.abc import Callable, Iterator
 from enum import Enum
@@ -52,35 +42,26 @@ from kvoffload.errors import ConfigError, TierError
 from kvoffload.tiers._record import MAX_KEY_BYTES
 
 __all__ = [
-    "FRESH_OWNER",
     "NOT_REGULAR",
     "READ_ONLY",
+    "SAFE_OPEN",
     "Found",
     "ReadOnly",
     "NamespaceDir",
     "NotRegular",
-    "OwnerLock",
     "Removal",
     "charged_bytes",
     "chunk_name",
-    "dead_owner",
     "is_regular",
     "os_errors",
-    "owner_of_temp",
-    "owner_tokens",
     "parse_chunk_name",
     "remove_regular",
 ]
 
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC
 #: Every file open: never follow a link, never block, never leak into a child.
-_SAFE = os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
-#: Temp files: ``<key hex or "probe">.<owner>.<n>.tmp``.
-_TEMP = re.compile(r"[0-9a-z]+\.([0-9a-f]{16})\.[0-9]+\.tmp")
-_OWNER = re.compile(r"([0-9a-f]{16})\.owner")
+SAFE_OPEN = os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
 _CHUNK = re.compile(rf"((?:[0-9a-f]{{2}}){{1,{MAX_KEY_BYTES}}})\.kv")
-#: Suffix of an owner file before it is locked and renamed into place.
-FRESH_OWNER = ".owner-new"
 #: ``errno`` of an open that met a link (``O_NOFOLLOW``) or a directory.
 NOT_REGULAR = (errno.ELOOP, errno.EISDIR, errno.ENXIO)
 #: ``errno`` of a write refused for good: a read-only mount, an immutable directory
@@ -134,12 +115,6 @@ def parse_chunk_name(name: str) -> bytes | None:
     """The key a chunk file's name holds, or ``None`` if it is no chunk's name."""
     match = _CHUNK.fullmatch(name)
     return bytes.fromhex(match[1]) if match else None
-
-
-def owner_of_temp(name: str) -> str | None:
-    """The owner token in a temp file's name, or ``None`` if it carries none we know."""
-    match = _TEMP.fullmatch(name)
-    return match[1] if match else None
 
 
 class ReadOnly(OSError):
@@ -235,7 +210,7 @@ class NamespaceDir:
         if not stat.S_ISREG(st.st_mode):
             raise NotRegular(name)
         try:
-            fd = os.open(name, os.O_RDONLY | _SAFE | flags, dir_fd=self.fd)
+            fd = os.open(name, os.O_RDONLY | SAFE_OPEN | flags, dir_fd=self.fd)
         except FileNotFoundError:
             return None
         except OSError as exc:
@@ -250,7 +225,7 @@ class NamespaceDir:
     def create(self, name: str, flags: int = 0) -> int:
         """Create ``name`` (0600, write-only); it must not exist in any form, a link included."""
         return os.open(
-            name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _SAFE | flags, 0o600, dir_fd=self.fd
+            name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | SAFE_OPEN | flags, 0o600, dir_fd=self.fd
         )
 
     def rename(self, src: str, dst: str) -> None:
@@ -323,69 +298,3 @@ def remove_regular(dir_fd: int, name: str, inode: int | None = None) -> Removal:
     except FileNotFoundError:
         return Removal.GONE
     return Removal.REMOVED
-
-
-class OwnerLock:
-    """This process's claim on its temp files: ``<token>.owner``, ``flock``'ed while alive."""
-
-    def __init__(self, directory: NamespaceDir) -> None:
-        self.token = secrets.token_hex(8)
-        self._dir = directory
-        # Locked under a name no other process checks, then renamed into place: an owner
-        # file is never visible unlocked (another process would take it for a dead one's).
-        fresh = f"{self.token}{FRESH_OWNER}"
-        self._fd: int | None = directory.create(fresh)
-        try:
-            fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            directory.rename(fresh, f"{self.token}.owner")
-        except BaseException:
-            directory.remove(fresh)
-            os.close(self._fd)
-            raise
-
-    def temp_name(self, stem: str, n: int) -> str:
-        return f"{stem}.{self.token}.{n}.tmp"
-
-    def release(self) -> None:
-        """Give up the claim: the file goes, then the lock (nothing of ours is in flight)."""
-        if self._fd is not None:
-            self._dir.remove(f"{self.token}.owner")
-            os.close(self._fd)
-            self._fd = None
-
-
-def owner_tokens(names: list[str]) -> set[str]:
-    """Tokens of the owner files among ``names``."""
-    return {m[1] for name in names if (m := _OWNER.fullmatch(name))}
-
-
-@contextlib.contextmanager
-def dead_owner(dir_fd: int, token: str) -> Iterator[bool]:
-    """``True``, holding its lock, while the owner ``token`` is known to have exited.
-
-    An owner file that does not exist means the owner is gone (it is created
-    before its first temp file and removed after its last). One that is not a
-    regular file, or cannot be opened, cannot be verified: ``False``.
-    """
-    name = f"{token}.owner"
-    try:
-        fd = os.open(name, os.O_RDONLY | _SAFE, dir_fd=dir_fd)
-    except FileNotFoundError:
-        yield True
-        return
-    except OSError:
-        yield False
-        return
-    try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            yield False
-            return
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            yield False
-            return
-        yield True
-        remove_regular(dir_fd, name)
-    finally:
-        os.close(fd)

@@ -28,19 +28,16 @@ from functools import partial
 
 from kvoffload.errors import IntegrityError
 from kvoffload.tiers.disk._files import (
-    FRESH_OWNER,
     Found,
     NamespaceDir,
     Removal,
     charged_bytes,
     chunk_name,
-    dead_owner,
-    owner_of_temp,
-    owner_tokens,
     parse_chunk_name,
     remove_regular,
 )
 from kvoffload.tiers.disk._index import Adopted, SharedIndex
+from kvoffload.tiers.disk._owners import FRESH_OWNER, dead_owner, owner_of_temp, owner_tokens
 from kvoffload.tiers.stats import TierCounters
 
 __all__ = ["STALE_TEMP_S", "audit", "reap_dead_writers", "reconcile"]

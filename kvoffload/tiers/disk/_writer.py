@@ -22,8 +22,9 @@ from kvoffload.errors import TierError
 from kvoffload.tiers._record import file_bytes
 from kvoffload.tiers.base import ChunkBuffer
 from kvoffload.tiers.disk._chunk_io import ChunkFileIO
-from kvoffload.tiers.disk._files import NamespaceDir, OwnerLock, chunk_name, os_errors
+from kvoffload.tiers.disk._files import NamespaceDir, chunk_name, os_errors
 from kvoffload.tiers.disk._index import Full, NoSpace, Remover, SharedIndex
+from kvoffload.tiers.disk._owners import OwnerLock
 from kvoffload.tiers.disk._repair import reap_dead_writers
 from kvoffload.tiers.stats import TierCounters
 

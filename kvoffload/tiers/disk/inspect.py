@@ -31,7 +31,8 @@ from kvoffload.config.offload_config import ALIGN
 from kvoffload.errors import ConfigError, CorruptChunkError, TierError
 from kvoffload.tiers._record import CHECKSUMS, check_header, file_bytes
 from kvoffload.tiers._validation import namespace_fingerprint
-from kvoffload.tiers.disk._files import FRESH_OWNER, owner_of_temp, parse_chunk_name
+from kvoffload.tiers.disk._files import parse_chunk_name
+from kvoffload.tiers.disk._owners import FRESH_OWNER, owner_of_temp
 from kvoffload.tiers.disk._schema import INDEX_NAME, LOCK_NAME
 
 __all__ = ["DiskReport", "NamespaceReport", "inspect_disk", "stored_chunks"]

@@ -15,7 +15,7 @@ Why it is built this way:
   order, through a small SQLite index (:mod:`~kvoffload.tiers.disk._index`:
   why that, and its cost). No process deletes another's write in flight, and
   a crashed one's leftovers are cleaned by whoever starts next or runs short
-  of room (:mod:`~kvoffload.tiers.disk._files`, :mod:`~kvoffload.tiers.disk._repair`).
+  of room (:mod:`~kvoffload.tiers.disk._owners`, :mod:`~kvoffload.tiers.disk._repair`).
 * **Atomic stores.** A temp file is renamed over the chunk's name inside the
   index transaction that records it: a crash (even SIGKILL) leaves the old
   chunk, the new one, or a temp file cleaned later. Files are not fsynced: a
@@ -49,7 +49,7 @@ import threading
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
-from kvoffload.errors import ConfigError, CorruptChunkError, TierError
+from kvoffload.errors import ConfigError, TierError
 from kvoffload.tiers._record import MAX_KEY_BYTES, file_bytes
 from kvoffload.tiers._validation import (
     check_budget,
@@ -60,15 +60,11 @@ from kvoffload.tiers._validation import (
 from kvoffload.tiers.base import ChunkBuffer, Tier
 from kvoffload.tiers.disk._chunk_io import ChunkFileIO
 from kvoffload.tiers.disk._direct_io import probe_direct_io
-from kvoffload.tiers.disk._files import (
-    NotRegular,
-    OwnerLock,
-    Removal,
-    chunk_name,
-    os_errors,
-)
+from kvoffload.tiers.disk._files import Removal, chunk_name, os_errors
 from kvoffload.tiers.disk._index import SharedIndex, Totals
+from kvoffload.tiers.disk._owners import OwnerLock
 from kvoffload.tiers.disk._probe import DiskProbe
+from kvoffload.tiers.disk._reader import ChunkReader
 from kvoffload.tiers.disk._readonly import namespace_dir, nothing_to_serve, read_only_cause, served
 from kvoffload.tiers.disk._repair import audit, reap_dead_writers, reconcile
 from kvoffload.tiers.disk._writer import ChunkWriter, count_evictions
@@ -133,6 +129,9 @@ class DiskTier(Tier):
         except BaseException:
             self._dir.close()
             raise
+        self._reader = ChunkReader(
+            self._dir, self._index, self._io, self._counters, self._namespace
+        )
 
     def _open_writable(self, direct: bool | None) -> None:
         with os_errors(f"opening disk_path {str(self._dir.path.parent)!r}", ConfigError):
@@ -151,8 +150,16 @@ class DiskTier(Tier):
             owner.release()
             raise
         self._index, self._owner = index, owner
-        self._writer = ChunkWriter(self._dir, index, owner, self._io, self._counters,
-                                   self._namespace, self._capacity, self._remove)  # fmt: skip
+        self._writer = ChunkWriter(
+            self._dir,
+            index,
+            owner,
+            self._io,
+            self._counters,
+            self._namespace,
+            self._capacity,
+            self._remove,
+        )
         self._last = index.totals()
 
     def _recover(self, index: SharedIndex, owner: OwnerLock) -> None:
@@ -179,8 +186,10 @@ class DiskTier(Tier):
         logger.warning(
             "disk_path %r is read-only (%s): serving its %d chunks of this model, skipping "
             "stores to the disk tier (counted as read_only_skips)",
-            root, cause, held.chunks,
-        )  # fmt: skip
+            root,
+            cause,
+            held.chunks,
+        )
 
     @property
     def directory(self) -> Path:
@@ -318,49 +327,10 @@ class DiskTier(Tier):
             return payload.nbytes
 
     def _load(self, key: bytes, out: ChunkBuffer) -> bool:
-        """Load ``key`` into ``out``; ``False`` if its file is missing or not a regular file."""
+        """Check the key and the buffer, then load (:class:`ChunkReader`)."""
         with self._call():
             buf = checked_buffer("out", out)
-            if not valid_key(key):
-                return False
-            try:
-                with os_errors(f"disk load of {key.hex()}"):
-                    fd = self._dir.open_regular(chunk_name(key), self._io.open_flags)
-            except NotRegular:
-                self._counters.add(not_regular_files=1)
-                return False
-            if fd is None:
-                self._vanished(key)
-                return False
-            try:
-                inode = os.fstat(fd).st_ino
-                with os_errors(f"disk load of {key.hex()}"):
-                    self._io.read_into(fd, (self._namespace, key), buf)
-            except CorruptChunkError:
-                self._drop(key, inode)
-                raise
-            finally:
-                os.close(fd)
-            if self._index is not None:  # read-only: last use is not recorded
-                self._index.touch(self._namespace, key)
-            return True
-
-    def _vanished(self, key: bytes) -> None:
-        """A file that is gone no longer holds budget (unless a store just put it back)."""
-        if self._index is not None and self._index.holds(self._namespace, key):
-            name = chunk_name(key)
-            self._index.forget(self._namespace, key, lambda: self._dir.lstat(name) is None)
-
-    def _drop(self, key: bytes, inode: int) -> None:
-        """Drop a chunk that failed verification, unless a store replaced it meanwhile."""
-        if self._index is None:
-            return  # read-only: it stays, and fails each load (counted as corrupt)
-        with contextlib.suppress(TierError):
-            self._index.forget(
-                self._namespace,
-                key,
-                lambda: self._dir.remove(chunk_name(key), inode) is not Removal.REPLACED,
-            )
+            return valid_key(key) and self._reader.load(key, buf)
 
     def _remove(self, ns: bytes, key: bytes) -> None:
         """Unlink chunk ``key`` of namespace ``ns`` (an eviction may pick another namespace's);
