@@ -155,7 +155,7 @@ def test_the_key_table_reads_the_share_and_the_index_uses_it() -> None:
     manager = OffloadIndex.from_config(config)
     assert manager.tenants is not None and manager.tenants.cap == 10
     assert "0.25 of the CPU tier per tenant" in str(config)
-    for bad in (0, "0", 1.5, "half", True, float("nan"), -0.1):
+    for bad in (0, "0", 1.5, "half", True, float("nan"), -0.1, 10**400):  # 10**400: no float
         with pytest.raises(ConfigError, match="'tenant_cpu_share' must be a fraction"):
             build_offloading_config({"cpu_bytes_to_use": 4096, "tenant_cpu_share": bad}, layout)
     with pytest.raises(KVOffloadError, match=r"tenant share must be in \(0, 1\]"):

@@ -167,7 +167,10 @@ def to_fraction(key: str, value: object) -> float:
     expected = "a fraction greater than 0 and at most 1, such as 0.25"
     number: float | None = None
     if isinstance(value, int | float) and not isinstance(value, bool):
-        number = float(value)
+        try:
+            number = float(value)
+        except OverflowError:  # an int past float's range: far above 1 all the same
+            number = None
     elif isinstance(value, str):
         try:
             number = float(value.strip())
