@@ -49,8 +49,11 @@ lint: setup
 typecheck: setup
 	$(VENV)/bin/mypy
 
+# The unit suite's workers (pytest-xdist); 0 runs it in one process.
+TEST_WORKERS ?= 2
+
 test: lint typecheck
-	$(PY) -m pytest --cov=kvoffload --cov-report=term-missing:skip-covered
+	$(PY) -m pytest -n $(TEST_WORKERS) --cov=kvoffload --cov-report=term-missing:skip-covered
 
 vllm-setup: $(VLLM_STAMP)
 

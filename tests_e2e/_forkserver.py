@@ -24,6 +24,7 @@ connection ends when the child has exited (its engine shut down).
 from __future__ import annotations
 
 import contextlib
+import gc
 import importlib
 import json
 import os
@@ -142,6 +143,10 @@ def _serve(address: str, preload: list[str]) -> None:
 
     # Only idle native pools (OpenBLAS's, which hand themselves over at fork) may run here.
     print(f"fork server ready: {len(os.listdir('/proc/self/task'))} threads", flush=True)
+    # What the imports made is never garbage: out of the collector's sight, vLLM's
+    # gc.collect() calls at engine start scan only the child's own objects (1.1 s of a
+    # 2.5 s start otherwise), and touch none of the shared pages.
+    gc.freeze()
 
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     listener.bind(address + ".tmp")

@@ -77,6 +77,25 @@ def own_cache_oracle(
     return result
 
 
+#: A pass that sends its prompts one at a time, vLLM's prefix cache reset before each. For a
+#: pass whose prompts are recomputed when a lower tier's failed reads say (a timing): on CPUs
+#: with AMX a prompt's logprobs follow what else is batched with it (the Llama: 0.004 apart
+#: between alone and a batch of four), so such a pass computes each prompt alone, as
+#: :func:`alone_oracle` does.
+ALONE: dict[str, Any] = {"one_by_one": True, "reset_each": True}
+
+
+def alone_oracle(
+    run: Engine, model: str, engine_args: dict[str, Any], prompts: list[list[int]]
+) -> dict[str, Any]:
+    """vLLM without the connector computing each prompt alone from nothing (one ``ALONE``
+    pass), once a session per model, settings and prompts."""
+    result = run(model=model, engine=engine_args, prompts=prompts, passes=[ALONE], memo=True)
+    assert result["error"] is None, result["error"]
+    assert result["passes"][0]["cached"] == [0] * len(prompts)
+    return result
+
+
 def delta(result: dict[str, Any], n: int, side: str, name: str) -> int:
     """How much figure ``name`` of ``side`` grew during pass ``n`` of ``result``."""
     return stat_delta(result["passes"], n, side, name)

@@ -28,6 +28,11 @@ from _models import GEMMA4, LLAMA, LLAMA4, QWEN3_NEXT, SLIDING_MISTRAL, build
 sys.path.append(str(Path(__file__).resolve().parents[1] / "tests"))
 pytest_plugins = ["_redis_servers"]
 
+#: vLLM compiles its logprob gather (``Sampler.gather_logprobs``, ``torch.compile``) at each
+#: engine's first step: 3 s of every engine process here, for tensors of a few thousand
+#: elements. Every run of the suite, oracle and subject alike, gathers logprobs eagerly.
+os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
+
 #: One engine process may take this long (start-up is ~10 s on two cores).
 ENGINE_TIMEOUT_S = float(os.environ.get("KVOFFLOAD_E2E_TIMEOUT", "600"))
 

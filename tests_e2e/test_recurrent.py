@@ -23,9 +23,11 @@ from typing import Any
 
 import pytest
 from _harness import (
+    ALONE,
     TWO_PASSES,
     Engine,
     Reference,
+    alone_oracle,
     assert_loaded_tokens_match,
     connector_hit,
     delta,
@@ -69,21 +71,19 @@ def assert_like_the_oracle(result: dict[str, Any], oracle: dict[str, Any]) -> No
     assert result["passes"][-1]["cached"] == oracle["passes"][-1]["cached"]
 
 
-#: The second pass one prompt at a time. On CPUs with AMX a Qwen3-Next prompt's logprobs follow
-#: what else is batched with it (0.08 apart between a batch of three and alone, measured), and
-#: the connector's loads one step later batch the prompts otherwise than vLLM's own cache does:
-#: alone, both compute each prompt the same way.
-ALONE: dict[str, Any] = {"one_by_one": True}
-
-
 @pytest.mark.parametrize("blocks_per_chunk", [1, 2])
 def test_qwen3_next_round_trip(engine: Engine, qwen3_next: str, blocks_per_chunk: int) -> None:
-    """vLLM's own prefix cache's tokens, logprobs and hits, from the connector after a reset
-    (before each prompt: every hit is the connector's)."""
+    """vLLM's own prefix cache's tokens, logprobs and hits, from the connector after a reset.
+
+    The second pass goes one prompt at a time (and after a reset before each, every hit is
+    the connector's): on CPUs with AMX a Qwen3-Next prompt's logprobs follow what else is
+    batched with it (0.08 apart between a batch of three and alone, measured), and the
+    connector's loads one step later batch the prompts otherwise than vLLM's own cache does.
+    """
     oracle = engine(model=qwen3_next, engine=QWEN_ENGINE, prompts=QWEN_PROMPTS,
-                    passes=[{}, ALONE], memo=True)  # fmt: skip
+                    passes=[{}, {"one_by_one": True}], memo=True)  # fmt: skip
     connector = {"blocks_per_chunk": blocks_per_chunk, "cpu_bytes_to_use": "256MiB"}
-    passes = [{}, {"reset": True, "reset_each": True, **ALONE}]
+    passes = [{}, {"reset": True, **ALONE}]
     spec = {"model": qwen3_next, "engine": QWEN_ENGINE, "prompts": QWEN_PROMPTS,
             "passes": passes, "connector": connector}  # fmt: skip
     result = engine(**spec)
@@ -230,10 +230,11 @@ def test_qwen3_next_disk_restart_and_corrupt_states(
         data[len(data) // 2 : len(data) // 2 + 64] = bytes(64)
         path.write_bytes(bytes(data))
     logging = {**QWEN_ENGINE, "disable_log_stats": False}  # vLLM counts what it computed
-    third = engine(model=qwen3_next, engine=logging, prompts=QWEN_PROMPTS,
+    third = engine(model=qwen3_next, engine=logging, prompts=QWEN_PROMPTS, passes=[ALONE],
                    connector=connector, failure_policy="recompute")  # fmt: skip
     assert third["error"] is None, third["error"]
-    found = differences(third["passes"][0], expected["passes"][0])
+    alone = alone_oracle(engine, qwen3_next, QWEN_ENGINE, QWEN_PROMPTS)
+    found = differences(third["passes"][0], alone["passes"][0])
     assert not found, "; ".join(found)
     scheduler, worker = third["stats"]["scheduler"], third["stats"]["worker"]
     assert scheduler["failed_loads"] > 0 and worker["failed_load_jobs"] > 0
