@@ -51,6 +51,8 @@ The result::
       "passes": [{"tokens": [[...], ...], "logprobs": [[-0.01, ...], ...],
                   "cached": [288, ...], "finish": ["length", ...],
                   "seconds": 0.4, "prompt_seconds": [...], "ttft": [...] | null,
+                  "settle_steps": 2,       # engine steps after generate() until vLLM
+                                           #   held no finished request (_settle)
                   "stats": {"scheduler": {...}, "worker": {...}},
                   "acted": {"corrupted_files": 12, ...}}],
       "stats": {"scheduler": {...}, "worker": {...}},  # after the last pass
@@ -247,6 +249,44 @@ class _EventSink:
             events += more
 
 
+def _settle(llm: Any, timeout_s: float = 120.0) -> int:
+    """Step the engine until it holds no finished request; how many steps that took.
+
+    ``LLM.generate`` returns once every output is done, but vLLM keeps a finished
+    request's blocks while the connector stores them, and hears that the stores landed
+    only at a later step. Without these steps a pass's statistics would miss the stores
+    its last steps made (they would count in the next pass, or nowhere), depending on
+    how fast the machine ran. In-process engine only (``VLLM_ENABLE_V1_MULTIPROCESSING=0``).
+    """
+    core = llm.llm_engine.engine_core.engine_core
+    deadline = time.monotonic() + timeout_s
+    steps = 0
+    while core.scheduler.has_requests():
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"the engine still held finished requests after {timeout_s} s")
+        llm.llm_engine.step()
+        steps += 1
+        time.sleep(0.002)  # the worker's store jobs run in their own threads
+    return steps
+
+
+def _generate(
+    llm: Any, step: dict[str, Any], prompts: Any, loras: Any, params: Any
+) -> tuple[list[Any], list[float] | None]:
+    """The pass's outputs, and with ``one_by_one`` each prompt's seconds."""
+    if not step.get("one_by_one"):
+        lora_list = list(loras) if any(loras) else None
+        return llm.generate(list(prompts), params, use_tqdm=False, lora_request=lora_list), None
+    outputs, seconds = [], []
+    for prompt, lora in zip(prompts, loras, strict=True):
+        if step.get("reset_each"):
+            _act(llm, {"reset": True})
+        started = time.perf_counter()
+        outputs += llm.generate([prompt], params, use_tqdm=False, lora_request=lora)
+        seconds.append(time.perf_counter() - started)
+    return outputs, seconds
+
+
 def _act(llm: Any, step: dict[str, Any]) -> dict[str, Any]:
     acted: dict[str, Any] = {}
     if step.get("corrupt"):
@@ -431,19 +471,10 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
             entries = follow_up(*last, step["follow_up"])
         prompts, loras = zip(*[_prompt(p, spec["model"]) for p in entries], strict=True)
         started = time.perf_counter()
-        if step.get("one_by_one"):
-            outputs, seconds = [], []
-            for prompt, lora in zip(prompts, loras, strict=True):
-                if step.get("reset_each"):
-                    _act(llm, {"reset": True})
-                t0 = time.perf_counter()
-                outputs += llm.generate([prompt], params, use_tqdm=False, lora_request=lora)
-                seconds.append(time.perf_counter() - t0)
-        else:
-            lora_list = list(loras) if any(loras) else None
-            outputs = llm.generate(list(prompts), params, use_tqdm=False, lora_request=lora_list)
-            seconds = None
+        outputs, seconds = _generate(llm, step, prompts, loras, params)
+        settled = _settle(llm)
         record = _record(outputs)
+        record["settle_steps"] = settled
         last = (entries, record["tokens"])
         record.update(seconds=time.perf_counter() - started, prompt_seconds=seconds, acted=acted)
         record["stats"] = _connector_stats() if "kv_transfer_config" in engine else {}
