@@ -110,7 +110,7 @@ def _scramble_cpu_tier() -> int:
 
     scrambled = 0
     for connector in active_connectors():
-        worker = getattr(connector, "_worker", None)
+        worker = getattr(connector.side, "worker", None)  # the worker side's, once registered
         if worker is None:
             continue
         worker.engine.wait()
@@ -125,11 +125,11 @@ def _layout(llm: Any) -> list[dict[str, Any]]:
     from kvoffload.vllm import active_connectors
 
     for connector in active_connectors():
-        if getattr(connector, "_scheduler", None) is not None:
+        if getattr(connector.side, "scheduler", None) is not None:
             return [
                 {"kind": g.kind, "tokens_per_block": g.tokens_per_block, "layers": g.num_layers,
                  "pages": sorted(set(g.layer_pages)), "window": g.sliding_window}
-                for g in connector.layout.groups
+                for g in connector.setup.layout.groups
             ]  # fmt: skip
     return []
 

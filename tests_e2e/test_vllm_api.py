@@ -25,9 +25,11 @@ from vllm.config.kv_transfer import KVTransferConfig
 from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, SupportsHMA
 
-from kvoffload.errors import ConfigError
+from kvoffload.errors import ConfigError, ProtocolError
+from kvoffload.vllm._scheduler_side import SchedulerSide
 from kvoffload.vllm._startup import drafter_lookahead, refuse_draft_kv
-from kvoffload.vllm.connector import KVOffloadConnector
+from kvoffload.vllm._worker_side import WorkerSide
+from kvoffload.vllm.connector import KVOffloadConnector, KVOffloadMetadata
 
 #: vLLM versions this suite is run against (DEVELOPERS.md says how).
 TESTED = ("0.32.0", "0.33.0", "0.34.0")
@@ -111,8 +113,10 @@ def test_lookahead_block_hashes_are_taken() -> None:
     assert KVOffloadConnector.supports_lookahead_block_hashes(CONFIG) is True
 
 
-def scheduler_side(tmp_path: Path, *, inflight: int | None, disk: bool) -> KVOffloadConnector:
-    """A scheduler-side connector on one full-attention group, built as vLLM builds it."""
+def one_group_connector(
+    tmp_path: Path, *, inflight: int | None, disk: bool, role: str = "SCHEDULER"
+) -> KVOffloadConnector:
+    """A connector of ``role`` on one full-attention group, built as vLLM builds it."""
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
     from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
 
@@ -135,7 +139,7 @@ def scheduler_side(tmp_path: Path, *, inflight: int | None, disk: bool) -> KVOff
     spec = FullAttentionSpec(block_size=BLOCK, num_kv_heads=2, head_size=64, dtype=torch.bfloat16)
     kv = KVCacheConfig(num_blocks=64, kv_cache_tensors=[],
                        kv_cache_groups=[KVCacheGroupSpec(["layer0"], spec)])  # fmt: skip
-    return KVOffloadConnector(engine, KVConnectorRole.SCHEDULER, kv)  # type: ignore[arg-type]
+    return KVOffloadConnector(engine, KVConnectorRole[role], kv)  # type: ignore[arg-type]
 
 
 def request(req_id: str, tokens: list[int]) -> Any:
@@ -151,11 +155,12 @@ def test_may_load_async_is_true_for_a_hit_from_the_disk_tier(tmp_path: Path) -> 
     chunks wait on disk may load asynchronously, one in host memory or none may not."""
     from kvoffload.tiers.disk import DiskTier
 
-    connector = scheduler_side(tmp_path, inflight=4, disk=True)
+    connector = one_group_connector(tmp_path, inflight=4, disk=True)
     stored, other = list(range(1, 6 * BLOCK + 2)), list(range(500, 500 + 6 * BLOCK + 1))
-    disk = DiskTier(tmp_path / "kv", 16 << 20, connector.namespace(0))
-    chunk = np.zeros(connector.config.chunk_bytes[0], dtype=np.uint8)
-    for key in connector._scheduler_side().keys_for(stored)[0][:4]:
+    disk = DiskTier(tmp_path / "kv", 16 << 20, connector.setup.namespace(0))
+    chunk = np.zeros(connector.setup.config.chunk_bytes[0], dtype=np.uint8)
+    assert isinstance(connector.side, SchedulerSide)
+    for key in connector.side.scheduler.keys_for(stored)[0][:4]:
         disk.put(key, chunk)
     disk.close()
     hit, miss = request("hit", stored), request("miss", other)
@@ -165,14 +170,39 @@ def test_may_load_async_is_true_for_a_hit_from_the_disk_tier(tmp_path: Path) -> 
     assert connector.get_num_new_matched_tokens(hit, 0) == (4 * BLOCK, True)
     connector.request_finished(hit, [])
     assert not connector.may_load_async(hit)  # a finished request is forgotten
-    unlimited = scheduler_side(tmp_path, inflight=None, disk=True)
+    unlimited = one_group_connector(tmp_path, inflight=None, disk=True)
     unlimited.on_new_request(hit)  # vLLM never asks without the limit: no lookup on arrival
     assert not unlimited.may_load_async(hit)
-    cpu_only = scheduler_side(tmp_path, inflight=4, disk=False)
+    cpu_only = one_group_connector(tmp_path, inflight=4, disk=False)
     cpu_only.on_new_request(hit)
     assert not cpu_only.may_load_async(hit)
     for side in (connector, unlimited, cpu_only):
         side.shutdown()
+
+
+def test_a_method_of_the_other_role_is_refused_naming_both_roles(tmp_path: Path) -> None:
+    """vLLM builds the connector once per role, each with its own side: a worker's method on
+    the scheduler's connector (or the reverse) is vLLM's mistake, named, not a silent no-op."""
+    scheduler = one_group_connector(tmp_path, inflight=None, disk=False)
+    worker = one_group_connector(tmp_path, inflight=None, disk=False, role="WORKER")
+    assert isinstance(scheduler.side, SchedulerSide) and isinstance(worker.side, WorkerSide)
+    on_scheduler = "is a worker-side method, called on the scheduler-side connector"
+    with pytest.raises(ProtocolError, match=f"register_kv_caches {on_scheduler}"):
+        scheduler.register_kv_caches({})
+    with pytest.raises(ProtocolError, match=f"wait_for_save {on_scheduler}"):
+        scheduler.wait_for_save()
+    on_worker = "is a scheduler-side method, called on the worker-side connector"
+    with pytest.raises(ProtocolError, match=f"get_num_new_matched_tokens {on_worker}"):
+        worker.get_num_new_matched_tokens(request("r", [1, 2, 3]), 0)
+    with pytest.raises(ProtocolError, match=f"take_events {on_worker}"):
+        worker.take_events()
+    worker.bind_connector_metadata(KVOffloadMetadata())  # before a KV tensor: nothing to do
+    with pytest.raises(ProtocolError, match=r"wait_for_save .*before register_kv_caches"):
+        worker.wait_for_save()  # the worker's own method, before vLLM registered its KV
+    assert scheduler.stats()["unkeyable_requests"] == 0 and worker.stats() == {}
+    assert worker.get_kv_connector_stats() is None and worker.build_connector_worker_meta() is None
+    for connector in (scheduler, worker):
+        connector.shutdown()
 
 
 def _literal_values(kind: Any) -> list[str]:

@@ -1,8 +1,9 @@
 """The vLLM adapter: ``"kv_connector": "KVOffloadConnector"`` from ``kvoffload.vllm``.
 
-Only :mod:`kvoffload.vllm.connector` and the modules it alone uses (``_layout``, ``_messages``,
-``_events``, ``_prom``) import vLLM, and only when the connector is first asked
-for, so the plain logic (:mod:`~kvoffload.connector.scheduler`,
+Only :mod:`kvoffload.vllm.connector` and the modules it alone uses (its two roles,
+``_scheduler_side`` and ``_worker_side``; ``_startup``, ``_layout``, ``_messages``,
+``_events``, ``_prom``, ``_ranks``) import vLLM, and only when the connector is first
+asked for, so the plain logic (:mod:`~kvoffload.connector.scheduler`,
 :mod:`~kvoffload.connector.worker`, ``_extras``, ``_metrics``) imports and is tested
 without vLLM installed.
 """

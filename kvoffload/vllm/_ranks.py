@@ -14,9 +14,9 @@ own process. Each builds its :class:`~kvoffload.engine.OffloadEngine` here:
   holds ``cpu_bytes_to_use`` of distinct chunks. Where groups are sharded,
   each rank views its own ``1/world_size`` of it, its shard of every slot.
 * **The lower tiers** of a replicated layout are one namespace for all ranks
-  (``KVOffloadConnector.namespace``); the ranks write its chunks in turns
-  (:class:`~kvoffload.tiers.from_config.TakingTurns`), so each chunk is
-  written once, and all read them.
+  (:meth:`~kvoffload.vllm._startup.EngineSetup.namespace`); the ranks write
+  its chunks in turns (:class:`~kvoffload.tiers.from_config.TakingTurns`), so
+  each chunk is written once, and all read them.
 
 At ``tensor_parallel_size`` 1 the engine is built as before, with a private slab.
 """

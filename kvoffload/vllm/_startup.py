@@ -3,25 +3,28 @@
 Both sides run this in their constructor, before any request: a setting the
 connector cannot serve fails engine start with one ``ConfigError`` naming it
 (DESIGN.md, invariant 4), and both sides derive the same key namespace.
+:class:`EngineSetup` is what the two sides build alike.
 """
 
 from __future__ import annotations
 
 import logging
 import re
+from dataclasses import dataclass
 from typing import Any
 
 import vllm
 
-from kvoffload.config import OffloadConfig
+from kvoffload.config import OffloadConfig, build_offloading_config
+from kvoffload.config.layout import KVLayout
 from kvoffload.connector.key_source import choose_engine_hashes
 from kvoffload.connector.loads import hit_loading
 from kvoffload.connector.scheduler import OffloadScheduler
 from kvoffload.errors import ConfigError
-from kvoffload.keys import EngineHashes
+from kvoffload.keys import EngineHashes, namespace_of
 from kvoffload.tiers.from_config import rank_probes
 from kvoffload.vllm._key_source import vllm_hashes_reproducible
-from kvoffload.vllm._layout import GroupMap
+from kvoffload.vllm._layout import GroupMap, group_map
 from kvoffload.vllm._versions import announce
 
 logger = logging.getLogger("kvoffload")
@@ -30,6 +33,7 @@ engine_log = logging.getLogger("vllm.kvoffload")
 
 __all__ = [
     "SERVED_DRAFTERS",
+    "EngineSetup",
     "build_scheduler",
     "check_engine",
     "drafter_lookahead",
@@ -37,6 +41,52 @@ __all__ = [
     "refuse_draft_kv",
     "warn_draft_group",
 ]
+
+
+@dataclass(frozen=True, slots=True)
+class EngineSetup:
+    """What the scheduler side and every worker build alike from vLLM's configuration.
+
+    Built in one place because the sides must agree: a worker stores chunks of
+    the layout's sizes under its rank's namespace, and the scheduler side
+    finds them only if it computed the same layout, configuration and
+    namespaces from the same engine settings.
+    """
+
+    #: vLLM's groups as served (the layout) or skipped; see ``kvoffload.vllm._layout``.
+    groups: GroupMap
+    #: ``kv_connector_extra_config``, validated against the layout (one message if bad).
+    config: OffloadConfig
+    #: vLLM's ``tensor_parallel_size``: how many worker ranks the engine runs.
+    world_size: int
+    #: What besides dtype and layout the KV bytes depend on (:func:`kv_identity`).
+    model_id: str
+    #: The model's dtype, in the namespace: the same model in another dtype is other bytes.
+    dtype: str
+
+    @classmethod
+    def read(cls, vllm_config: Any, kv_cache_config: Any) -> EngineSetup:
+        """Check the engine, read its layout and validate ``kv_connector_extra_config``."""
+        check_engine(vllm_config, kv_cache_config)
+        groups = group_map(kv_cache_config, drafter_lookahead(vllm_config))
+        extra = dict(vllm_config.kv_transfer_config.kv_connector_extra_config or {})
+        world_size = vllm_config.parallel_config.tensor_parallel_size
+        config = build_offloading_config(
+            extra, groups.layout, world_size=world_size, warn=logger.warning
+        )
+        model_id = kv_identity(vllm_config, groups)
+        return cls(groups, config, world_size, model_id, str(vllm_config.model_config.dtype))
+
+    @property
+    def layout(self) -> KVLayout:
+        """The served groups' layout, which sizes the chunks and CPU slots on both sides."""
+        return self.groups.layout
+
+    def namespace(self, rank: int) -> bytes:
+        """Rank ``rank``'s namespace: its own if ranks hold shards, one if all is replicated."""
+        shards = self.world_size > 1 and not self.layout.replicated
+        model = f"{self.model_id}#tp{rank}" if shards else self.model_id
+        return namespace_of(model, self.dtype, self.layout)
 
 
 def check_engine(vllm_config: Any, kv_cache_config: Any) -> None:
