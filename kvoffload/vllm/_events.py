@@ -113,8 +113,9 @@ class ChunkEvents:
         first = blocks[0]
         parent = hashes[first * per_block - 1] if first else None
         lora = request.lora_request
-        extra = [generate_block_hash_extra_keys(request, b * tpb, (b + 1) * tpb, 0)[0]
-                 for b in blocks]  # fmt: skip
+        extra = [
+            generate_block_hash_extra_keys(request, b * tpb, (b + 1) * tpb, 0)[0] for b in blocks
+        ]
         return _Chunk(
             group=group,
             hashes=[maybe_convert_block_hash(hashes[(b + 1) * per_block - 1]) for b in blocks],

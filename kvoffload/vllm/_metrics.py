@@ -139,11 +139,24 @@ def scheduler_series(stats: Mapping[str, Any]) -> tuple[dict[str, float], dict[s
 
 
 #: The scheduler side's stats that are current values (of the index, or in flight).
-_GAUGES = frozenset(("capacity", "used", "ready", "storing", "pinned", "free",
-                     "jobs_in_flight", "requests_tracked", "reuse_distance_chunks"))  # fmt: skip
+_GAUGES = frozenset(
+    (
+        "capacity",
+        "used",
+        "ready",
+        "storing",
+        "pinned",
+        "free",
+        "jobs_in_flight",
+        "requests_tracked",
+        "reuse_distance_chunks",
+    )
+)
 #: The scheduler side's stats by a label other than the tier, and their series.
-_BY_LABEL = {"miss_lookups_by_reason": "lookup_misses",
-             "miss_tokens_by_reason": "lookup_miss_tokens"}  # fmt: skip
+_BY_LABEL = {
+    "miss_lookups_by_reason": "lookup_misses",
+    "miss_tokens_by_reason": "lookup_miss_tokens",
+}
 
 
 def worker_series(
@@ -202,8 +215,11 @@ class Deltas:
         series exists in ``/metrics`` before anything happens to it.
         """
         last_c, last_g = self._counters, self._gauges
-        c = {k: v - last_c.get(k, 0) for k, v in counters.items()
-             if k not in last_c or v != last_c[k]}  # fmt: skip
+        c = {
+            k: v - last_c.get(k, 0)
+            for k, v in counters.items()
+            if k not in last_c or v != last_c[k]
+        }
         g = {k: v for k, v in gauges.items() if last_g.get(k) != v}
         h = {k: list(v) for k, v in (samples or {}).items() if v}
         self._counters, self._gauges = dict(counters), dict(gauges)

@@ -83,10 +83,12 @@ class KVOffloadPromMetrics(KVConnectorPromMetrics):
         if series.kind == "counter":
             return self._counter_cls(name=name, documentation=doc, labelnames=labels)
         if series.kind == "gauge":
-            return self._gauge_cls(name=name, documentation=doc, labelnames=labels,
-                                   multiprocess_mode="mostrecent")  # fmt: skip
-        return self._histogram_cls(name=name, documentation=doc, labelnames=labels,
-                                   buckets=list(BUCKETS))  # fmt: skip
+            return self._gauge_cls(
+                name=name, documentation=doc, labelnames=labels, multiprocess_mode="mostrecent"
+            )
+        return self._histogram_cls(
+            name=name, documentation=doc, labelnames=labels, buckets=list(BUCKETS)
+        )
 
     def _child(self, engine: int, name: str, tier: str) -> Any:
         child = self._children.get((engine, name, tier))

@@ -77,10 +77,16 @@ def shared_slab(config: OffloadConfig, rank: int, *, pin: bool) -> CPUSlab:
     logger.info(
         "kvoffload: rank %d maps the CPU tier's shared memory %s of %d bytes (%s) for %d "
         "ranks, %s at offset %d",
-        rank, region.name, region.nbytes, format_bytes(region.nbytes), config.world_size,
-        "all of it (replicated groups: one copy)" if config.copies == 1
-        else f"its shard of {part} bytes", start,
-    )  # fmt: skip
+        rank,
+        region.name,
+        region.nbytes,
+        format_bytes(region.nbytes),
+        config.world_size,
+        "all of it (replicated groups: one copy)"
+        if config.copies == 1
+        else f"its shard of {part} bytes",
+        start,
+    )
     slab = CPUSlab(slots, slot_bytes, pin_memory=pin, buffer=region.tensor[start : start + part])
     slab.ranks = config.world_size if config.copies == 1 else 1
     return slab
