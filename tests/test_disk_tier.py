@@ -232,11 +232,15 @@ def test_budget_evicts_least_recently_used(tmp_path: Path) -> None:
     stats = tier.stats()
     assert stats.evictions == 2 and stats.evicted_bytes == 2 * file_bytes(n)
     assert stats.used_bytes == 3 * file_bytes(n) == stats.capacity_bytes
-    # A replacement reserves its whole file before the old one goes (both are on disk until
-    # the rename), so at full budget it evicts the least recently used chunk first.
-    tier.put(key_of(4), payload(key_of(5), n))
-    assert tier.stats().evictions == 3 and lru_keys(tier) == [key_of(3), key_of(4)]
-    assert np.array_equal(load(tier, key_of(4), n), payload(key_of(5), n))
+    # A key names its bytes: storing a chunk the tier holds writes nothing and evicts nothing
+    # (a rewrite would reserve a whole file first, evicting another chunk at full budget).
+    # It counts as a store and a use: 3 is now more recent than 4, so 0 goes next.
+    tier.put(key_of(3), payload(key_of(3), n))
+    stats = tier.stats()
+    assert (stats.stores, stats.evictions, stats.counters["already_held"]) == (6, 2, 1)
+    tier.put(key_of(5), payload(key_of(5), n))
+    assert tier.stats().evictions == 3 and lru_keys(tier) == [key_of(4), key_of(3), key_of(5)]
+    assert np.array_equal(load(tier, key_of(3), n), payload(key_of(3), n))
     tier.check_integrity()
 
 

@@ -53,8 +53,19 @@ class ChunkWriter:
     remove: Remover
     _temps: itertools.count[int] = field(default_factory=itertools.count)
 
-    def store(self, key: bytes, payload: ChunkBuffer) -> None:
-        """Reserve room, write a temp file, rename it into place and record it."""
+    def store(self, key: bytes, payload: ChunkBuffer) -> bool:
+        """Reserve room, write a temp file, rename it into place and record it; ``False``
+        (nothing written) for a chunk whose file is already there.
+
+        A key names its bytes, so such a file holds them: another process stored
+        it, or the engine computed a block it could not take as a hit (vLLM
+        computes at least a prompt's last token, and stores that chunk again).
+        Writing it again would first reserve room, evicting another chunk for
+        nothing; it is a use, so its recency is refreshed.
+        """
+        if self.directory.is_regular(chunk_name(key)):
+            self.index.touch(self.namespace, key)
+            return False
         need = file_bytes(payload.nbytes)
         temp = self.owner.temp_name(key.hex(), next(self._temps))
         self._reserve(temp, need)
@@ -71,6 +82,7 @@ class ChunkWriter:
                 # could not drop now is released when this process exits.
                 with contextlib.suppress(TierError):
                     self.index.release(self.namespace, temp)
+        return True
 
     def _reserve(self, temp: str, need: int) -> None:
         """Hold ``need`` bytes of the shared budget. If stores in flight hold too much, first

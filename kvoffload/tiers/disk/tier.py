@@ -79,6 +79,7 @@ COUNTERS = (
     "not_regular_files",
     "full_retries",
     "read_only_skips",
+    "already_held",
 )
 logger = logging.getLogger("kvoffload")
 
@@ -323,7 +324,9 @@ class DiskTier(Tier):
                     f"chunk needs {need} B on disk, more than disk_bytes_to_use {self._capacity} B"
                 )
             assert self._writer is not None  # put() skipped the store otherwise
-            self._writer.store(key, payload)
+            if not self._writer.store(key, payload):
+                self._counters.add(already_held=1)
+                return 0  # a store all the same: the tier holds the chunk
             return payload.nbytes
 
     def _load(self, key: bytes, out: ChunkBuffer) -> bool:
