@@ -14,6 +14,7 @@ The spec (every key but ``model`` and ``prompts`` optional)::
                                                  #   KVOffloadConnector; null: no connector
       "failure_policy": "recompute",             # kv_load_failure_policy (vLLM's default
                                                  #   when absent: "fail")
+      "kv_role": "kv_producer",                  # vLLM's kv_role (absent: "kv_both")
       "kv_transfer_config": {...},               # or the whole kv_transfer_config instead
       "prompts": [[1, 2, 3], ...],               # token ids, or {"prompt_token_ids": [...],
                                                  #   "cache_salt": "t1", "lora": [name, id, path]}
@@ -436,7 +437,7 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
         config = {
             "kv_connector": "KVOffloadConnector",
             "kv_connector_module_path": "kvoffload.vllm",
-            "kv_role": "kv_both",
+            "kv_role": spec.get("kv_role", "kv_both"),
             "kv_connector_extra_config": spec["connector"],
         }
         if spec.get("failure_policy"):

@@ -18,6 +18,7 @@ from kvoffload.config.disk_path import check_disk_path, disk_path_notes
 from kvoffload.config.keys import EXCLUSIVE, KEYS, KEYS_BY_NAME, REQUIRES, Key, KeyType
 from kvoffload.config.layout import KVLayout
 from kvoffload.config.offload_config import OffloadConfig, disk_footprint
+from kvoffload.config.roles import KVRole
 from kvoffload.config.values import Bounds, format_bytes, safe_repr, to_int
 from kvoffload.errors import ConfigError
 from kvoffload.registry import POLICIES
@@ -42,11 +43,13 @@ def build_offloading_config(
     layout: KVLayout,
     world_size: int = 1,
     *,
+    kv_role: object = None,
     warn: Warn | None = None,
 ) -> OffloadConfig:
     """Validate vLLM's ``kv_connector_extra_config`` mapping against ``layout``.
 
-    ``world_size`` is the number of workers that share ``cpu_bytes_to_use``.
+    ``world_size`` is the number of workers that share ``cpu_bytes_to_use``;
+    ``kv_role`` is vLLM's (``kv_both`` when ``None``, see :mod:`.roles`).
     Raises ``ConfigError`` (a ``ValueError``) naming the key, the value and
     the fix; no other exception escapes.
 
@@ -66,7 +69,9 @@ def build_offloading_config(
     fields = {name: value for name, value in parsed.items() if KEYS_BY_NAME[name].sets_field}
     if "block_size" in parsed:
         fields["blocks_per_chunk"] = _blocks_of_block_size(parsed["block_size"], layout)
-    config = OffloadConfig(layout=layout, world_size=workers, **fields)
+    role = KVRole.parse(kv_role)
+    config = OffloadConfig(layout=layout, world_size=workers, kv_role=role, **fields)
+    _check_role(config, "consumer_write_back" in parsed)
     _check_budgets(config)
     _check_password_env(config)
     if config.disk_path is not None:
@@ -75,6 +80,23 @@ def build_offloading_config(
             for note in disk_path_notes(config.disk_path, config.disk_bytes_to_use):
                 warn(note)
     return config
+
+
+def _check_role(config: OffloadConfig, write_back_given: bool) -> None:
+    """A split role needs a tier the other engines reach; ``consumer_write_back`` a consumer."""
+    role = config.kv_role
+    if write_back_given and role is not KVRole.CONSUMER:
+        raise ConfigError(
+            f"'consumer_write_back' applies to kv_role 'kv_consumer' only, and this engine is "
+            f"{role.value!r}: remove the key, or start the engine as kv_consumer"
+        )
+    if role.split and config.disk_path is None and config.remote_url is None:
+        does = "stores for other engines" if role is KVRole.PRODUCER else "loads what others stored"
+        raise ConfigError(
+            f"kv_role {role.value!r} {does}, but no tier they share is configured (the CPU "
+            f"tier is this engine's own): set 'disk_path' (engines on one host) or "
+            f"'remote_url' (a fleet), or use kv_role 'kv_both'"
+        )
 
 
 def _check_password_env(config: OffloadConfig) -> None:

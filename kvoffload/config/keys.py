@@ -294,6 +294,14 @@ KEYS: tuple[Key, ...] = (
         "named in the job's errors) and stays in CPU and disk. Needs `remote_url`.",
         bounds=_BYTES,
     ),
+    Key(
+        "consumer_write_back",
+        KeyType.BOOL,
+        "With vLLM's `kv_role` `kv_consumer` (a decode instance): also store what this engine "
+        "computes, so a later turn it serves finds its output. Off: a consumer only loads what "
+        "producers (`kv_producer`, which only store) put in the disk or remote tier. Only with "
+        "`kv_consumer`.",
+    ),
     *(
         Key(name, KeyType.IGNORED, _VLLM_ONLY, sets_field=False)
         for name in (

@@ -11,6 +11,7 @@ import math
 from dataclasses import dataclass
 
 from kvoffload.config.layout import KVLayout, Reuse
+from kvoffload.config.roles import KVRole
 from kvoffload.config.values import format_bytes
 from kvoffload.registry import DEFAULT_POLICY
 
@@ -35,8 +36,8 @@ class OffloadConfig:
 
     A field's default is the default of the configuration key of its name
     (:mod:`kvoffload.config.keys` reads it from here); a field without one is
-    a required key. ``layout`` and ``world_size`` are not keys: the engine
-    hands them to ``build_offloading_config``.
+    a required key. ``layout``, ``world_size`` and ``kv_role`` are not keys:
+    the engine hands them to ``build_offloading_config``.
     """
 
     #: The KV cache groups this configuration was validated against.
@@ -77,6 +78,21 @@ class OffloadConfig:
     remote_retry_ms: int = 10000
     #: Bytes of stores the remote tier's write-behind queue holds before it drops stores.
     remote_queue_bytes: int = 256 << 20
+    #: vLLM's ``kv_role`` (not a key: the engine hands it over, see :mod:`.roles`).
+    kv_role: KVRole = KVRole.BOTH
+    #: With ``kv_role`` ``kv_consumer``: store too, not only load.
+    consumer_write_back: bool = False
+
+    @property
+    def loads(self) -> bool:
+        """Whether lookups may hit (a ``kv_producer`` only stores)."""
+        return self.kv_role.loads
+
+    @property
+    def stores(self) -> bool:
+        """Whether what the engine computes is stored (a ``kv_consumer`` only with
+        ``consumer_write_back``)."""
+        return self.kv_role is not KVRole.CONSUMER or self.consumer_write_back
 
     @property
     def tokens_per_block(self) -> tuple[int, ...]:

@@ -191,6 +191,8 @@ class OffloadScheduler:
         """
         self._stats.lookups += 1
         lookup = self.requests.lookup(req_id, token_ids, local_hit, extras, block_hashes)
+        if not self.config.loads:  # a kv_producer computes its prompts, for other engines
+            return 0
         req = lookup.req
         if req.failed_loads >= MAX_FAILED_LOADS:  # the engine computes it from here on
             self.misses.count(MissReason.FAILED_LOAD, lookup.top - local_hit)
@@ -256,11 +258,13 @@ class OffloadScheduler:
         for req_id in preempted:
             self.preempted(req_id)
         plan, steps = self.stores.plan, list(scheduled)
-        for step in steps:
-            plan(step)
+        if self.config.stores:  # not a kv_consumer's, unless it writes back
+            for step in steps:
+                plan(step)
         self.loads.aim_states(steps)
-        if not self.misses.warned and self._stats.stored_chunks and not self._stats.loaded_tokens:
-            advice = self.misses.advice(self._stats.stored_chunks, self._stats.loaded_tokens)
+        stored, loaded = self._stats.stored_chunks, self._stats.loaded_tokens
+        if not self.misses.warned and self.config.loads and stored and not loaded:
+            advice = self.misses.advice(stored, loaded)
             if advice is not None:
                 logger.warning(advice)
         return self.jobs.take_orders()

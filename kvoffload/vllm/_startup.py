@@ -69,10 +69,11 @@ class EngineSetup:
         """Check the engine, read its layout and validate ``kv_connector_extra_config``."""
         check_engine(vllm_config, kv_cache_config)
         groups = group_map(kv_cache_config, drafter_lookahead(vllm_config))
-        extra = dict(vllm_config.kv_transfer_config.kv_connector_extra_config or {})
+        transfer = vllm_config.kv_transfer_config
+        extra = dict(transfer.kv_connector_extra_config or {})
         world_size = vllm_config.parallel_config.tensor_parallel_size
         config = build_offloading_config(
-            extra, groups.layout, world_size=world_size, warn=logger.warning
+            extra, groups.layout, world_size, kv_role=transfer.kv_role, warn=logger.warning
         )
         model_id = kv_identity(vllm_config, groups)
         return cls(groups, config, world_size, model_id, str(vllm_config.model_config.dtype))
@@ -130,6 +131,10 @@ def build_scheduler(
     than the releases checked).
     """
     announce(vllm.__version__, engine_log)
+    if config.kv_role.split:
+        does = "loads" if config.loads else "never loads"
+        does += ", stores" if config.stores else ", never stores"
+        engine_log.info("kvoffload: kv_role %s: %s", config.kv_role.value, does)
     algorithm = str(vllm_config.cache_config.prefix_caching_hash_algo)
     hashed_every = int(kv_cache_config.hash_block_size or config.layout.tokens_per_block[0])
     return OffloadScheduler(
