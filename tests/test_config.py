@@ -270,7 +270,8 @@ def test_non_mapping_inputs_are_config_errors(hetero_layout: KVLayout) -> None:
 
 def test_every_key_sets_the_offload_config_field_of_its_name() -> None:
     fields = {field.name for field in dataclasses.fields(OffloadConfig)}
-    assert {key.name for key in KEYS if key.sets_field} == fields - {"layout", "world_size"}
+    not_keys = {"layout", "world_size", "kv_role"}  # handed over by the engine
+    assert {key.name for key in KEYS if key.sets_field} == fields - not_keys
     assert [key.name for key in KEYS if key.required] == ["cpu_bytes_to_use"]
 
 
@@ -289,6 +290,7 @@ def test_a_key_left_out_takes_the_default_the_key_table_shows(hetero_layout: KVL
         "remote_timeout_ms": 100,
         "remote_retry_ms": 10000,
         "remote_queue_bytes": 256 * MIB,
+        "consumer_write_back": False,
     }
     assert {name: getattr(cfg, name) for name in shown} == shown
     assert cfg.disk_path is None and cfg.disk_bytes_to_use == 0  # no disk tier: no default shown

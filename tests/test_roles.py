@@ -8,6 +8,7 @@ every loaded block checked bit-exact.
 
 from __future__ import annotations
 
+import json
 import random
 from pathlib import Path
 from typing import Any
@@ -15,6 +16,7 @@ from typing import Any
 import pytest
 
 from kvoffload import build_offloading_config
+from kvoffload.cli import main
 from kvoffload.config.layout import CacheGroup, KVLayout
 from kvoffload.config.roles import KVRole
 from kvoffload.errors import ConfigError
@@ -91,11 +93,11 @@ def test_a_consumer_writes_back_when_asked(tmp_path: Path) -> None:
 )
 def test_what_each_role_does(tmp_path: Path, kv_role: str, loads: bool, stores: bool) -> None:
     settings = config(tmp_path, kv_role)
-    assert (settings.kv_role.value, settings.loads, settings.stores) == (kv_role, loads, stores)
+    assert (settings.kv_role, settings.loads, settings.stores) == (kv_role, loads, stores)
 
 
 def test_an_engine_without_a_role_is_kv_both(tmp_path: Path) -> None:
-    assert config(tmp_path, None).kv_role is KVRole.BOTH
+    assert config(tmp_path, None).role is KVRole.BOTH
 
 
 REFUSALS = [
@@ -120,3 +122,14 @@ def test_a_split_role_needs_a_tier_the_other_engines_reach(kv_role: str) -> None
         build_offloading_config({"cpu_bytes_to_use": "8MiB"}, LAYOUT, kv_role=kv_role)
     assert str(refused.value).startswith(f"kv_role '{kv_role}' ")
     assert "set 'disk_path' (engines on one host) or 'remote_url' (a fleet)" in str(refused.value)
+
+
+def test_plan_checks_a_roles_configuration(capsys: pytest.CaptureFixture[str]) -> None:
+    extra = '{"cpu_bytes_to_use": "1GiB", "consumer_write_back": true, "remote_url": "redis://h"}'
+    plan = ["plan", "tiny_llama", "--extra-config", extra, "--json"]
+    assert main([*plan, "--kv-role", "kv_consumer"]) == 0
+    summary = json.loads(capsys.readouterr().out)
+    assert (summary["kv_role"], summary["consumer_write_back"]) == ("kv_consumer", True)
+    assert main(plan) == 2  # kv_both by default: the key is refused, in one line
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and "applies to kv_role 'kv_consumer' only" in err

@@ -28,6 +28,7 @@ from kvoffload.config import OffloadConfig, build_offloading_config
 from kvoffload.config.hf_layout import layout_from_hf_config
 from kvoffload.config.keys import IGNORED_KEYS, KEYS
 from kvoffload.config.layout import Reuse
+from kvoffload.config.roles import KVRole
 from kvoffload.config.values import format_bytes, safe_repr
 from kvoffload.connector._hits import coarse_state_hits
 from kvoffload.errors import ConfigError
@@ -113,6 +114,13 @@ def register(subparsers: Any) -> None:
         default=1,
         help="tensor-parallel ranks sharing the budgets: plans one rank's layout (KV heads "
         "split, MLA latents whole) and says what is stored once and what per rank",
+    )
+    parser.add_argument(
+        "--kv-role",
+        choices=[role.value for role in KVRole],
+        default=KVRole.BOTH.value,
+        help="vLLM's kv_role: kv_producer (a prefill instance: stores, never loads), "
+        "kv_consumer (a decode instance: loads; stores with consumer_write_back), kv_both",
     )
     parser.add_argument(
         "--hybrid",
@@ -238,6 +246,7 @@ def run(args: argparse.Namespace) -> int:
         _extra_config(args.extra_config),
         layout,
         world_size=args.world_size,
+        kv_role=args.kv_role,
         warn=warn_line("plan"),
     )
     drafter = drafter_summary(args, config, target)

@@ -69,7 +69,7 @@ def build_offloading_config(
     fields = {name: value for name, value in parsed.items() if KEYS_BY_NAME[name].sets_field}
     if "block_size" in parsed:
         fields["blocks_per_chunk"] = _blocks_of_block_size(parsed["block_size"], layout)
-    role = KVRole.parse(kv_role)
+    role = KVRole.parse(kv_role).value
     config = OffloadConfig(layout=layout, world_size=workers, kv_role=role, **fields)
     _check_role(config, "consumer_write_back" in parsed)
     _check_budgets(config)
@@ -84,7 +84,7 @@ def build_offloading_config(
 
 def _check_role(config: OffloadConfig, write_back_given: bool) -> None:
     """A split role needs a tier the other engines reach; ``consumer_write_back`` a consumer."""
-    role = config.kv_role
+    role = config.role
     if write_back_given and role is not KVRole.CONSUMER:
         raise ConfigError(
             f"'consumer_write_back' applies to kv_role 'kv_consumer' only, and this engine is "

@@ -131,10 +131,10 @@ def build_scheduler(
     than the releases checked).
     """
     announce(vllm.__version__, engine_log)
-    if config.kv_role.split:
+    if config.role.split:
         does = "loads" if config.loads else "never loads"
         does += ", stores" if config.stores else ", never stores"
-        engine_log.info("kvoffload: kv_role %s: %s", config.kv_role.value, does)
+        engine_log.info("kvoffload: kv_role %s: %s", config.kv_role, does)
     algorithm = str(vllm_config.cache_config.prefix_caching_hash_algo)
     hashed_every = int(kv_cache_config.hash_block_size or config.layout.tokens_per_block[0])
     return OffloadScheduler(
