@@ -97,7 +97,7 @@ def test_what_each_role_does(tmp_path: Path, kv_role: str, loads: bool, stores: 
 
 
 def test_an_engine_without_a_role_is_kv_both(tmp_path: Path) -> None:
-    assert config(tmp_path, None).role is KVRole.BOTH
+    assert config(tmp_path, None).kv_role is KVRole.BOTH
 
 
 REFUSALS = [

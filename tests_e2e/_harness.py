@@ -96,21 +96,29 @@ def alone_oracle(
     return result
 
 
-def own_cache_alone_oracle(
+def own_cache_one_by_one(
     run: Engine, model: str, engine_args: dict[str, Any], prompts: list[list[int]]
 ) -> dict[str, Any]:
-    """vLLM's own prefix cache serving each prompt sent alone, once a session per model,
-    settings and prompts: a one-pass result to compare with an ``ALONE`` pass whose hits
-    come from a lower tier.
-
-    Such hits load over later steps, so what a batched pass computes together is a timing
-    (and on CPUs with AMX, batching moves logprobs). The KV reused is computed by a batched
-    cold pass first, as the storing run computed what the subject loads.
-    """
+    """vLLM alone, once a session per model, settings and prompts: a batched cold pass, then
+    its own prefix cache serving each prompt sent alone."""
     passes = [{}, {"one_by_one": True}]
     result = run(model=model, engine=engine_args, prompts=prompts, passes=passes, memo=True)
     assert result["error"] is None, result["error"]
     assert all(n > 0 for n in result["passes"][1]["cached"]), result["passes"][1]["cached"]
+    return result
+
+
+def own_cache_alone_oracle(
+    run: Engine, model: str, engine_args: dict[str, Any], prompts: list[list[int]]
+) -> dict[str, Any]:
+    """:func:`own_cache_one_by_one`'s second pass, as a one-pass result: to compare with an
+    ``ALONE`` pass whose hits come from a lower tier.
+
+    Such hits load over later steps, so what a batched pass computes together is a timing
+    (and on CPUs with AMX, batching moves logprobs). The KV reused is computed by the
+    batched cold pass first, as the storing run computed what the subject loads.
+    """
+    result = own_cache_one_by_one(run, model, engine_args, prompts)
     return {**result, "passes": result["passes"][1:]}
 
 

@@ -34,6 +34,7 @@ from _harness import (
     differences,
     negative_control,
     own_cache_alone_oracle,
+    own_cache_one_by_one,
     shared_prefix_prompts,
     stored_on_disk,
     with_disk,
@@ -81,8 +82,7 @@ def test_qwen3_next_round_trip(engine: Engine, qwen3_next: str, blocks_per_chunk
     batched with it (0.08 apart between a batch of three and alone, measured), and the
     connector's loads one step later batch the prompts otherwise than vLLM's own cache does.
     """
-    oracle = engine(model=qwen3_next, engine=QWEN_ENGINE, prompts=QWEN_PROMPTS,
-                    passes=[{}, {"one_by_one": True}], memo=True)  # fmt: skip
+    oracle = own_cache_one_by_one(engine, qwen3_next, QWEN_ENGINE, QWEN_PROMPTS)
     connector = {"blocks_per_chunk": blocks_per_chunk, "cpu_bytes_to_use": "256MiB"}
     passes = [{}, {"reset": True, **ALONE}]
     spec = {"model": qwen3_next, "engine": QWEN_ENGINE, "prompts": QWEN_PROMPTS,

@@ -26,6 +26,10 @@ from _harness import (
 )
 
 
+def kv_files(directory: Path) -> list[str]:
+    return sorted(p.name for p in directory.rglob("*.kv"))
+
+
 def test_a_consumer_loads_what_a_producer_stored_and_stores_nothing(
     engine: Engine, reference: Reference, llama: str, tmp_path: Path
 ) -> None:
@@ -45,7 +49,7 @@ def test_a_consumer_loads_what_a_producer_stored_and_stores_nothing(
     assert (
         "kvoffload: kv_role kv_producer: never loads, stores" in Path(producer["log"]).read_text()
     )
-    stored = sorted(p.name for p in (tmp_path / "kv").rglob("*.kv"))
+    stored = kv_files(tmp_path / "kv")
     assert stored
 
     # The consumer: a new process, one prompt at a time (disk hits load over later steps).
@@ -56,4 +60,4 @@ def test_a_consumer_loads_what_a_producer_stored_and_stores_nothing(
     assert scheduler["loaded_tokens"] == sum(consumer["passes"][0]["cached"])
     assert scheduler["lower_hit_chunks"] > 0 and scheduler["failed_loads"] == 0
     assert scheduler["stored_chunks"] == 0
-    assert sorted(p.name for p in (tmp_path / "kv").rglob("*.kv")) == stored
+    assert kv_files(tmp_path / "kv") == stored

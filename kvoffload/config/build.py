@@ -69,7 +69,7 @@ def build_offloading_config(
     fields = {name: value for name, value in parsed.items() if KEYS_BY_NAME[name].sets_field}
     if "block_size" in parsed:
         fields["blocks_per_chunk"] = _blocks_of_block_size(parsed["block_size"], layout)
-    role = KVRole.parse(kv_role).value
+    role = KVRole.parse(kv_role)
     config = OffloadConfig(layout=layout, world_size=workers, kv_role=role, **fields)
     _check_role(config, "consumer_write_back" in parsed)
     _check_budgets(config)
@@ -84,13 +84,13 @@ def build_offloading_config(
 
 def _check_role(config: OffloadConfig, write_back_given: bool) -> None:
     """A split role needs a tier the other engines reach; ``consumer_write_back`` a consumer."""
-    role = config.role
+    role = config.kv_role
     if write_back_given and role is not KVRole.CONSUMER:
         raise ConfigError(
             f"'consumer_write_back' applies to kv_role 'kv_consumer' only, and this engine is "
             f"{role.value!r}: remove the key, or start the engine as kv_consumer"
         )
-    if role.split and config.disk_path is None and config.remote_url is None:
+    if role.disaggregated and config.disk_path is None and config.remote_url is None:
         does = "stores for other engines" if role is KVRole.PRODUCER else "loads what others stored"
         raise ConfigError(
             f"kv_role {role.value!r} {does}, but no tier they share is configured (the CPU "

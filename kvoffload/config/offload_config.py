@@ -78,26 +78,21 @@ class OffloadConfig:
     remote_retry_ms: int = 10000
     #: Bytes of stores the remote tier's write-behind queue holds before it drops stores.
     remote_queue_bytes: int = 256 << 20
-    #: vLLM's ``kv_role``, a :class:`~.roles.KVRole` value (not a key: the engine hands it
-    #: over). A plain string, as vLLM spells it, like every field ``kvoffload plan`` prints.
-    kv_role: str = KVRole.BOTH.value
+    #: vLLM's ``kv_role`` (not a key: the engine hands it over).
+    kv_role: KVRole = KVRole.BOTH
     #: With ``kv_role`` ``kv_consumer``: store too, not only load.
     consumer_write_back: bool = False
 
     @property
-    def role(self) -> KVRole:
-        return KVRole(self.kv_role)
-
-    @property
     def loads(self) -> bool:
         """Whether lookups may hit (a ``kv_producer`` only stores)."""
-        return self.role.loads
+        return self.kv_role.loads
 
     @property
     def stores(self) -> bool:
         """Whether what the engine computes is stored (a ``kv_consumer`` only with
         ``consumer_write_back``)."""
-        return self.role is not KVRole.CONSUMER or self.consumer_write_back
+        return self.kv_role is not KVRole.CONSUMER or self.consumer_write_back
 
     @property
     def tokens_per_block(self) -> tuple[int, ...]:

@@ -15,7 +15,7 @@ either split role needs one of those, or it is refused at start.
 
 from __future__ import annotations
 
-from enum import Enum
+from enum import StrEnum
 
 from kvoffload.config.values import safe_repr
 from kvoffload.errors import ConfigError
@@ -23,8 +23,8 @@ from kvoffload.errors import ConfigError
 __all__ = ["KVRole"]
 
 
-class KVRole(Enum):
-    """vLLM's ``kv_role``, by its value there."""
+class KVRole(StrEnum):
+    """vLLM's ``kv_role``, by its value there (a string, as ``kvoffload plan --json`` prints it)."""
 
     BOTH = "kv_both"
     PRODUCER = "kv_producer"
@@ -49,6 +49,6 @@ class KVRole(Enum):
         return self is not KVRole.PRODUCER
 
     @property
-    def split(self) -> bool:
+    def disaggregated(self) -> bool:
         """Prefill and decode on different engines: they meet only in a shared tier."""
         return self is not KVRole.BOTH

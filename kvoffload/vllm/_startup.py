@@ -131,7 +131,7 @@ def build_scheduler(
     than the releases checked).
     """
     announce(vllm.__version__, engine_log)
-    if config.role.split:
+    if config.kv_role.disaggregated:
         does = "loads" if config.loads else "never loads"
         does += ", stores" if config.stores else ", never stores"
         engine_log.info("kvoffload: kv_role %s: %s", config.kv_role, does)
