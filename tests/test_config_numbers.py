@@ -37,7 +37,14 @@ def build_with(layout: KVLayout, key: Key, value: object) -> OffloadConfig:
     extra: dict[str, object] = {"cpu_bytes_to_use": 2**60, key.name: value}
     for other in REQUIRES.get(key.name, ()):
         extra.setdefault(other, _COMPANIONS[other])
-    return build_offloading_config(extra, layout)
+    role = _SPLIT_ROLE_KEYS.get(key.name)
+    if role is not None:  # a split role needs a tier the engines share
+        extra.setdefault("remote_url", "redis://127.0.0.1:1/0")
+    return build_offloading_config(extra, layout, kv_role=role)
+
+
+#: Keys that apply to one of vLLM's split roles only, and a role they apply to.
+_SPLIT_ROLE_KEYS = {"handoff_wait_ms": "kv_consumer"}
 
 
 def the_value(config: OffloadConfig, key: Key) -> int:

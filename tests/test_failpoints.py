@@ -75,12 +75,28 @@ def test_off_by_default_and_on_only_when_named(
         ("store.drop=0", "store.drop='0' is not a count (an integer > 0) or a rate"),
         ("store.drop=1.5", "store.drop='1.5' is not a count"),
         ("store.drop=x", "write store.drop, store.drop=3 or store.drop=0.5"),
+        ("store.slow_lower", "store.slow_lower='' is not a duration; write store.slow_lower=3s"),
+        ("store.slow_lower=3", "store.slow_lower='3' is not a duration"),
+        ("store.slow_lower=0s", "or store.slow_lower=250ms"),
     ],
 )
 def test_a_bad_point_is_a_config_error_naming_it(spec: str, message: str) -> None:
     with pytest.raises(ConfigError, match="KVOFFLOAD_FAILPOINTS") as error:
         FailPoints(spec)
     assert message in str(error.value)
+
+
+def test_a_slow_lower_tier_waits_its_duration_at_every_chance(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    slept: list[float] = []
+    monkeypatch.setattr("kvoffload.engine.failpoints.time.sleep", slept.append)
+    points = FailPoints("store.slow_lower=250ms")
+    points.slow_lower()
+    points.slow_lower()
+    assert slept == [0.25, 0.25] and points.stats() == {"failpoint_store_slow_lower": 2}
+    FailPoints("store.slow_lower=1.5s").slow_lower()
+    assert slept[-1] == 1.5
 
 
 def test_counts_limit_firing_and_rates_repeat() -> None:

@@ -6,6 +6,8 @@
 
 from __future__ import annotations
 
+from kvoffload._records import as_dict
+from kvoffload.connector.stats import SchedulerStats
 from kvoffload.tiers.stats import TierCounters
 from kvoffload.vllm._metrics import (
     SERIES,
@@ -136,7 +138,8 @@ def test_every_series_has_a_producer() -> None:
         {"hit_tokens_by_tier": {"cpu": 1}, "loaded_tokens_by_tier": {"cpu": 1},
          "unkeyable_requests": 0, "in_step_hit_tokens": 0,
          "miss_lookups_by_reason": {"evicted": 1},
-         "miss_tokens_by_reason": {"evicted": 8}, "reuse_distance_chunks": 3}
+         "miss_tokens_by_reason": {"evicted": 8}, "reuse_distance_chunks": 3,
+         **{name: 0 for name in as_dict(SchedulerStats()) if name.startswith("handoff_")}}
     )  # fmt: skip
     names = {k.split("|")[0] for part in scheduler for k in part}
     for part in (*worker_series(tiers, {}, 0), *worker_series(redis, {}, 0)):

@@ -40,6 +40,12 @@ previous pass's prompt, what it generated, and ``n`` new token ids. With
 time, and with ``"reset_each": true`` resets vLLM's prefix cache before each
 (the benchmark's way to time one prompt's prefill alone).
 
+Two engines running at once meet through files: a pass with ``"signal_start": path``
+creates ``path`` before it does anything else, one with ``"wait_for": path`` waits (up
+to two minutes) until ``path`` exists before it sends its prompts, and one with
+``"signal_end": path`` creates ``path`` once its ``generate()`` returned (its outputs
+are out; the connector's stores may still be on their way).
+
 The result::
 
     {
@@ -271,6 +277,15 @@ def _settle(llm: Any, timeout_s: float = 120.0) -> int:
     return steps
 
 
+def _wait_for(path: Path, timeout_s: float = 120.0) -> None:
+    """Wait until another engine's pass creates ``path`` (``signal_start``, ``signal_end``)."""
+    deadline = time.monotonic() + timeout_s
+    while not path.exists():
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"{path} did not appear within {timeout_s} s")
+        time.sleep(0.01)
+
+
 def _generate(
     llm: Any, step: dict[str, Any], prompts: Any, loras: Any, params: Any
 ) -> tuple[list[Any], list[float] | None]:
@@ -464,6 +479,10 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
     )
     last: tuple[list[list[int]], list[list[int]]] | None = None
     for step in spec.get("passes", [{}]):
+        if step.get("signal_start"):
+            Path(step["signal_start"]).touch()
+        if step.get("wait_for"):
+            _wait_for(Path(step["wait_for"]))
         acted = _act(llm, step)
         entries = step.get("prompts", spec["prompts"])
         if step.get("follow_up"):
@@ -473,6 +492,8 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
         prompts, loras = zip(*[_prompt(p, spec["model"]) for p in entries], strict=True)
         started = time.perf_counter()
         outputs, seconds = _generate(llm, step, prompts, loras, params)
+        if step.get("signal_end"):
+            Path(step["signal_end"]).touch()
         settled = _settle(llm)
         record = _record(outputs)
         record["settle_steps"] = settled

@@ -5,7 +5,8 @@ What no other test proves: the role vLLM is started with reaches the connector. 
 ``kv_consumer`` started after it loads what it stored, with vLLM's own cache's
 tokens and logprobs, and stores nothing. (Which requests each role plans what for
 is proven in the unit suite, ``tests/test_roles.py``; a consumer looking up while a
-producer still stores is not handled yet, see docs/vllm.md.)
+producer still stores, in ``test_handoff.py``.) A consumer that would name chunks
+otherwise than the producer is warned at start, naming the setting.
 """
 
 from __future__ import annotations
@@ -61,3 +62,12 @@ def test_a_consumer_loads_what_a_producer_stored_and_stores_nothing(
     assert scheduler["lower_hit_chunks"] > 0 and scheduler["failed_loads"] == 0
     assert scheduler["stored_chunks"] == 0
     assert kv_files(tmp_path / "kv") == stored
+
+    # A consumer that names chunks otherwise (another blocks_per_chunk) is told so at start,
+    # by the setting, and indeed finds nothing of what the producer stored.
+    odd = {**spec, "connector": {**connector, "blocks_per_chunk": 1}, "prompts": LLAMA_PROMPTS[:1]}
+    stranger = engine(**odd, kv_role="kv_consumer", max_tokens=1)
+    log = Path(stranger["log"]).read_text()
+    assert "kvoffload: this kv_consumer names chunks unlike every kv_producer that left" in log
+    assert "has [64] tokens per chunk where this engine has [32] (kvoffload's blocks_per" in log
+    assert stranger["stats"]["scheduler"]["hit_tokens"] == 0

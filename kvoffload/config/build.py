@@ -71,7 +71,7 @@ def build_offloading_config(
         fields["blocks_per_chunk"] = _blocks_of_block_size(parsed["block_size"], layout)
     role = KVRole.parse(kv_role)
     config = OffloadConfig(layout=layout, world_size=workers, kv_role=role, **fields)
-    _check_role(config, "consumer_write_back" in parsed)
+    _check_role(config, {"consumer_write_back", "handoff_wait_ms"} & parsed.keys())
     _check_budgets(config)
     _check_password_env(config)
     if config.disk_path is not None:
@@ -82,13 +82,19 @@ def build_offloading_config(
     return config
 
 
-def _check_role(config: OffloadConfig, write_back_given: bool) -> None:
-    """A split role needs a tier the other engines reach; ``consumer_write_back`` a consumer."""
+def _check_role(config: OffloadConfig, given: set[str]) -> None:
+    """A split role needs a tier the other engines reach; ``consumer_write_back`` a consumer,
+    ``handoff_wait_ms`` a split role."""
     role = config.kv_role
-    if write_back_given and role is not KVRole.CONSUMER:
+    if "consumer_write_back" in given and role is not KVRole.CONSUMER:
         raise ConfigError(
             f"'consumer_write_back' applies to kv_role 'kv_consumer' only, and this engine is "
             f"{role.value!r}: remove the key, or start the engine as kv_consumer"
+        )
+    if "handoff_wait_ms" in given and not role.disaggregated:
+        raise ConfigError(
+            "'handoff_wait_ms' applies to kv_role 'kv_producer' and 'kv_consumer' only, and "
+            "this engine is 'kv_both': remove the key, or start the engine in a split role"
         )
     if role.disaggregated and config.disk_path is None and config.remote_url is None:
         does = "stores for other engines" if role is KVRole.PRODUCER else "loads what others stored"

@@ -141,6 +141,7 @@ _INTERVAL = values.Bounds(0, 2**24, "2^24")
 _SIGHTINGS = values.Bounds(1, 1000)
 #: Waits in milliseconds: a server slower than a day is down, and a day fits every timer.
 _MILLISECONDS = values.Bounds(1, 86_400_000, "one day")
+_WAIT_MILLISECONDS = values.Bounds(0, 600_000, "ten minutes")
 
 KEYS: tuple[Key, ...] = (
     Key(
@@ -301,6 +302,16 @@ KEYS: tuple[Key, ...] = (
         "computes, so a later turn it serves finds its output. Off: a consumer only loads what "
         "producers (`kv_producer`, which only store) put in the disk or remote tier. Only with "
         "`kv_consumer`.",
+    ),
+    Key(
+        "handoff_wait_ms",
+        KeyType.INT,
+        "Prefill and decode on different engines: a `kv_producer` marks each chunk it is "
+        "storing in the shared tier for this long, and a `kv_consumer` whose lookup finds "
+        "marked chunks past its hit asks vLLM to try again, for at most this long, rather "
+        "than recompute what is milliseconds from landing. 0: no marks, no waiting. Only "
+        "with `kv_producer` or `kv_consumer`.",
+        bounds=_WAIT_MILLISECONDS,
     ),
     *(
         Key(name, KeyType.IGNORED, _VLLM_ONLY, sets_field=False)

@@ -82,6 +82,9 @@ class OffloadConfig:
     kv_role: KVRole = KVRole.BOTH
     #: With ``kv_role`` ``kv_consumer``: store too, not only load.
     consumer_write_back: bool = False
+    #: With a split ``kv_role``: how long a producer's hand-off marks last, and how long a
+    #: consumer waits for marked chunks (:mod:`kvoffload.tiers.handoff`); 0: neither.
+    handoff_wait_ms: int = 10_000
 
     @property
     def loads(self) -> bool:
@@ -93,6 +96,16 @@ class OffloadConfig:
         """Whether what the engine computes is stored (a ``kv_consumer`` only with
         ``consumer_write_back``)."""
         return self.kv_role is not KVRole.CONSUMER or self.consumer_write_back
+
+    @property
+    def announces_stores(self) -> bool:
+        """Whether this engine marks the chunks it is storing, for consumers (a producer)."""
+        return self.kv_role is KVRole.PRODUCER and self.handoff_wait_ms > 0
+
+    @property
+    def awaits_handoffs(self) -> bool:
+        """Whether a lookup waits for chunks producers marked (a consumer)."""
+        return self.kv_role is KVRole.CONSUMER and self.handoff_wait_ms > 0
 
     @property
     def tokens_per_block(self) -> tuple[int, ...]:

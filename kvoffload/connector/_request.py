@@ -93,6 +93,9 @@ class RequestState:
     #: ``[lo, hi)`` ranges of block boundaries (in tokens) whose recurrent state accepted
     #: draft tokens may have moved, or was computed from one: no state there is stored.
     drafted: list[tuple[int, int]] = field(default_factory=list)
+    #: When a lookup first waited for chunks a producer marked (a consumer's; ``None``:
+    #: never; ``-inf``: its wait ran out, :mod:`~kvoffload.connector.handoffs`).
+    handoff_since: float | None = None
     jobs: set[int] = field(default_factory=set)
     finished: bool = False
 

@@ -46,6 +46,7 @@ from kvoffload.connector._request import StepRequest
 from kvoffload.connector._retention import Retention
 from kvoffload.connector._search import HitFinder
 from kvoffload.connector._tails import Tails
+from kvoffload.connector.handoffs import Handoffs
 from kvoffload.connector.jobs import JobBook
 from kvoffload.connector.key_source import engine_keys_refusal
 from kvoffload.connector.loads import HitLoading, LoadPlanner
@@ -60,6 +61,7 @@ from kvoffload.manager.index import OffloadIndex
 from kvoffload.manager.results import IndexEvent
 from kvoffload.messages import JobKind, JobReport, TransferOrder
 from kvoffload.tiers.base import TierProbe
+from kvoffload.tiers.handoff import HandoffBoard
 
 __all__ = ["MAX_FAILED_LOADS", "HitLoading", "OffloadScheduler", "StepRequest", "TierProbe"]
 
@@ -81,6 +83,8 @@ class OffloadScheduler:
     hit's chunks are copied into the engine's blocks (:class:`HitLoading`;
     the adapter decides it with :func:`~kvoffload.connector.loads.hit_loading`
     from the key ``load_in_step`` and from what its engine can recompute).
+    ``handoff``: a producer's or a consumer's marks in the shared tiers
+    (:func:`~kvoffload.tiers.handoff.handoff_board`), which it then owns.
     """
 
     def __init__(
@@ -92,6 +96,7 @@ class OffloadScheduler:
         world_size: int = 1,
         engine_hashes: EngineHashes | None = None,
         hit_loading: HitLoading = HitLoading.LATER,
+        handoff: HandoffBoard | None = None,
     ) -> None:
         if engine_hashes is not None:
             for span in config.tokens_per_chunk:
@@ -127,6 +132,11 @@ class OffloadScheduler:
         self._stats = SchedulerStats()
         self.misses = MissLedger.from_config(config)
         self.stores, self.promotions, self.loads = self._planners(config, hit_loading)
+        self.handoffs = None
+        if handoff is not None:
+            wait_s, marks = config.handoff_wait_ms / 1000, config.announces_stores
+            spans = config.tokens_per_chunk
+            self.handoffs = Handoffs(handoff, spans, wait_s, self._stats, marks=marks)
 
     def _planners(
         self, config: OffloadConfig, hit_loading: HitLoading
@@ -185,9 +195,10 @@ class OffloadScheduler:
         chunk another job is storing or promoting right now, or has its
         lower-tier chunks promoted first (:attr:`HitLoading.PROMOTE_FIRST`):
         waiting turns it into a CPU hit, where planning now would have to fail
-        it. Free of side effects on the index and the tiers (but for such a
-        promotion), as vLLM asks (it may call twice); it remembers the
-        request's keys and what it offered.
+        it. A consumer's also while a producer is storing chunks past the hit
+        (:mod:`~kvoffload.connector.handoffs`). Free of side effects on the
+        index and the tiers (but for such a promotion), as vLLM asks (it may
+        call twice); it remembers the request's keys and what it offered.
         """
         self._stats.lookups += 1
         lookup = self.requests.lookup(req_id, token_ids, local_hit, extras, block_hashes)
@@ -198,6 +209,9 @@ class OffloadScheduler:
             self.misses.count(MissReason.FAILED_LOAD, lookup.top - local_hit)
             return 0
         hit = self.hits.find(lookup)
+        served = local_hit if hit is None else max(hit.tokens, local_hit)
+        if self.handoffs is not None and self.handoffs.should_wait(req, served, lookup.top):
+            return None  # a producer is storing what lies past the hit: ask again
         if hit is None:
             return 0
         req.junction = hit.prefix_end  # a hit point its window chunks are kept for
@@ -267,12 +281,19 @@ class OffloadScheduler:
             advice = self.misses.advice(stored, loaded)
             if advice is not None:
                 logger.warning(advice)
-        return self.jobs.take_orders()
+        return self.take_orders()
 
     # -- reports and lifecycle ----------------------------------------------------------
     def take_orders(self) -> list[TransferOrder]:
-        """Orders queued since the last call, for this step's connector metadata."""
-        return self.jobs.take_orders()
+        """Orders queued since the last call, for this step's connector metadata.
+
+        A producer marks its stores' chunks here, before the step runs them, so before
+        the step's output leaves (:mod:`~kvoffload.connector.handoffs`).
+        """
+        orders = self.jobs.take_orders()
+        if self.handoffs is not None:
+            self.handoffs.mark(orders)
+        return orders
 
     def on_report(self, report: JobReport) -> None:
         """Fold one worker report in; a job completes once every rank reported it."""
@@ -287,6 +308,8 @@ class OffloadScheduler:
             self.promotions.complete(req, job, job.report)
         else:
             self.stores.complete(req, job, job.report)
+            if self.handoffs is not None:
+                self.handoffs.unmark(order)
         self.requests.release(order.req_id, order.job_id)
 
     def request_finished(self, req_id: str) -> None:
@@ -342,3 +365,5 @@ class OffloadScheduler:
     def close(self) -> None:
         for probe in self.probes:
             probe.close()
+        if self.handoffs is not None:
+            self.handoffs.board.close()

@@ -58,6 +58,15 @@ class SchedulerStats:
     #: Chunks a finished request never found a CPU slot for (an undersized tier shows here).
     no_room_chunks: int = 0
     resets: int = 0
+    #: Prefill and decode on different engines (:mod:`kvoffload.connector.handoffs`): a
+    #: producer's chunks marked as on their way, and marks that failed; a consumer's
+    #: lookups answered "ask again" for marked chunks, the requests that waited, and
+    #: those whose wait ran out (``handoff_wait_ms``).
+    handoff_marked_chunks: int = 0
+    handoff_mark_failures: int = 0
+    handoff_waits: int = 0
+    handoff_waited_requests: int = 0
+    handoff_timeouts: int = 0
     #: ``hit_tokens`` and ``loaded_tokens`` by the tier their chunks came from.
     hit_tokens_by_tier: dict[str, int] = field(default_factory=dict)
     loaded_tokens_by_tier: dict[str, int] = field(default_factory=dict)

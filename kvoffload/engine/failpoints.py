@@ -34,6 +34,13 @@ bug would do; the checksum path, which reports a failed load, is not faked.
 ``store.drop``
     A store copies nothing out of the engine: the chunk's CPU slot, and what
     the tiers below are written from it, keep older bytes.
+``store.slow_lower=DURATION``
+    Not damage but delay: a store waits ``DURATION`` (``3s``, ``250ms``) between
+    copying a group's span out of the engine and writing the lower tiers, as a
+    slow disk or a far server would. The step goes on meanwhile; the chunks are
+    in the CPU tier. It proves that a consumer engine sent a request while a
+    producer's stores are still on their way waits for them
+    (:mod:`kvoffload.connector.handoffs`).
 
 A load point's chance is one run of verified chunks of one group in one load
 job (one scatter: usually the group's whole span); a store point's is one
@@ -48,6 +55,7 @@ import logging
 import os
 import random
 import threading
+import time
 from collections import Counter
 from collections.abc import Callable, Sequence
 
@@ -67,7 +75,10 @@ POINTS = (
     "load.skip_last_chunk",
     "load.fail_last_chunk",
     "store.drop",
+    "store.slow_lower",
 )
+#: Points whose value is a duration, not a count or a rate.
+_DELAYS = ("store.slow_lower",)
 #: A scatter as :meth:`kvoffload.transfer.KVTransfer.scatter` does it (the CUDA event bound).
 Scatter = Callable[[int, BlockSpan, Sequence[torch.Tensor]], None]
 
@@ -89,22 +100,40 @@ def _parse_value(point: str, text: str) -> tuple[int | None, float]:
     )
 
 
+def _parse_duration(point: str, text: str) -> float:
+    """Seconds of ``point=text``, where ``text`` is ``3s`` or ``250ms``."""
+    number, unit = (text[:-2], 1e-3) if text.endswith("ms") else (text[:-1], 1.0)
+    try:
+        if text.endswith("s") and float(number) > 0:
+            return float(number) * unit
+    except ValueError:
+        pass
+    raise ConfigError(
+        f"{ENV}: {point}={text!r} is not a duration; write {point}=3s or {point}=250ms"
+    )
+
+
 class FailPoints:
     """The points turned on, and how often each has fired (thread-safe: jobs run on a pool)."""
 
     def __init__(self, spec: str) -> None:
         self.spec = spec
         self._limits: dict[str, tuple[int | None, float]] = {}
+        self._delays: dict[str, float] = {}
         for item in (part.strip() for part in spec.split(",")):
             if not item:
                 continue
             name, _, value = item.partition("=")
-            name = name.strip()
+            name, value = name.strip(), value.strip()
             if name not in POINTS:
                 raise ConfigError(
                     f"{ENV}: unknown fault point {name!r}; the points are {', '.join(POINTS)}"
                 )
-            self._limits[name] = _parse_value(name, value.strip()) if value else (None, 1.0)
+            if name in _DELAYS:
+                self._delays[name] = _parse_duration(name, value)
+                self._limits[name] = (None, 1.0)
+            else:
+                self._limits[name] = _parse_value(name, value) if value else (None, 1.0)
         self.fired = Counter[str]()
         self._random = random.Random(0)
         self._lock = threading.Lock()
@@ -172,3 +201,8 @@ class FailPoints:
     def drops_store(self) -> bool:
         """Whether this store span copies nothing out of the engine (``store.drop``)."""
         return self.fires("store.drop")
+
+    def slow_lower(self) -> None:
+        """Wait before this store span writes the lower tiers (``store.slow_lower``)."""
+        if self.fires("store.slow_lower"):
+            time.sleep(self._delays["store.slow_lower"])

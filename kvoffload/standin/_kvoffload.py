@@ -25,6 +25,7 @@ from kvoffload.keys import EngineHashes
 from kvoffload.messages import JobReport, TransferOrder
 from kvoffload.standin._types import SimRequest, StepPlan, Stopwatch, WorkerResult
 from kvoffload.tiers.base import TierProbe
+from kvoffload.tiers.handoff import HandoffBoard
 
 __all__ = ["KVOffloadSide"]
 
@@ -58,6 +59,7 @@ class KVOffloadSide:
     the same conditions as vLLM's, with no worker working between its calls;
     what it plans and the hits it finds are those of a settled run. Such a
     side has no worker (``worker`` is ``None``): no engine, no CPU slab.
+    ``handoff``: a producer's or a consumer's marks (:mod:`kvoffload.tiers.handoff`).
     """
 
     def __init__(
@@ -70,6 +72,7 @@ class KVOffloadSide:
         settle: bool = True,
         record_events: bool = True,
         transfers: bool = True,
+        handoff: HandoffBoard | None = None,
     ) -> None:
         hashes = EngineHashes(math.gcd(*config.layout.tokens_per_block), STANDIN_HASHES)
         self.scheduler = OffloadScheduler(
@@ -78,6 +81,7 @@ class KVOffloadSide:
             probes,
             engine_hashes=choose_engine_hashes(config, hashes, reproducible=True),
             hit_loading=hit_loading(config, len(config.layout.groups)),
+            handoff=handoff,
         )
         # Without them the index keeps no events, as the connector's when vLLM
         # publishes none (its default); nobody drains them here.

@@ -25,10 +25,18 @@ from kvoffload.tiers.stats import TierStats
 if TYPE_CHECKING:
     from kvoffload.config import OffloadConfig
 
-__all__ = ["AllRanksProbe", "TakingTurns", "lower_probes", "lower_tiers", "rank_probes"]
+__all__ = [
+    "AllRanksProbe",
+    "TakingTurns",
+    "lower_probes",
+    "lower_tiers",
+    "rank_probes",
+    "remote_tier",
+]
 
 
-def _remote(config: OffloadConfig, namespace: bytes) -> Tier:
+def remote_tier(config: OffloadConfig, namespace: bytes) -> Tier:
+    """The remote tier of ``namespace`` as ``config`` sets it up (a connection of its own)."""
     tier: Tier = TIERS.create(
         "redis",
         config.remote_url,
@@ -60,7 +68,7 @@ def lower_tiers(
     if config.disk_path is not None:
         tiers.append(TIERS.create("disk", config.disk_path, config.disk_bytes_to_use, namespace))
     if config.remote_url is not None:
-        tiers.append(WriteBehind(_remote(config, namespace), config.remote_queue_bytes))
+        tiers.append(WriteBehind(remote_tier(config, namespace), config.remote_queue_bytes))
     if ranks > 1:
         return [TakingTurns(tier, rank, ranks) for tier in tiers]
     return tiers
@@ -74,7 +82,7 @@ def lower_probes(config: OffloadConfig, namespace: bytes) -> list[TierProbe]:
     if config.disk_path is not None:
         probes.append(DiskProbe(config.disk_path, namespace))
     if config.remote_url is not None:
-        probes.append(_remote(config, namespace))
+        probes.append(remote_tier(config, namespace))
     return probes
 
 

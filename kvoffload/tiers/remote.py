@@ -66,6 +66,8 @@ logger = logging.getLogger("kvoffload")
 
 _T = TypeVar("_T")
 _FIRST_RETRY_S = 0.1
+#: The hash of key cards (:mod:`kvoffload.tiers.cards`), beside every namespace's chunks.
+_CARDS = b"kvoffload:cards"
 
 
 #: The remote tier's own counters beside the shared ones (see :mod:`kvoffload.tiers.stats`).
@@ -322,6 +324,49 @@ class RedisTier(Tier):
             return [False] * len(keys)
         self._counters.add(probes=1, probed_keys=len(keys), probe_hits=sum(found))
         return found
+
+    # -- hand-off marks (kvoffload.tiers.handoff) --------------------------------------
+    def _mark(self, key: bytes) -> bytes:
+        return self._prefix + b"handoff:" + key.hex().encode()
+
+    def announce(self, keys: Sequence[bytes], lifetime_ms: int) -> None:
+        """Mark ``keys`` as on their way for ``lifetime_ms``: one pipelined round trip of
+        ``SET ... PX``; ``TierError`` if the server is down."""
+        if not keys:
+            return
+
+        def mark(client: Any) -> None:
+            pipe = client.pipeline(transaction=False)
+            for key in keys:
+                pipe.set(self._mark(key), b"", px=lifetime_ms)
+            pipe.execute()
+
+        self._call(mark)
+
+    def announced(self, keys: Sequence[bytes]) -> bool:
+        """Whether some key of ``keys`` is marked: one ``EXISTS`` of them all."""
+        if not keys:
+            return False
+        names = [self._mark(key) for key in keys]
+        if self._url.cluster:  # keys of one EXISTS must share a slot in a cluster
+
+            def count(client: Any) -> int:
+                pipe = client.pipeline(transaction=False)
+                for name in names:
+                    pipe.exists(name)
+                return sum(pipe.execute())
+
+            return self._call(count) > 0
+        return int(self._call(lambda client: client.exists(*names))) > 0
+
+    # -- key cards (kvoffload.tiers.cards): one hash for every namespace ------------------
+    def put_card(self, name: str, text: str) -> None:
+        """``HSET kvoffload:cards name text``; ``TierError`` if the server is down."""
+        self._call(lambda client: client.hset(_CARDS, name, text))
+
+    def cards(self) -> list[bytes]:
+        """Every card's text (``HVALS kvoffload:cards``); ``TierError`` if the server is down."""
+        return list(self._call(lambda client: client.hvals(_CARDS)))
 
     def discard(self, key: bytes) -> None:
         """``DEL`` the value; a failure is counted, and the value is verified again on a load."""

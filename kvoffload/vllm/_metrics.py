@@ -104,6 +104,15 @@ SERIES: tuple[Series, ...] = (
            "failed_load)", label="reason"),
     Series("lookup_miss_tokens", "counter",
            "Prompt tokens those lookups left unserved, by reason", label="reason"),
+    Series("handoff_waits", "counter",
+           "kv_consumer lookups answered 'ask again' while a producer's stores of chunks "
+           "past the hit were on their way", label=""),
+    Series("handoff_timeouts", "counter",
+           "kv_consumer requests whose wait for a producer's marked chunks ran out "
+           "(handoff_wait_ms)", label=""),
+    Series("handoff_mark_failures", "counter",
+           "kv_producer hand-off marks the shared tier refused (consumers may recompute)",
+           label=""),
     Series("reuse_distance_chunks", "gauge",
            "Median chunks stored between an eviction and the lookup that missed it (a CPU "
            "tier that much larger would have kept them)", label="", ranks="max"),

@@ -49,7 +49,7 @@ class SchedulerSide:
         namespaces = [setup.namespace(rank) for rank in range(setup.world_size)]
         #: The engine-neutral core that decides hits, loads and stores.
         self.scheduler: OffloadScheduler = build_scheduler(
-            vllm_config, kv_cache_config, setup.config, namespaces
+            vllm_config, kv_cache_config, setup, namespaces
         )
         #: vLLM's requests this side looked up and has not seen finish, by id.
         self._requests: dict[str, Request] = {}

@@ -22,8 +22,11 @@ from kvoffload.connector.loads import hit_loading
 from kvoffload.connector.scheduler import OffloadScheduler
 from kvoffload.errors import ConfigError
 from kvoffload.keys import EngineHashes, namespace_of
+from kvoffload.keys.identity import KeyIdentity
+from kvoffload.tiers.cards import exchange_cards
 from kvoffload.tiers.from_config import rank_probes
-from kvoffload.vllm._key_source import vllm_hashes_reproducible
+from kvoffload.tiers.handoff import handoff_board
+from kvoffload.vllm._key_source import hash_seed_fingerprint, vllm_hashes_reproducible
 from kvoffload.vllm._layout import GroupMap, group_map
 from kvoffload.vllm._versions import announce
 
@@ -123,31 +126,76 @@ def kv_identity(vllm_config: Any, groups: GroupMap) -> str:
 
 
 def build_scheduler(
-    vllm_config: Any, kv_cache_config: Any, config: OffloadConfig, namespaces: list[bytes]
+    vllm_config: Any, kv_cache_config: Any, setup: EngineSetup, namespaces: list[bytes]
 ) -> OffloadScheduler:
     """The scheduler side's core, keyed from vLLM's block hashes where ``key_source`` allows.
 
     One per engine: where the vLLM release it runs on is logged (and warned of, if newer
-    than the releases checked).
+    than the releases checked). A split role's engine logs what it does, and warns if
+    the engines of the other role on its shared tier name chunks otherwise
+    (:mod:`kvoffload.tiers.cards`).
     """
     announce(vllm.__version__, engine_log)
-    if config.kv_role.disaggregated:
-        does = "loads" if config.loads else "never loads"
-        does += ", stores" if config.stores else ", never stores"
-        engine_log.info("kvoffload: kv_role %s: %s", config.kv_role, does)
+    config = setup.config
     algorithm = str(vllm_config.cache_config.prefix_caching_hash_algo)
     hashed_every = int(kv_cache_config.hash_block_size or config.layout.tokens_per_block[0])
+    engine_hashes = choose_engine_hashes(
+        config,
+        EngineHashes(hashed_every, algorithm),
+        reproducible=vllm_hashes_reproducible(algorithm),
+    )
+    if config.kv_role.disaggregated:
+        log_role(config)
+        mismatch = exchange_cards(config, key_identity(setup, namespaces, engine_hashes))
+        if mismatch is not None:
+            logger.warning(mismatch)
     return OffloadScheduler(
         config,
         namespaces[0],
         rank_probes(config, namespaces),
         world_size=len(namespaces),
-        engine_hashes=choose_engine_hashes(
-            config,
-            EngineHashes(hashed_every, algorithm),
-            reproducible=vllm_hashes_reproducible(algorithm),
-        ),
+        engine_hashes=engine_hashes,
         hit_loading=hit_loading(config, len(kv_cache_config.kv_cache_groups)),
+        handoff=handoff_board(config, namespaces),
+    )
+
+
+def log_role(config: OffloadConfig) -> None:
+    does = "loads" if config.loads else "never loads"
+    does += ", stores" if config.stores else ", never stores"
+    if config.announces_stores:
+        does += f", marks its stores for consumers ({config.handoff_wait_ms} ms)"
+    elif config.awaits_handoffs:
+        does += f", waits up to {config.handoff_wait_ms} ms for marked stores"
+    engine_log.info("kvoffload: kv_role %s: %s", config.kv_role, does)
+
+
+def key_identity(
+    setup: EngineSetup, namespaces: list[bytes], engine_hashes: EngineHashes | None
+) -> KeyIdentity:
+    """How this engine names its chunks, for the engines of the other role to compare."""
+    config = setup.config
+    if engine_hashes is None:
+        source = "token ids"
+    else:
+        source = (
+            f"vLLM's {engine_hashes.algorithm} block hashes per {engine_hashes.block_size} "
+            f"tokens, seed {hash_seed_fingerprint(engine_hashes.algorithm)}"
+        )
+    groups = tuple(
+        f"{g.kind} {g.tokens_per_block} tokens/block {g.page_bytes} B/page"
+        for g in setup.layout.groups
+    )
+    return KeyIdentity(
+        role=str(config.kv_role),
+        model=setup.model_id,
+        dtype=setup.dtype.removeprefix("torch."),
+        world_size=setup.world_size,
+        sharded=setup.world_size > 1 and not setup.layout.replicated,
+        groups=groups,
+        tokens_per_chunk=tuple(config.tokens_per_chunk),
+        key_source=source,
+        namespaces=tuple(dict.fromkeys(ns.hex() for ns in namespaces)),
     )
 
 
