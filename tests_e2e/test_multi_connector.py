@@ -6,7 +6,8 @@ the one that runs on the CPU build. ``MultiConnector`` asks every child for each
 first child in its list with a hit loads, and every child stores. Here the two connectors
 hold the same prompts. Listed first, kvoffload serves every load, and the example connector
 loads nothing. Listed second, it offers the same hits, vLLM takes the other's, and kvoffload
-loads nothing, fails nothing and keeps no pin. In both orders both connectors store, the
+loads nothing, fails nothing and keeps no pin. With its CPU tier emptied, it misses, the
+other loads, and kvoffload stores none of what that loaded. In both orders both store, the
 output is vLLM's own prefix cache's (tokens and logprobs), and vLLM's Prometheus figures
 agree with kvoffload's. Both engines log stats, as ``vllm serve`` does. Before kvoffload
 entered its name in vLLM's connector registry, this stopped the engine at its first logged
