@@ -96,6 +96,25 @@ def test_vllms_factory_finds_the_connector_and_its_hybrid_support() -> None:
     assert KVOffloadConnector.supports_sleep_mode(CONFIG)
 
 
+def test_multiconnector_rebuilds_the_connectors_stats_by_its_class_name() -> None:
+    """Inside ``MultiConnector`` the frontend gets each child's stats as a plain dict keyed
+    by the child's class name, and rebuilds them through vLLM's registry by that name:
+    importing the connector registers it (unregistered, vLLM's first logged step raised)."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.multi_connector import MultiConnector
+
+    from kvoffload.vllm._prom import KVOffloadStats
+
+    assert KVConnectorFactory.get_connector_class_by_name("KVOffloadConnector") is (
+        KVOffloadConnector
+    )
+    counters = {"counters": {"loaded_tokens|cpu": 64}, "gauges": {}, "histograms": {}}
+    sent = KVOffloadStats(data=counters).to_dict()
+    rebuilt = MultiConnector.build_kv_connector_stats(data={"KVOffloadConnector": sent})
+    assert rebuilt is not None
+    assert isinstance(rebuilt["KVOffloadConnector"], KVOffloadStats)
+    assert rebuilt["KVOffloadConnector"].data == counters
+
+
 # -- vLLM 0.34's hooks ---------------------------------------------------------------------
 def test_the_workers_reach_the_kv_cache_in_process_as_vllm_034_assumes() -> None:
     """``kv_cache_access``: the workers copy with torch in their process, vLLM's default."""

@@ -31,12 +31,14 @@ Configuration is vLLM's ``kv_connector_extra_config``, validated by
 
 from __future__ import annotations
 
+import contextlib
 import weakref
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 from vllm.distributed.kv_events import KVCacheEvent
+from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
@@ -270,3 +272,20 @@ class KVOffloadConnector(KVConnectorBase_V1, SupportsHMA):
             f"KVOffloadConnector.{method} is a {side.ROLE}-side method, called on the "
             f"{self.side.ROLE}-side connector (KVConnectorRole.{self.role.name})"
         )
+
+
+def _register_by_name() -> None:
+    """Enter this class in vLLM's connector registry under its name, as vLLM's own are.
+
+    vLLM loads it by ``kv_connector_module_path``, which needs no entry; but inside
+    ``MultiConnector`` the frontend rebuilds each child's stats from the child's class
+    name (``KVConnectorFactory.get_connector_class_by_name``), and an unregistered name
+    stopped the engine at its first logged step. The frontend imports this module when it
+    builds ``MultiConnector``'s Prometheus metrics, before any stats arrive.
+    """
+    name = KVOffloadConnector.__name__
+    with contextlib.suppress(ValueError):  # registered already (this module imported again)
+        KVConnectorFactory.register_connector(name, __name__, name)
+
+
+_register_by_name()
