@@ -85,12 +85,8 @@ class ChunkCopier:
     def commit(self, span: ChunkSpan, outcome: Outcome) -> None:
         """Bind the gathered chunks to their keys and write them through to lower tiers."""
         cpu, nbytes = self.cascade.cpu, self.transfer.chunk_bytes(span.group)
-        pairs = list(zip(span.keys, span.slots, strict=True))
-        for key, slot in pairs:
+        for key, slot in zip(span.keys, span.slots, strict=True):
             cpu.bind(key, slot, nbytes)
-        if self.faults is not None and self.cascade.lower:
-            self.faults.slow_lower()
-        for key, slot in pairs:
             outcome.errors.extend(self.cascade.write_through(key, slot, nbytes))
             outcome.done.append(key)
 

@@ -270,6 +270,8 @@ class OffloadEngine:
                     gathered = [self._copier.gather(span, after, outcome) for span in spans]
                     self._book.sources_released()
                     reading = False
+                    if self.faults is not None and self._copier.cascade.lower:
+                        self.faults.slow_lower()
                     for span, ok in zip(spans, gathered, strict=True):
                         if ok:
                             self._copier.commit(span, outcome)

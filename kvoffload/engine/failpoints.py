@@ -35,12 +35,12 @@ bug would do; the checksum path, which reports a failed load, is not faked.
     A store copies nothing out of the engine: the chunk's CPU slot, and what
     the tiers below are written from it, keep older bytes.
 ``store.slow_lower=DURATION``
-    Not damage but delay: a store waits ``DURATION`` (``3s``, ``250ms``) between
-    copying a group's span out of the engine and writing the lower tiers, as a
-    slow disk or a far server would. The step goes on meanwhile; the chunks are
-    in the CPU tier. It proves that a consumer engine sent a request while a
-    producer's stores are still on their way waits for them
-    (:mod:`kvoffload.connector.handoffs`).
+    Not damage but delay: a store job waits ``DURATION`` (``3s``, ``250ms``)
+    between copying its chunks out of the engine and writing them to the CPU
+    slots and the lower tiers, as a slow disk or a far server would (its chance
+    is the job, not a span). The step goes on meanwhile. It proves that a
+    consumer engine sent a request while a producer's stores are still on their
+    way waits for them (:mod:`kvoffload.connector.handoffs`).
 
 A load point's chance is one run of verified chunks of one group in one load
 job (one scatter: usually the group's whole span); a store point's is one
