@@ -33,7 +33,7 @@ from _harness import (
 )
 
 #: Long enough that the consumer looks up well before the chunks land, on a busy machine.
-SLOW = "store.slow_lower=3s"
+SLOW = "store.slow_lower=4s"
 
 
 def shared_tier(tier: str, tmp_path: Path, request: pytest.FixtureRequest) -> dict[str, Any]:
