@@ -16,7 +16,7 @@ VLLM_STAMP  = $(VLLM_VENV)/.installed-stamp
 # vLLM releases whose Python modules the connector is checked against (make vllm-api-check).
 VERSIONS   ?= 0.33.0 0.34.0
 
-.PHONY: setup demo demo-vllm plan test lint typecheck bench replay e2e vllm-setup vllm-api-check vllm033-check bench-vllm bench-hybrid bench-serve clean
+.PHONY: setup demo demo-vllm plan test lint typecheck bench replay e2e vllm-setup vllm-api-check vllm033-check bench-vllm bench-hybrid bench-serve bench-disagg clean
 
 setup: $(STAMP)
 
@@ -103,6 +103,12 @@ bench-hybrid: vllm-setup
 # 2 busy AVX2 ones).
 bench-serve: vllm-setup
 	$(VLLM_PY) benchmarks/serve_chat.py
+
+# Prefill on one `vllm serve` (kv_producer), decode on another (kv_consumer) over one disk
+# tier: the decode instance's TTFT, the prompt loaded against computed there, the bytes moved
+# per request, and the whole flow through `kvoffload proxy` (~1 min on 2 cores).
+bench-disagg: vllm-setup
+	$(VLLM_PY) benchmarks/disagg_ttft.py
 
 bench: setup
 	$(VENV)/bin/kvoffload bench --tier all

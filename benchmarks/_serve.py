@@ -62,6 +62,8 @@ class ServerSpec:
     kvcache_gib: int  # VLLM_CPU_KVCACHE_SPACE
     cores: str | None = None  # VLLM_CPU_OMP_THREADS_BIND (e.g. "1"); None: vLLM's auto
     extra_env: tuple[tuple[str, str], ...] = ()  # more of the server's environment
+    kv_role: str = "kv_both"  # vLLM's kv_role: kv_producer and kv_consumer split the work
+    tokenizer: bool = False  # the model directory has one (logprobs need it); else none loaded
 
     def argv(self, port: int) -> list[str]:
         argv = [
@@ -71,14 +73,16 @@ class ServerSpec:
             "--dtype", self.dtype, "--block-size", str(self.block_size),
             "--num-gpu-blocks-override", str(self.engine_blocks),
             "--max-model-len", str(self.max_model_len),
-            "--skip-tokenizer-init", "--enforce-eager", "--seed", "0",
+            "--enforce-eager", "--seed", "0",
             "--enable-prompt-tokens-details", "--disable-uvicorn-access-log",
         ]  # fmt: skip
+        if not self.tokenizer:
+            argv.append("--skip-tokenizer-init")
         if self.connector is not None:
             transfer = {
                 "kv_connector": "KVOffloadConnector",
                 "kv_connector_module_path": "kvoffload.vllm",
-                "kv_role": "kv_both",
+                "kv_role": self.kv_role,
                 "kv_connector_extra_config": self.connector,
             }
             argv += ["--kv-transfer-config", json.dumps(transfer)]
@@ -161,6 +165,21 @@ class Server:
                 totals[DISK_HITS] += float(sample.group(2))
         return totals
 
+    def samples(self) -> dict[tuple[str, str], float]:
+        """Every sample of ``/metrics``: (name, its ``tier`` label or "") -> value, summed
+        over the other labels."""
+        status, body = self._get("/metrics")
+        if status != 200:
+            raise ServerError(f"{self.spec.name}: /metrics answered {status}")
+        out: dict[tuple[str, str], float] = {}
+        for line in body.splitlines():
+            sample = re.fullmatch(r"([^\s{#]+)(?:\{(.*)\})?\s+(\S+)", line)
+            if sample:
+                tier = re.search(r'(?:^|,)tier="([^"]*)"', sample.group(2) or "")
+                key = (sample.group(1), tier.group(1) if tier else "")
+                out[key] = out.get(key, 0.0) + float(sample.group(3))
+        return out
+
     def record(self) -> dict[str, Any]:
         """Where it ran: its process (group) id, port, log, and the cores its engine used."""
         found = re.search(r"local_rank=0, core ids=(\[[^\]]*\])", self.log_tail(10**7))
@@ -195,6 +214,25 @@ def group_alive(pgid: int) -> bool:
         if int(fields[2]) == pgid and fields[0] != "Z":
             return True
     return False
+
+
+def settled_chunks(disk: Path, at_least: int, timeout_s: float = 60.0) -> int:
+    """Wait until the disk tier at ``disk`` records ``at_least`` chunks in its index and no
+    more a moment later (or ``timeout_s`` has passed); the count.
+
+    A producer's stores land after its answer, and a consumer's lookup does not wait for
+    stores in flight yet (docs/vllm.md): this is how a client makes sure they landed.
+    """
+    from kvoffload.tiers.disk.inspect import inspect_disk  # the caller's kvoffload
+
+    deadline = time.monotonic() + timeout_s
+    seen = -1
+    while True:
+        now = inspect_disk(disk).chunks
+        if (now >= at_least and now == seen) or time.monotonic() > deadline:
+            return now
+        seen = now
+        time.sleep(0.25)
 
 
 @contextmanager

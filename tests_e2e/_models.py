@@ -268,6 +268,35 @@ def build_lora_adapter(model: Path, path: Path, seed: int, rank: int = 8) -> Pat
     return path
 
 
+def with_word_tokenizer(model: Path, path: Path) -> Path:
+    """A copy of ``model`` under ``path`` with a tokenizer whose every id is one word, ``t<id>``.
+
+    The models here have none (engines run with ``skip_tokenizer_init``), but `vllm serve`
+    returns logprobs only with a tokenizer: this one lets a served answer be compared
+    with another logprob for logprob. Prompts stay token ids; ids 1 and 2 are the
+    configuration's BOS and EOS.
+    """
+    path = Path(path)
+    if (path / "tokenizer.json").exists():
+        return path
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    partial = path.with_name(f"{path.name}.partial-{os.getpid()}")
+    shutil.rmtree(partial, ignore_errors=True)
+    shutil.copytree(model, partial)
+    vocab = json.loads((Path(model) / "config.json").read_text())["vocab_size"]
+    words = Tokenizer(models.WordLevel({f"t{i}": i for i in range(vocab)}, unk_token="t0"))
+    words.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=words, unk_token="t0", bos_token="t1", eos_token="t2"
+    )
+    fast.save_pretrained(partial)
+    shutil.rmtree(path, ignore_errors=True)
+    partial.rename(path)
+    return path
+
+
 def kv_bytes_per_token(config: dict[str, Any], dtype_bytes: int = 2) -> int:
     """KV bytes one token takes over all layers of a plain-attention model like ``LLAMA``."""
     head_dim = config.get("head_dim", config["hidden_size"] // config["num_attention_heads"])

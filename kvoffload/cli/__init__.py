@@ -1,4 +1,5 @@
-"""The ``kvoffload`` command line: ``plan``, ``inspect``, ``demo``, ``replay``, ``bench``.
+"""The ``kvoffload`` command line: ``plan``, ``inspect``, ``demo``, ``replay``, ``bench``,
+``proxy``.
 
 Each subcommand lives in its own module exposing ``register(subparsers)``,
 which adds its parser and sets ``func`` to a ``run(args) -> int``. What a
@@ -25,7 +26,7 @@ from kvoffload.errors import KVOffloadError
 __all__ = ["main"]
 
 #: Subcommand modules, in the order ``--help`` lists them.
-SUBCOMMANDS = ("plan", "inspect", "demo", "replay", "bench")
+SUBCOMMANDS = ("plan", "inspect", "demo", "replay", "bench", "proxy")
 
 #: Exit code of a run stopped with Ctrl-C, as shells report SIGINT.
 INTERRUPTED = 130
@@ -37,7 +38,8 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=HelpFormatter,
         description="KV-cache offloading for hybrid models: check a configuration (plan), "
         "look inside a disk tier (inspect), watch it work (demo), replay a trace (replay), "
-        "measure the tiers (bench). 'kvoffload COMMAND --help' explains each.",
+        "measure the tiers (bench), put one address in front of prefill and decode instances "
+        "of vllm serve (proxy). 'kvoffload COMMAND --help' explains each.",
     )
     parser.add_argument("--version", action="version", version=f"kvoffload {__version__}")
     subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
