@@ -67,13 +67,15 @@ def kvoffload_row(
     *,
     key_source: str = "auto",
     transfers: bool = True,
+    queued_cpu_share: float | None = None,
 ) -> EngineRow:
-    """One replay through kvoffload's connector (``key_source``: the connector's key;
-    ``transfers=False``: its orders complete at once, as vLLM's do here). Its hits load
-    a step later (``load_in_step: never``), as vLLM's connector's do, so that the two
-    differ only in their index, policy and hit rules, and the steps line up."""
+    """One replay through kvoffload's connector (``key_source``, ``queued_cpu_share``: the
+    connector's keys; ``transfers=False``: its orders complete at once, as vLLM's do here).
+    Its hits load a step later (``load_in_step: never``), as vLLM's connector's do, so that
+    the two differ only in their index, policy and hit rules, and the steps line up."""
     return replay_engine(trace, capacity, policy, settings=settings, key_source=key_source,
-                         transfers=transfers, load_in_step="never")  # fmt: skip
+                         transfers=transfers, load_in_step="never",
+                         queued_cpu_share=queued_cpu_share)  # fmt: skip
 
 
 def vllm_row(trace: Trace, capacity: int, policy: str, settings: EngineSettings) -> EngineRow:

@@ -55,8 +55,11 @@ class IndexMachine(RuleBasedStateMachine):
         #: Keys in flight for the lower tiers only: their slots are freed on completion.
         self.around: set[bytes] = set()
         self.pins: Counter[bytes] = Counter()
+        #: Chunks held for queued requests (holders each), and each hold's chunks.
+        self.held: Counter[bytes] = Counter()
+        self.holds: list[list[bytes]] = []
         self.hits = self.misses = self.evictions = self.stores = self.failures = 0
-        self.rejected = self.written_around = 0
+        self.rejected = self.written_around = self.spilled = 0
 
     # -- helpers -------------------------------------------------------------
     def free_slots(self) -> int:
@@ -122,6 +125,30 @@ class IndexMachine(RuleBasedStateMachine):
         over = [key] * (self.pins[key] + 1)
         self.expect_unchanged_after_error(lambda: self.manager.complete_load(over))
 
+    # -- holds of queued requests ---------------------------------------------------
+    @rule(keys=batch_st, limit=st.integers(0, CAPACITY))
+    def hold(self, keys: list[bytes], limit: int) -> None:
+        expected = []
+        for key in keys:
+            if key not in self.ready:
+                continue
+            if not self.held[key] and len(+self.held) >= limit:
+                break
+            self.held[key] += 1
+            expected.append(key)
+        assert self.manager.hold(keys, limit) == expected
+        self.holds.append(expected)
+
+    @precondition(lambda self: self.holds)
+    @rule(data=st.data())
+    def unhold(self, data: st.DataObject) -> None:
+        keys = self.holds.pop(data.draw(st.integers(0, len(self.holds) - 1)))
+        self.manager.unhold(keys)
+        for key in keys:
+            if self.held[key]:
+                self.held[key] -= 1
+        self.held = +self.held
+
     # -- stores ----------------------------------------------------------------
     @rule(keys=batch_st)
     def prepare_store(self, keys: list[bytes]) -> None:
@@ -139,14 +166,20 @@ class IndexMachine(RuleBasedStateMachine):
         missing = [k for k in unique if k not in self.ready and k not in self.storing]
         found = {k for k in unique if k in self.ready}
         evictable = len(self.ready) - len(self.pins) - len(found - set(self.pins))
+        evictable -= len(+self.held)  # never evicted; counted once more if pinned or found
         free_before = self.free_slots()
         before = self.manager.stats()
         result = self.manager.prepare_store(keys)
-        if len(missing) > free_before + evictable:
+        short = len(missing) - free_before - evictable
+        if short > len(+self.held):
             assert result is None
             assert self.manager.stats() == before
             self.expect_events([])
             return []
+        if short > 0:  # the newest holds go, for the room the store needs
+            for key in list(+self.held)[-short:]:
+                del self.held[key]
+            self.spilled += short
         assert result is not None
         stored = list(result.keys)
         assert [k for k in missing if k in set(stored)] == stored, "keys out of order or foreign"
@@ -164,6 +197,7 @@ class IndexMachine(RuleBasedStateMachine):
         assert len(result.evicted) == max(0, len(stored) - free_before)
         for victim in result.evicted:
             assert victim in self.ready and victim not in self.pins and victim not in found
+            assert victim not in self.held
         events = [IndexEvent(EventKind.REMOVED, k, self.ready.pop(k)) for k in result.evicted]
         self.expect_events(events)
         taken = set(self.ready.values()) | set(self.storing.values())
@@ -207,6 +241,7 @@ class IndexMachine(RuleBasedStateMachine):
         self.manager.reset()
         dropped = [k for k in self.ready if k not in self.pins]
         expected = {IndexEvent(EventKind.REMOVED, k, self.ready.pop(k)) for k in dropped}
+        self.held.clear()  # every hold let go
         events = self.manager.take_events()
         assert len(events) == len(expected) and set(events) == expected
 
@@ -227,7 +262,8 @@ class IndexMachine(RuleBasedStateMachine):
         assert (stats.stores, stats.store_failures) == (self.stores, self.failures)
         assert stats.written_around == self.written_around
         assert manager._cold == self.around
-        assert len(manager.policy) == len(self.ready)
+        assert stats.held == len(+self.held) and stats.spilled == self.spilled
+        assert len(manager.policy) == len(self.ready) - len(+self.held)
         slots = list(self.ready.values()) + list(self.storing.values())
         assert len(set(slots)) == len(slots)
         assert all(0 <= s < CAPACITY for s in slots)

@@ -37,6 +37,7 @@ class KeyType(Enum):
 
     INT = ("int", values.to_int)
     FRACTION = ("fraction", values.to_fraction)
+    SHARE = ("fraction or 0", values.to_share)
     SIZE = ("bytes", values.to_size)
     BOOL = ("bool", values.to_bool)
     POLICY = ("policy name", values.to_str)
@@ -114,6 +115,8 @@ class Key:
         """The accepted range of a numeric key, as the key table shows it ('' for others)."""
         if self.type is KeyType.FRACTION:
             return "above 0, up to 1"
+        if self.type is KeyType.SHARE:
+            return "0 (off) to 1"
         return self.bounds.text(self.type is KeyType.SIZE) if self.bounds else ""
 
     def default_text(self) -> str:
@@ -232,6 +235,14 @@ KEYS: tuple[Key, ...] = (
         "Most of the CPU tier one tenant (one `cache_salt`; requests without one are a "
         "tenant too) may hold, as a fraction of its chunks: a tenant at its share evicts "
         "its own chunks, never the others'. Unset: no limit.",
+    ),
+    Key(
+        "queued_cpu_share",
+        KeyType.SHARE,
+        "Most of the CPU tier held for requests in vLLM's waiting queue: from the moment a "
+        "request arrives, the chunks it will hit in the CPU tier are not evicted until it "
+        "is scheduled (or aborted, or has waited a minute), up to this fraction of the "
+        "tier, first come first held. 0: nothing held.",
     ),
     Key(
         "retention_interval",

@@ -60,6 +60,8 @@ class OffloadConfig:
     load_in_step: str = "auto"
     #: Most of the CPU tier's chunks one tenant (cache salt) may hold; None: no limit.
     tenant_cpu_share: float | None = None
+    #: Most of the CPU tier held for the chunks of queued requests (0: none held).
+    queued_cpu_share: float = 0.25
     #: Tokens between the hit points kept besides each request's ends (0: none; 1: all).
     retention_interval: int = 16384
     #: Directory of the disk tier, or None for no disk tier.

@@ -33,6 +33,7 @@ __all__ = [
     "to_int",
     "to_path",
     "to_remote_url",
+    "to_share",
     "to_size",
     "to_str",
 ]
@@ -179,6 +180,18 @@ def to_fraction(key: str, value: object) -> float:
     if number is None or not math.isfinite(number) or not 0.0 < number <= 1.0:
         raise _reject(key, value, expected)
     return number
+
+
+def to_share(key: str, value: object) -> float:
+    """A number in ``[0, 1]``, where 0 turns the feature off: ``0``, ``0.25``, ``"1"``."""
+    if value == 0 and not isinstance(value, bool):
+        return 0.0
+    if isinstance(value, str) and value.strip() in ("0", "0.0"):
+        return 0.0
+    try:
+        return to_fraction(key, value)
+    except ConfigError:
+        raise _reject(key, value, "a fraction from 0 (off) to 1, such as 0.25") from None
 
 
 def to_str(key: str, value: object) -> str:

@@ -102,6 +102,20 @@ class RequestTable:
         self.extend_keys(req, token_ids, block_hashes, top)
         return Lookup(req, token_ids, block_hashes, local_hit, keyable, top)
 
+    def arrived(
+        self,
+        req_id: str,
+        token_ids: Sequence[int],
+        extras: KeyExtras | None,
+        block_hashes: Sequence[bytes] | None,
+    ) -> RequestState:
+        """A request the engine queued, keyed as its first lookup will key it (which then
+        finds the keys made)."""
+        req = self.open(req_id, extras)
+        keyable = self.keyable(len(token_ids) - self.unhittable, block_hashes)
+        self.extend_keys(req, token_ids, block_hashes, keyable // self.alignment * self.alignment)
+        return req
+
     def release(self, req_id: str, job_id: int | None) -> None:
         """Job ``job_id`` of the request is done (``None``: it finished); forget it once both."""
         req = self._requests.get(req_id)

@@ -52,6 +52,7 @@ from kvoffload.connector.key_source import engine_keys_refusal
 from kvoffload.connector.loads import HitLoading, LoadPlanner
 from kvoffload.connector.misses import MissLedger, MissReason
 from kvoffload.connector.promotions import Promotions
+from kvoffload.connector.queued import QueuedHolds
 from kvoffload.connector.requests import RequestTable
 from kvoffload.connector.stats import SchedulerStats
 from kvoffload.connector.stores import StorePlanner
@@ -132,6 +133,9 @@ class OffloadScheduler:
         self._stats = SchedulerStats()
         self.misses = MissLedger.from_config(config)
         self.stores, self.promotions, self.loads = self._planners(config, hit_loading)
+        limit = int(config.queued_cpu_share * index.capacity) if config.loads else 0
+        spans, stats = config.tokens_per_chunk, self._stats
+        self.queued = QueuedHolds(index, layout, spans, limit=limit, stats=stats)
         self.handoffs = None
         if handoff is not None:
             wait_s, marks = config.handoff_wait_ms / 1000, config.announces_stores
@@ -174,7 +178,22 @@ class OffloadScheduler:
         )
         return stores, promotions, loads
 
-    # -- lookups ------------------------------------------------------------------
+    # -- arrivals and lookups ------------------------------------------------------
+    def request_queued(
+        self,
+        req_id: str,
+        token_ids: Sequence[int],
+        extras: KeyExtras | None = None,
+        block_hashes: Sequence[bytes] | None = None,
+    ) -> int:
+        """vLLM's ``on_new_request``: the request waits in the queue; hold the CPU-tier
+        chunks it will hit until it runs (:mod:`~kvoffload.connector.queued`). Returns the
+        chunks held. Its keys are made here, once: its lookups find them."""
+        if not self.queued.limit:
+            return 0
+        req = self.requests.arrived(req_id, token_ids, extras, block_hashes)
+        return self.queued.hold(req_id, req.keys)
+
     def lookup(
         self,
         req_id: str,
@@ -258,6 +277,7 @@ class OffloadScheduler:
         their promotion) go into the order as ``unloadable``: the worker
         reports them failed and vLLM recomputes them.
         """
+        self.queued.release(req_id)  # scheduled: its load pins what it needs
         req = self.requests.get(req_id)
         if req is None:
             return None
@@ -272,6 +292,9 @@ class OffloadScheduler:
         for req_id in preempted:
             self.preempted(req_id)
         plan, steps = self.stores.plan, list(scheduled)
+        for step in steps:
+            self.queued.release(step.req_id)
+        self.queued.expire()
         if self.config.stores:  # not a kv_consumer's, unless it writes back
             for step in steps:
                 plan(step)
@@ -314,6 +337,7 @@ class OffloadScheduler:
 
     def request_finished(self, req_id: str) -> None:
         """Forget the request once its orders are reported; its blocks may be freed now."""
+        self.queued.release(req_id)  # aborted while queued, or done
         req = self.requests.get(req_id)
         if req is not None:
             req.finished = True
@@ -331,6 +355,7 @@ class OffloadScheduler:
         lower tiers keep theirs: they are shared (a remote server) or outlive the process (disk).
         """
         self.index.reset()
+        self.queued.clear()
         self._stats.resets += 1
         return True
 

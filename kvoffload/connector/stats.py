@@ -58,6 +58,12 @@ class SchedulerStats:
     #: Chunks a finished request never found a CPU slot for (an undersized tier shows here).
     no_room_chunks: int = 0
     resets: int = 0
+    #: Queued requests whose CPU-tier chunks were held until they ran
+    #: (:mod:`kvoffload.connector.queued`), the chunks held for them, and holds let go
+    #: because the request waited too long.
+    queued_holds: int = 0
+    queued_held_chunks: int = 0
+    queued_hold_expiries: int = 0
     #: Prefill and decode on different engines (:mod:`kvoffload.connector.handoffs`): a
     #: producer's chunks marked as on their way, and marks that failed; a consumer's
     #: lookups answered "ask again" for marked chunks, the requests that waited, and

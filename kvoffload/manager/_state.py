@@ -23,6 +23,8 @@ class IndexState:
         self._ready: dict[bytes, int] = {}
         self._storing: dict[bytes, int] = {}
         self._pins: dict[bytes, int] = {}
+        #: Ready keys held for requests still queued (holders each), out of the policy.
+        self._held: dict[bytes, int] = {}
         # Popped from the end: slot 0 is handed out first.
         self._free: list[int] = list(range(capacity - 1, -1, -1))
 
@@ -66,7 +68,11 @@ class IndexState:
         return self.capacity - len(self._pins) - len(self._storing)
 
     def _evictable(self, found: set[bytes]) -> int:
-        """Ready chunks an eviction may take: neither pinned nor found by this call."""
+        """Ready chunks an eviction may take: neither pinned, held nor found by this call.
+
+        Never more than the policy can give: a held chunk that is also pinned or found
+        is subtracted twice, which only refuses a store that might have fit.
+        """
         pins = self._pins
         protected = sum(1 for key in found if key not in pins) if found else 0
-        return len(self._ready) - len(pins) - protected
+        return len(self._ready) - len(pins) - protected - len(self._held)

@@ -100,8 +100,11 @@ class IndexStores(IndexState):
         unique = dict.fromkeys(keys)  # each key once, in order
         missing = [key for key in unique if key not in ready and key not in storing]
         found = {key for key in unique if key in ready} if len(missing) < len(unique) else set()
-        if len(missing) > len(self._free) + self._evictable(found):
-            return None
+        short = len(missing) - len(self._free) - self._evictable(found)
+        if short > 0:
+            if short > len(self._held):
+                return None
+            self._spill(short)
         tenants = self.tenants
         if tenants is not None and not tenants.fits(tenant, len(missing), found, self._pins):
             return None
@@ -124,6 +127,16 @@ class IndexStores(IndexState):
             tenants.reserve(admitted, tenant)
         self._cold.update(cold)
         return StoreResult(tuple(admitted), tuple(slots), tuple(evicted), capped)
+
+    def _spill(self, n: int) -> None:
+        """Let go of the ``n`` newest holds of queued requests, for a store that needs the room:
+        each makes one more chunk evictable (or ends counting a pinned one twice)."""
+        held = self._held
+        keys = list(held)[-n:]
+        for key in keys:
+            del held[key]
+        self.policy.insert_many(keys)
+        self._counts.spilled += n
 
     def _admit(self, missing: list[bytes]) -> tuple[list[bytes], list[bytes]]:
         """The keys of ``missing`` to store, and those of them stored for the lower tiers only."""

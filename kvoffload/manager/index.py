@@ -25,7 +25,7 @@ from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING
 
 from kvoffload._checks import checked_int
-from kvoffload.errors import ProtocolError
+from kvoffload.errors import IntegrityError, ProtocolError
 from kvoffload.keys import short_key
 from kvoffload.manager._stores import IndexStores
 from kvoffload.manager._tenants import TenantShares
@@ -174,11 +174,54 @@ class OffloadIndex(IndexStores):
                 if tenants is not None:
                     tenants.pinned(key, -1)
 
+    # -- queued requests ------------------------------------------------------
+    def hold(self, keys: Sequence[bytes], limit: int) -> list[bytes]:
+        """Keep ready ``keys`` from eviction for a request still queued; returns those held.
+
+        The policy forgets a held chunk until :meth:`unhold` hands it back, so
+        evictions pass it over at no cost. At most ``limit`` distinct chunks
+        are held at once (a long queue cannot freeze the tier): ``keys`` are
+        taken in order until then. A store that finds no room otherwise lets
+        go of the newest holds (``spilled``): the running requests come first.
+        Holds stack like pins. Chunks of tenants under ``tenant_share`` are never
+        held (a tenant's cap decides).
+        """
+        if self.tenants is not None:
+            return []
+        held, ready, remove = self._held, self._ready, self.policy.remove
+        taken = []
+        for key in keys:
+            if key not in ready:
+                continue
+            n = held.get(key, 0)
+            if not n:
+                if len(held) >= limit:
+                    break
+                remove(key)
+            held[key] = n + 1
+            taken.append(key)
+        return taken
+
+    def unhold(self, keys: Iterable[bytes]) -> None:
+        """Drop one hold per key (from :meth:`hold`); a chunk no longer held goes back to the
+        policy as just used (its request is about to load it, or gave up)."""
+        held, back = self._held, []
+        for key in keys:
+            n = held.get(key, 0)
+            if n > 1:
+                held[key] = n - 1
+            elif n:
+                del held[key]
+                if key in self._ready:
+                    back.append(key)
+        self.policy.insert_many(back)
+
     def discard(self, keys: Iterable[bytes]) -> list[bytes]:
         """Drop ready, unpinned ``keys`` (chunks no hit will need); returns those dropped."""
         gone = list(dict.fromkeys(k for k in keys if k in self._ready and k not in self._pins))
         for key in gone:
             self.policy.remove(key)
+            self._held.pop(key, None)
         self._drop(gone)
         self._counts.removed += len(gone)
         return gone
@@ -199,6 +242,7 @@ class OffloadIndex(IndexStores):
             ready=ready,
             storing=storing,
             pinned=len(self._pins),
+            held=len(self._held),
             free=len(self._free),
         )
 
@@ -211,6 +255,7 @@ class OffloadIndex(IndexStores):
         """
         dropped = [key for key in self._ready if key not in self._pins]
         self._drop(dropped)
+        self._held.clear()
         self.policy.reset()
         for key in self._ready:
             self.policy.insert(key)
@@ -224,6 +269,10 @@ class OffloadIndex(IndexStores):
         check_index(
             self._ready, self._storing, self._pins, self._free, self.capacity, cold=self._cold
         )
-        self.policy.check_integrity(self._ready.keys())
+        if not self._held.keys() <= self._ready.keys():
+            raise IntegrityError(
+                f"{len(self._held.keys() - self._ready.keys())} held chunk(s) not ready"
+            )
+        self.policy.check_integrity(self._ready.keys() - self._held.keys())
         if self.tenants is not None:
             self.tenants.check(self._ready.keys(), self._storing.keys(), self._pins.keys())

@@ -26,6 +26,9 @@ class IndexCounters:
     #: Chunks dropped on request (``discard``, ``reset``), not by eviction.
     removed: int = 0
     resets: int = 0
+    #: Chunks held for queued requests let go to make room for a store (the newest held
+    #: first): the running requests' stores come first.
+    spilled: int = 0
 
     def snapshot(self) -> dict[str, int]:
         """Every figure by name, for an exporter or a log line."""
@@ -36,7 +39,7 @@ class IndexCounters:
 class IndexStats(IndexCounters):
     """A snapshot of the counters and the occupancy of the index's slots.
 
-    ``used`` is ``ready + storing``; ``pinned`` counts distinct pinned chunks.
+    ``used`` is ``ready + storing``; ``pinned`` and ``held`` count distinct chunks.
     """
 
     capacity: int = 0
@@ -44,4 +47,6 @@ class IndexStats(IndexCounters):
     ready: int = 0
     storing: int = 0
     pinned: int = 0
+    #: Chunks held for requests in the engine's waiting queue (``OffloadIndex.hold``).
+    held: int = 0
     free: int = 0

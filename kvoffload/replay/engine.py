@@ -173,24 +173,28 @@ def replay_engine(
     key_source: str = "auto",
     transfers: bool = True,
     load_in_step: str = "auto",
+    queued_cpu_share: float | None = None,
 ) -> EngineRow:
     """Replay ``trace`` through kvoffload's connector with ``capacity`` CPU chunks.
 
-    ``key_source`` and ``load_in_step`` are the connector's keys of those
-    names: by default, as in vLLM with its default hash, keys come from the
-    engine's block hashes, and CPU-tier hits load in the step that asks.
+    ``key_source``, ``load_in_step`` and ``queued_cpu_share`` are the connector's
+    keys of those names: by default, as in vLLM with its default hash, keys come
+    from the engine's block hashes, CPU-tier hits load in the step that asks, and
+    queued requests hold their chunks (``None``: the key's default).
     ``transfers=False``: orders complete at once and no bytes move (see
     :class:`~kvoffload.standin.KVOffloadSide`); the hits are the same.
     """
     layout = trace_layout() if layout is None else layout
     slot = max(g.chunk_bytes(1) for g in layout.groups)
-    keys = {
+    keys: dict[str, object] = {
         "cpu_bytes_to_use": capacity * slot,
         "blocks_per_chunk": 1,
         "eviction_policy": policy,
         "key_source": key_source,
         "load_in_step": load_in_step,
     }
+    if queued_cpu_share is not None:
+        keys["queued_cpu_share"] = queued_cpu_share
     config = build_offloading_config(keys, layout)
     kv = allocate_kv_caches(layout, settings.gpu_blocks, torch.uint8)
     # No KV events, as vLLM runs by default (its own connector then keeps none either).

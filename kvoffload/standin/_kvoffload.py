@@ -96,7 +96,8 @@ class KVOffloadSide:
 
     # -- scheduler side ---------------------------------------------------------------
     def add_request(self, req: SimRequest) -> None:
-        return None  # the scheduler side learns of a request at its first lookup
+        with self.clock:  # vLLM's on_new_request: it joins the waiting queue
+            self.scheduler.request_queued(req.req_id, req.prompt, req.extras, req.block_hashes)
 
     def get_num_new_matched_tokens(self, req: SimRequest, num_computed: int) -> int | None:
         with self.clock:

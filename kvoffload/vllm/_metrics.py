@@ -104,6 +104,12 @@ SERIES: tuple[Series, ...] = (
            "failed_load)", label="reason"),
     Series("lookup_miss_tokens", "counter",
            "Prompt tokens those lookups left unserved, by reason", label="reason"),
+    Series("queued_holds", "counter",
+           "Requests in vLLM's waiting queue whose CPU-tier chunks were held until they ran "
+           "(queued_cpu_share)", label=""),
+    Series("queued_held_chunks", "counter", "Chunks held for them", label=""),
+    Series("queued_hold_expiries", "counter",
+           "Holds let go because their request waited longer than a minute", label=""),
     Series("handoff_waits", "counter",
            "kv_consumer lookups answered 'ask again' while a producer's stores of chunks "
            "past the hit were on their way", label=""),

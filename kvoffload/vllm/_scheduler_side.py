@@ -88,8 +88,21 @@ class SchedulerSide:
         return hit, bool(hit) and not self.scheduler.loads_in_step(req_id)
 
     def on_new_request(self, request: Request) -> None:
-        """With a lower tier and vLLM 0.34's ``max_num_inflight_kv_loads``: look up on arrival,
-        when vLLM asks :meth:`may_load_async`, as the first ``get_num_new_matched_tokens`` would."""
+        """A request joins vLLM's waiting queue: hold the CPU-tier chunks it will hit until it
+        runs (``queued_cpu_share``). With a lower tier and vLLM 0.34's
+        ``max_num_inflight_kv_loads``, also look it up now, when vLLM asks
+        :meth:`may_load_async`, as the first ``get_num_new_matched_tokens`` would."""
+        req_id = request.request_id
+        if self.scheduler.queued.limit and req_id not in self._requests:
+            try:
+                extras = self._extras.read(request)
+            except Unkeyable:
+                pass  # its lookup refuses it, and counts it once
+            else:
+                self._requests[req_id] = request
+                self.scheduler.request_queued(
+                    req_id, request.all_token_ids, extras, request.block_hashes
+                )
         if self._lookup_on_arrival:
             self.get_num_new_matched_tokens(request, 0)
 

@@ -1,0 +1,125 @@
+"""Requests in the waiting queue keep the CPU-tier chunks they will hit until they run.
+
+The stand-in engine over kvoffload's real scheduler and worker, every loaded block checked
+bit-exact: one request runs at a time, so a request that arrives behind a long one waits
+while the long one's stores fill a small CPU tier.
+"""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+import pytest
+
+from kvoffload import build_offloading_config
+from kvoffload.config.layout import CacheGroup, KVLayout
+from kvoffload.connector.queued import MAX_WAIT_S
+from kvoffload.errors import ConfigError
+from kvoffload.keys import namespace_of
+from kvoffload.standin import KVOffloadSide, KVPages, StandIn
+from kvoffload.transfer import allocate_kv_caches
+
+LAYOUT = KVLayout((CacheGroup("full", 16, ("l0", "l1"), 512),))
+NAMESPACE = namespace_of("queued-test", "bfloat16", LAYOUT)
+#: A 64-chunk CPU tier; a 320-token prompt stores 20 chunks, a 1280-token one 80.
+CPU_CHUNKS = 64
+
+
+def tokens(seed: int, n: int) -> list[int]:
+    return random.Random(seed).choices(range(1, 30000), k=n)
+
+
+def engine(share: float) -> tuple[StandIn, KVOffloadSide]:
+    keys = {"cpu_bytes_to_use": CPU_CHUNKS * 1024, "queued_cpu_share": share}  # 1 KiB chunks
+    settings = build_offloading_config(keys, LAYOUT)
+    assert settings.num_cpu_chunks == CPU_CHUNKS
+    kv = allocate_kv_caches(LAYOUT, 256)
+    side = KVOffloadSide(settings, NAMESPACE, kv)
+    return StandIn(LAYOUT, side, gpu_blocks=256, kv=KVPages(LAYOUT, kv), max_running=1), side
+
+
+def serve_behind_a_long_request(share: float, long_chunks: int = 40) -> tuple[int, dict[str, Any]]:
+    """A conversation's first turn is stored, then another request's 20 chunks; the next
+    turn arrives behind a request of ``long_chunks`` chunks, whose stores must evict 16
+    (at 40): without holds, the oldest, the first turn's. Returns the next turn's hit and
+    the stats."""
+    first = tokens(1, 320)
+    stand, side = engine(share)
+    try:
+        stand.run([("turn-1", first), ("other", tokens(4, 320))])
+        stand.reset_prefix_cache()  # only the connector can serve the next turn's prefix
+        stand.add("long", tokens(2, 16 * long_chunks))
+        turn = stand.add("turn-2", [*first, *tokens(3, 40)])
+        while stand.waiting or stand.running:
+            stand.step()
+        stand.step()
+        assert stand.stats.mismatched_blocks == 0 and stand.stats.failed_load_tokens == 0
+        return turn.external, side.scheduler.stats()
+    finally:
+        side.close()
+
+
+def test_a_queued_requests_chunks_outlive_the_stores_of_those_ahead() -> None:
+    held_hit, held = serve_behind_a_long_request(0.5)
+    assert held_hit == 320  # the whole first turn, loaded from the CPU tier
+    assert held["queued_holds"] == 1 and held["queued_held_chunks"] == 20
+    assert held["index_held"] == 0  # let go once it ran
+    assert held["queued_hold_expiries"] == held["index_spilled"] == 0
+    assert held["index_evictions"] >= 16  # the other request's chunks went instead
+
+    # Without holds, the long request's stores evict the first turn's tail (LRU, touched
+    # tail first), leaving its first 4 chunks.
+    unheld_hit, unheld = serve_behind_a_long_request(0)
+    assert unheld_hit == 64 and unheld["queued_holds"] == 0
+
+
+def test_a_long_queue_holds_at_most_its_share() -> None:
+    hit, stats = serve_behind_a_long_request(0.125)  # 8 of the 64 chunks
+    assert stats["queued_held_chunks"] == 8 and hit == 128  # the held head, no more
+
+
+def test_the_stores_of_running_requests_come_first() -> None:
+    # 64 chunks to store, 24 free and 20 of another request to evict: 20 held ones must go.
+    hit, stats = serve_behind_a_long_request(0.5, long_chunks=64)
+    assert stats["queued_held_chunks"] == 20 and stats["index_spilled"] == 20
+    assert hit == 0 and stats["no_room_chunks"] == 0
+
+
+def test_a_hold_lapses_when_its_request_waits_too_long() -> None:
+    stand, side = engine(0.5)
+    clock = [100.0]
+    side.scheduler.queued._clock = lambda: clock[0]
+    try:
+        first = tokens(1, 320)
+        stand.run([("turn-1", first)])
+        late = [*first, 7]
+        assert side.scheduler.request_queued("stuck", late, None, stand.request_hashes(late)) == 20
+        side.scheduler.plan_step([])
+        assert side.scheduler.stats()["index_held"] == 20  # still in time
+        clock[0] += MAX_WAIT_S + 1
+        side.scheduler.plan_step([])  # every step lets go of the holds that ran out
+        stats = side.scheduler.stats()
+        assert stats["queued_hold_expiries"] == 1 and stats["index_held"] == 0
+    finally:
+        side.close()
+
+
+def test_an_aborted_request_lets_go() -> None:
+    stand, side = engine(0.5)
+    try:
+        first = tokens(1, 320)
+        stand.run([("turn-1", first)])
+        late = [*first, 7]
+        assert side.scheduler.request_queued("gone", late, None, stand.request_hashes(late)) == 20
+        side.scheduler.request_finished("gone")
+        assert side.scheduler.stats()["index_held"] == 0
+    finally:
+        side.close()
+
+
+@pytest.mark.parametrize("share", [-0.1, 1.5, "half", True])
+def test_a_bad_share_is_refused_by_name(share: object) -> None:
+    with pytest.raises(ConfigError, match="queued_cpu_share") as refused:
+        build_offloading_config({"cpu_bytes_to_use": "8MiB", "queued_cpu_share": share}, LAYOUT)
+    assert "a fraction from 0 (off) to 1" in str(refused.value)
