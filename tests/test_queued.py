@@ -8,6 +8,7 @@ while the long one's stores fill a small CPU tier.
 from __future__ import annotations
 
 import random
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -18,6 +19,7 @@ from kvoffload.connector.queued import MAX_WAIT_S
 from kvoffload.errors import ConfigError
 from kvoffload.keys import namespace_of
 from kvoffload.standin import KVOffloadSide, KVPages, StandIn
+from kvoffload.tiers.disk import DiskProbe
 from kvoffload.transfer import allocate_kv_caches
 
 LAYOUT = KVLayout((CacheGroup("full", 16, ("l0", "l1"), 512),))
@@ -123,3 +125,52 @@ def test_a_bad_share_is_refused_by_name(share: object) -> None:
     with pytest.raises(ConfigError, match="queued_cpu_share") as refused:
         build_offloading_config({"cpu_bytes_to_use": "8MiB", "queued_cpu_share": share}, LAYOUT)
     assert "a fraction from 0 (off) to 1" in str(refused.value)
+
+
+def test_a_waiting_requests_disk_chunks_are_fetched_and_load_in_its_step(tmp_path: Path) -> None:
+    keys = {"cpu_bytes_to_use": CPU_CHUNKS * 1024, "disk_path": str(tmp_path / "kv"),
+            "disk_bytes_to_use": "16MiB", "queued_cpu_share": 0.5,
+            "fetch_while_queued": True}  # fmt: skip
+    settings = build_offloading_config(keys, LAYOUT)
+    kv = allocate_kv_caches(LAYOUT, 256)
+    side = KVOffloadSide(settings, NAMESPACE, kv, [DiskProbe(tmp_path / "kv", NAMESPACE)])
+    stand = StandIn(LAYOUT, side, gpu_blocks=256, kv=KVPages(LAYOUT, kv), max_running=1)
+    try:
+        first = tokens(1, 320)
+        # Another request's 64 chunks push the first turn out of the CPU tier; the disk keeps it.
+        stand.run([("turn-1", first), ("other", tokens(4, 1024))])
+        stand.reset_prefix_cache()
+        stand.add("long", tokens(2, 640))
+        turn = stand.add("turn-2", [*first, *tokens(3, 40)])
+        while stand.waiting or stand.running:
+            stand.step()
+        stand.step()
+        stats = side.scheduler.stats()
+        assert stand.stats.mismatched_blocks == 0 and stand.stats.failed_load_tokens == 0
+        assert turn.external == 320  # the whole first turn
+        # Read from disk while the long request ran, held, then loaded from the CPU tier in
+        # the step that scheduled it.
+        assert stats["queued_fetches"] == 1 and stats["queued_fetched_chunks"] == 20
+        assert stats["hit_tokens_by_tier"] == {"disk": 320}  # credited where it came from
+        assert stats["in_step_hit_tokens"] == 320 and stats["index_held"] == 0
+    finally:
+        side.close()
+
+
+def test_a_request_scheduled_at_once_fetches_nothing(tmp_path: Path) -> None:
+    keys = {"cpu_bytes_to_use": CPU_CHUNKS * 1024, "disk_path": str(tmp_path / "kv"),
+            "disk_bytes_to_use": "16MiB", "fetch_while_queued": True}  # fmt: skip
+    settings = build_offloading_config(keys, LAYOUT)
+    kv = allocate_kv_caches(LAYOUT, 256)
+    side = KVOffloadSide(settings, NAMESPACE, kv, [DiskProbe(tmp_path / "kv", NAMESPACE)])
+    stand = StandIn(LAYOUT, side, gpu_blocks=256, kv=KVPages(LAYOUT, kv), max_running=1)
+    try:
+        first = tokens(1, 320)
+        stand.run([("turn-1", first), ("other", tokens(4, 1024))])
+        stand.reset_prefix_cache()
+        stand.run([("turn-2", [*first, 7])])  # nothing ahead of it: its load reads the disk
+        stats = side.scheduler.stats()
+        assert stats["queued_fetches"] == 0 and stats["hit_tokens_by_tier"] == {"disk": 320}
+        assert stats["in_step_hit_tokens"] == 0  # a disk hit loads over later steps
+    finally:
+        side.close()

@@ -113,11 +113,14 @@ class Promotions:
         self.stats.promotions += 1
         return True
 
-    def complete(self, req: RequestState | None, job: JobState, report: JobReport) -> None:
-        """Every rank reported a promotion: its chunks are CPU-tier chunks now."""
+    def complete(
+        self, req: RequestState | None, job: JobState, report: JobReport
+    ) -> Sequence[bytes]:
+        """Every rank reported a promotion: its chunks are CPU-tier chunks now; returns them."""
         done, unpromoted = self.record(req, job, report)
         self.stats.promoted_chunks += len(done)
         self.stats.failed_promoted_chunks += len(unpromoted)
+        return done
 
     def record(
         self, req: RequestState | None, job: JobState, report: JobReport

@@ -52,21 +52,49 @@ class QueuedHolds:
         self._clock = clock
         #: Request -> the chunks held for it and since when, oldest first.
         self._held: dict[str, tuple[list[bytes], float]] = {}
+        #: Requests whose lower-tier chunks are being fetched while they wait.
+        self._fetching: set[str] = set()
 
     def hold(self, req_id: str, keys: Sequence[Sequence[bytes]]) -> int:
         """Hold the chunks of ``keys`` (the request's, per group) its hit would use; how many."""
         if req_id in self._held or not self.limit:
             return 0
-        wanted = self._would_hit(keys)
-        held = self.index.hold(wanted, self.limit)
-        if held:
-            self._held[req_id] = (held, self._clock())
+        return self._take(req_id, self._would_hit(keys), self._clock())
+
+    def hold_fetched(self, req_id: str, keys: Sequence[bytes]) -> int:
+        """Hold chunks just fetched for a request still queued (none once it left); how many."""
+        entry = self._held.get(req_id)
+        if entry is None and req_id not in self._fetching:
+            return 0
+        self._fetching.discard(req_id)
+        return self._take(req_id, keys, self._clock() if entry is None else entry[1])
+
+    def fetching(self, req_id: str) -> None:
+        """A fetch of the request's lower-tier chunks is on its way (:meth:`hold_fetched`)."""
+        self._fetching.add(req_id)
+
+    def queued(self, req_id: str) -> bool:
+        """Whether the request is still queued with chunks held or being fetched for it."""
+        return req_id in self._held or req_id in self._fetching
+
+    def room(self) -> int:
+        """Chunks that may still be held (fetches take from it too)."""
+        return max(0, self.limit - self.index.held)
+
+    def _take(self, req_id: str, keys: Sequence[bytes], since: float) -> int:
+        held = self.index.hold(keys, self.limit)
+        if not held:
+            return 0
+        before = self._held.get(req_id)
+        if before is None:
             self._stats.queued_holds += 1
-            self._stats.queued_held_chunks += len(held)
+        self._held[req_id] = ([*before[0], *held] if before else held, since)
+        self._stats.queued_held_chunks += len(held)
         return len(held)
 
     def release(self, req_id: str) -> None:
         """The request left the queue (scheduled, or finished without running)."""
+        self._fetching.discard(req_id)
         entry = self._held.pop(req_id, None)
         if entry is not None:
             self.index.unhold(entry[0])
@@ -85,6 +113,7 @@ class QueuedHolds:
     def clear(self) -> None:
         """The index dropped every hold (a reset): forget them here too."""
         self._held.clear()
+        self._fetching.clear()
 
     def _would_hit(self, keys: Sequence[Sequence[bytes]]) -> list[bytes]:
         """The CPU-tier chunks of ``keys`` a hit could use, head first (see the module doc)."""

@@ -39,6 +39,7 @@ completed here whenever their reports arrive.
 from __future__ import annotations
 
 import logging
+from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 
 from kvoffload.config import OffloadConfig
@@ -136,6 +137,10 @@ class OffloadScheduler:
         limit = int(config.queued_cpu_share * index.capacity) if config.loads else 0
         spans, stats = config.tokens_per_chunk, self._stats
         self.queued = QueuedHolds(index, layout, spans, limit=limit, stats=stats)
+        #: Queued requests whose lower-tier chunks may be fetched if they wait (arrival order).
+        self._waiting: OrderedDict[str, tuple[Sequence[int], Sequence[bytes] | None]] = (
+            OrderedDict()
+        )
         self.handoffs = None
         if handoff is not None:
             wait_s, marks = config.handoff_wait_ms / 1000, config.announces_stores
@@ -185,14 +190,42 @@ class OffloadScheduler:
         token_ids: Sequence[int],
         extras: KeyExtras | None = None,
         block_hashes: Sequence[bytes] | None = None,
+        *,
+        fetch: bool = True,
     ) -> int:
         """vLLM's ``on_new_request``: the request waits in the queue; hold the CPU-tier
-        chunks it will hit until it runs (:mod:`~kvoffload.connector.queued`). Returns the
-        chunks held. Its keys are made here, once: its lookups find them."""
+        chunks it will hit until it runs (:mod:`~kvoffload.connector.queued`), and, with
+        ``fetch`` and the key ``fetch_while_queued``, read its lower-tier chunks into the
+        CPU tier if a step leaves it waiting. Returns the chunks held. Its keys are made
+        here, once: its lookups find them."""
         if not self.queued.limit:
             return 0
         req = self.requests.arrived(req_id, token_ids, extras, block_hashes)
+        if self.probes and fetch and self.config.fetch_while_queued:
+            self._waiting[req_id] = (token_ids, block_hashes)
         return self.queued.hold(req_id, req.keys)
+
+    def _fetch_for_waiting(self) -> None:
+        """Read the lower-tier chunks of requests still waiting (those a step did not
+        schedule) into the CPU tier, in arrival order, within the queue's share; each is
+        held for its request when it lands, and its lookup then finds a CPU-tier hit.
+        A request a step schedules at once has nothing fetched: its load reads them."""
+        while self._waiting:
+            req_id, (token_ids, block_hashes) = next(iter(self._waiting.items()))
+            del self._waiting[req_id]
+            if self.requests.get(req_id) is None:
+                continue
+            lookup = self.requests.lookup(req_id, token_ids, 0, None, block_hashes)
+            hit = self.hits.find(lookup)
+            if hit is None or hit.pending or not hit.found_in:
+                continue
+            if len(hit.found_in) > self.queued.room():
+                self._waiting[req_id] = (token_ids, block_hashes)  # at a later step
+                self._waiting.move_to_end(req_id, last=False)
+                return
+            if self.promotions.promote(lookup.req, req_id, hit):
+                self.queued.fetching(req_id)
+                self._stats.queued_fetches += 1
 
     def lookup(
         self,
@@ -278,6 +311,7 @@ class OffloadScheduler:
         reports them failed and vLLM recomputes them.
         """
         self.queued.release(req_id)  # scheduled: its load pins what it needs
+        self._waiting.pop(req_id, None)
         req = self.requests.get(req_id)
         if req is None:
             return None
@@ -294,7 +328,10 @@ class OffloadScheduler:
         plan, steps = self.stores.plan, list(scheduled)
         for step in steps:
             self.queued.release(step.req_id)
+            self._waiting.pop(step.req_id, None)
         self.queued.expire()
+        if self._waiting:
+            self._fetch_for_waiting()
         if self.config.stores:  # not a kv_consumer's, unless it writes back
             for step in steps:
                 plan(step)
@@ -328,7 +365,9 @@ class OffloadScheduler:
         if order.kind is JobKind.LOAD:
             self.loads.complete(req, job, job.report)
         elif order.kind is JobKind.PROMOTE:
-            self.promotions.complete(req, job, job.report)
+            done = self.promotions.complete(req, job, job.report)
+            if self.queued.queued(order.req_id):  # fetched while it waits: keep them
+                self._stats.queued_fetched_chunks += self.queued.hold_fetched(order.req_id, done)
         else:
             self.stores.complete(req, job, job.report)
             if self.handoffs is not None:
@@ -338,6 +377,7 @@ class OffloadScheduler:
     def request_finished(self, req_id: str) -> None:
         """Forget the request once its orders are reported; its blocks may be freed now."""
         self.queued.release(req_id)  # aborted while queued, or done
+        self._waiting.pop(req_id, None)
         req = self.requests.get(req_id)
         if req is not None:
             req.finished = True

@@ -64,6 +64,10 @@ class SchedulerStats:
     queued_holds: int = 0
     queued_held_chunks: int = 0
     queued_hold_expiries: int = 0
+    #: Fetches of queued requests' lower-tier chunks into the CPU tier while they waited,
+    #: and the chunks that came in (then held for them).
+    queued_fetches: int = 0
+    queued_fetched_chunks: int = 0
     #: Prefill and decode on different engines (:mod:`kvoffload.connector.handoffs`): a
     #: producer's chunks marked as on their way, and marks that failed; a consumer's
     #: lookups answered "ask again" for marked chunks, the requests that waited, and

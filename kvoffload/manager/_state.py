@@ -59,6 +59,11 @@ class IndexState:
         storing = self._storing
         return [key in storing for key in keys]
 
+    @property
+    def held(self) -> int:
+        """Chunks held for queued requests now (``OffloadIndex.hold``)."""
+        return len(self._held)
+
     def room(self) -> int:
         """The most chunks one new load can use at once: slots neither pinned nor being stored.
 

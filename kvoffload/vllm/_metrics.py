@@ -110,6 +110,10 @@ SERIES: tuple[Series, ...] = (
     Series("queued_held_chunks", "counter", "Chunks held for them", label=""),
     Series("queued_hold_expiries", "counter",
            "Holds let go because their request waited longer than a minute", label=""),
+    Series("queued_fetches", "counter",
+           "Waiting requests whose disk or remote chunks were read into the CPU tier while "
+           "they waited", label=""),
+    Series("queued_fetched_chunks", "counter", "The chunks that came in", label=""),
     Series("handoff_waits", "counter",
            "kv_consumer lookups answered 'ask again' while a producer's stores of chunks "
            "past the hit were on their way", label=""),

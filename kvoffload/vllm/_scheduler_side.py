@@ -101,7 +101,11 @@ class SchedulerSide:
             else:
                 self._requests[req_id] = request
                 self.scheduler.request_queued(
-                    req_id, request.all_token_ids, extras, request.block_hashes
+                    req_id,
+                    request.all_token_ids,
+                    extras,
+                    request.block_hashes,
+                    fetch=not self._lookup_on_arrival,  # vLLM 0.34 then loads while queued
                 )
         if self._lookup_on_arrival:
             self.get_num_new_matched_tokens(request, 0)
