@@ -127,21 +127,26 @@ def test_a_bad_share_is_refused_by_name(share: object) -> None:
     assert "a fraction from 0 (off) to 1" in str(refused.value)
 
 
-def test_a_waiting_requests_disk_chunks_are_fetched_and_load_in_its_step(tmp_path: Path) -> None:
+def with_disk(tmp_path: Path, **extra: object) -> tuple[StandIn, KVOffloadSide]:
+    """One running request at a time over a CPU tier and a disk, fetching while queued; the
+    first turn of a conversation is on the disk only (another request's 64 chunks pushed it
+    out of the CPU tier), and nothing is in the GPU cache."""
     keys = {"cpu_bytes_to_use": CPU_CHUNKS * 1024, "disk_path": str(tmp_path / "kv"),
-            "disk_bytes_to_use": "16MiB", "queued_cpu_share": 0.5,
-            "fetch_while_queued": True}  # fmt: skip
+            "disk_bytes_to_use": "16MiB", "fetch_while_queued": True, **extra}  # fmt: skip
     settings = build_offloading_config(keys, LAYOUT)
     kv = allocate_kv_caches(LAYOUT, 256)
     side = KVOffloadSide(settings, NAMESPACE, kv, [DiskProbe(tmp_path / "kv", NAMESPACE)])
     stand = StandIn(LAYOUT, side, gpu_blocks=256, kv=KVPages(LAYOUT, kv), max_running=1)
+    stand.run([("turn-1", tokens(1, 320)), ("other", tokens(4, 1024))])
+    stand.reset_prefix_cache()
+    return stand, side
+
+
+def test_a_waiting_requests_disk_chunks_are_fetched_and_load_in_its_step(tmp_path: Path) -> None:
+    stand, side = with_disk(tmp_path, queued_cpu_share=0.5)
     try:
-        first = tokens(1, 320)
-        # Another request's 64 chunks push the first turn out of the CPU tier; the disk keeps it.
-        stand.run([("turn-1", first), ("other", tokens(4, 1024))])
-        stand.reset_prefix_cache()
         stand.add("long", tokens(2, 640))
-        turn = stand.add("turn-2", [*first, *tokens(3, 40)])
+        turn = stand.add("turn-2", [*tokens(1, 320), *tokens(3, 40)])
         while stand.waiting or stand.running:
             stand.step()
         stand.step()
@@ -158,17 +163,9 @@ def test_a_waiting_requests_disk_chunks_are_fetched_and_load_in_its_step(tmp_pat
 
 
 def test_a_request_scheduled_at_once_fetches_nothing(tmp_path: Path) -> None:
-    keys = {"cpu_bytes_to_use": CPU_CHUNKS * 1024, "disk_path": str(tmp_path / "kv"),
-            "disk_bytes_to_use": "16MiB", "fetch_while_queued": True}  # fmt: skip
-    settings = build_offloading_config(keys, LAYOUT)
-    kv = allocate_kv_caches(LAYOUT, 256)
-    side = KVOffloadSide(settings, NAMESPACE, kv, [DiskProbe(tmp_path / "kv", NAMESPACE)])
-    stand = StandIn(LAYOUT, side, gpu_blocks=256, kv=KVPages(LAYOUT, kv), max_running=1)
+    stand, side = with_disk(tmp_path)
     try:
-        first = tokens(1, 320)
-        stand.run([("turn-1", first), ("other", tokens(4, 1024))])
-        stand.reset_prefix_cache()
-        stand.run([("turn-2", [*first, 7])])  # nothing ahead of it: its load reads the disk
+        stand.run([("turn-2", [*tokens(1, 320), 7])])  # nothing ahead: its load reads the disk
         stats = side.scheduler.stats()
         assert stats["queued_fetches"] == 0 and stats["hit_tokens_by_tier"] == {"disk": 320}
         assert stats["in_step_hit_tokens"] == 0  # a disk hit loads over later steps
