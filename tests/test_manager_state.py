@@ -263,7 +263,7 @@ class IndexMachine(RuleBasedStateMachine):
         assert stats.written_around == self.written_around
         assert manager._cold == self.around
         assert stats.held == len(+self.held) and stats.spilled == self.spilled
-        assert len(manager.policy) == len(self.ready) - len(+self.held)
+        assert len(manager.policy) == len(self.ready)
         slots = list(self.ready.values()) + list(self.storing.values())
         assert len(set(slots)) == len(slots)
         assert all(0 <= s < CAPACITY for s in slots)

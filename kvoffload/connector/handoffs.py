@@ -19,6 +19,7 @@ import math
 import time
 from collections.abc import Callable, Iterable, Sequence
 
+from kvoffload.config import OffloadConfig
 from kvoffload.connector._request import RequestState
 from kvoffload.connector.stats import SchedulerStats
 from kvoffload.messages import JobKind, TransferOrder
@@ -55,6 +56,16 @@ class Handoffs:
         self._stats = stats
         self._clock = clock
         self._warned_mark = self._warned_wait = False
+
+    @classmethod
+    def from_config(
+        cls, config: OffloadConfig, board: HandoffBoard | None, stats: SchedulerStats
+    ) -> Handoffs | None:
+        """A split role's hand-off over ``board`` (``None`` without one)."""
+        if board is None:
+            return None
+        wait_s, spans = config.handoff_wait_ms / 1000, config.tokens_per_chunk
+        return cls(board, spans, wait_s, stats, marks=config.announces_stores)
 
     # -- a producer's side ----------------------------------------------------------
     def mark(self, orders: Iterable[TransferOrder]) -> None:

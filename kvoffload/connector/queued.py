@@ -4,8 +4,8 @@ A request waits in vLLM's queue while others run, and their stores evict the
 least recently used chunks of the CPU tier: quite possibly the very chunks the
 waiting request arrived for, which it then recomputes. vLLM tells the connector
 of every arrival before queueing it (``on_new_request``); from then on the
-chunks of the request's hit that the CPU tier holds are *held*: out of the
-eviction policy's reach until the request is scheduled (its load pins them),
+chunks of the request's hit that the CPU tier holds are *held*: passed over by
+evictions, where the policy ranks them, until the request is scheduled (its load pins them),
 finishes without running (aborted), or has waited :data:`MAX_WAIT_S`. At most
 ``queued_cpu_share`` of the tier is held at once, first come first held, so a
 long queue cannot freeze the tier or starve the running requests' stores.
@@ -19,13 +19,18 @@ groups before where that run ends: a superset of what a hit needs, not a search
 from __future__ import annotations
 
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 
+from kvoffload.config import OffloadConfig
 from kvoffload.config.layout import KVLayout, Reuse
+from kvoffload.connector._search import HitFinder
+from kvoffload.connector.promotions import Promotions
+from kvoffload.connector.requests import RequestTable
 from kvoffload.connector.stats import SchedulerStats
 from kvoffload.manager.index import OffloadIndex
 
-__all__ = ["MAX_WAIT_S", "QueuedHolds"]
+__all__ = ["MAX_WAIT_S", "QueuedHolds", "WaitingFetches"]
 
 #: Longest a queued request's chunks are held: past it the request is not about to run.
 MAX_WAIT_S = 60.0
@@ -54,6 +59,14 @@ class QueuedHolds:
         self._held: dict[str, tuple[list[bytes], float]] = {}
         #: Requests whose lower-tier chunks are being fetched while they wait.
         self._fetching: set[str] = set()
+
+    @classmethod
+    def from_config(
+        cls, config: OffloadConfig, index: OffloadIndex, stats: SchedulerStats
+    ) -> QueuedHolds:
+        """The holds ``queued_cpu_share`` allows on ``index`` (none where nothing loads)."""
+        limit = int(config.queued_cpu_share * index.capacity) if config.loads else 0
+        return cls(index, config.layout, config.tokens_per_chunk, limit=limit, stats=stats)
 
     def hold(self, req_id: str, keys: Sequence[Sequence[bytes]]) -> int:
         """Hold the chunks of ``keys`` (the request's, per group) its hit would use; how many."""
@@ -133,3 +146,67 @@ class QueuedHolds:
             chunks += [(c * spans[g], key) for c, key in enumerate(head) if found[c]]
         chunks.sort(key=lambda item: item[0])
         return [key for _, key in chunks]
+
+
+class WaitingFetches:
+    """Requests a step left waiting, whose lower-tier chunks are read in meanwhile
+    (the key ``fetch_while_queued``; see the module docstring of the holds).
+
+    When a step leaves a request in the queue, the chunks of its hit that only a
+    lower tier holds are promoted into the CPU tier (verified reads, nothing copied
+    into the engine), in arrival order, within what :class:`QueuedHolds` may still
+    hold, and held for it as they land: its lookup then finds a CPU-tier hit. A
+    request a step schedules at once fetches nothing: its load reads them.
+    """
+
+    def __init__(
+        self,
+        requests: RequestTable,
+        hits: HitFinder,
+        promotions: Promotions,
+        holds: QueuedHolds,
+        stats: SchedulerStats,
+        *,
+        enabled: bool,
+    ) -> None:
+        self.requests, self.hits, self.promotions = requests, hits, promotions
+        self.holds, self.enabled = holds, enabled
+        self._stats = stats
+        #: Requests queued, not yet scheduled nor fetched for, in arrival order.
+        self._waiting: OrderedDict[str, tuple[Sequence[int], Sequence[bytes] | None]] = (
+            OrderedDict()
+        )
+
+    def arrived(
+        self, req_id: str, token_ids: Sequence[int], block_hashes: Sequence[bytes] | None
+    ) -> None:
+        if self.enabled:
+            self._waiting[req_id] = (token_ids, block_hashes)
+
+    def left(self, req_id: str) -> None:
+        """The request was scheduled, or finished: nothing to fetch for it any more."""
+        self._waiting.pop(req_id, None)
+
+    def fetch(self) -> None:
+        """At the end of a step's scheduling: order the fetches of those it left waiting."""
+        waiting = self._waiting
+        while waiting:
+            req_id, (token_ids, block_hashes) = waiting.popitem(last=False)
+            if self.requests.get(req_id) is None:
+                continue
+            lookup = self.requests.lookup(req_id, token_ids, 0, None, block_hashes)
+            hit = self.hits.find(lookup)
+            if hit is None or hit.pending or not hit.found_in:
+                continue
+            if len(hit.found_in) > self.holds.room():  # at a later step, first in line
+                waiting[req_id] = (token_ids, block_hashes)
+                waiting.move_to_end(req_id, last=False)
+                return
+            if self.promotions.promote(lookup.req, req_id, hit):
+                self.holds.fetching(req_id)
+                self._stats.queued_fetches += 1
+
+    def landed(self, req_id: str, chunks: Sequence[bytes]) -> None:
+        """A promotion reported: chunks fetched for a request still waiting are held for it."""
+        if self.holds.queued(req_id):
+            self._stats.queued_fetched_chunks += self.holds.hold_fetched(req_id, chunks)

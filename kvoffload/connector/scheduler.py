@@ -39,7 +39,6 @@ completed here whenever their reports arrive.
 from __future__ import annotations
 
 import logging
-from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 
 from kvoffload.config import OffloadConfig
@@ -53,7 +52,7 @@ from kvoffload.connector.key_source import engine_keys_refusal
 from kvoffload.connector.loads import HitLoading, LoadPlanner
 from kvoffload.connector.misses import MissLedger, MissReason
 from kvoffload.connector.promotions import Promotions
-from kvoffload.connector.queued import QueuedHolds
+from kvoffload.connector.queued import QueuedHolds, WaitingFetches
 from kvoffload.connector.requests import RequestTable
 from kvoffload.connector.stats import SchedulerStats
 from kvoffload.connector.stores import StorePlanner
@@ -134,18 +133,12 @@ class OffloadScheduler:
         self._stats = SchedulerStats()
         self.misses = MissLedger.from_config(config)
         self.stores, self.promotions, self.loads = self._planners(config, hit_loading)
-        limit = int(config.queued_cpu_share * index.capacity) if config.loads else 0
-        spans, stats = config.tokens_per_chunk, self._stats
-        self.queued = QueuedHolds(index, layout, spans, limit=limit, stats=stats)
-        #: Queued requests whose lower-tier chunks may be fetched if they wait (arrival order).
-        self._waiting: OrderedDict[str, tuple[Sequence[int], Sequence[bytes] | None]] = (
-            OrderedDict()
+        self.queued = QueuedHolds.from_config(config, index, self._stats)
+        fetching = config.fetch_while_queued and bool(self.probes)
+        self.fetches = WaitingFetches(
+            self.requests, self.hits, self.promotions, self.queued, self._stats, enabled=fetching
         )
-        self.handoffs = None
-        if handoff is not None:
-            wait_s, marks = config.handoff_wait_ms / 1000, config.announces_stores
-            spans = config.tokens_per_chunk
-            self.handoffs = Handoffs(handoff, spans, wait_s, self._stats, marks=marks)
+        self.handoffs = Handoffs.from_config(config, handoff, self._stats)
 
     def _planners(
         self, config: OffloadConfig, hit_loading: HitLoading
@@ -193,39 +186,15 @@ class OffloadScheduler:
         *,
         fetch: bool = True,
     ) -> int:
-        """vLLM's ``on_new_request``: the request waits in the queue; hold the CPU-tier
-        chunks it will hit until it runs (:mod:`~kvoffload.connector.queued`), and, with
-        ``fetch`` and the key ``fetch_while_queued``, read its lower-tier chunks into the
-        CPU tier if a step leaves it waiting. Returns the chunks held. Its keys are made
-        here, once: its lookups find them."""
+        """vLLM's ``on_new_request``: hold the CPU-tier chunks the queued request will hit
+        until it runs, and with ``fetch`` read in its lower-tier ones if it waits
+        (:mod:`~kvoffload.connector.queued`); the chunks held. Keys are made once, here."""
         if not self.queued.limit:
             return 0
         req = self.requests.arrived(req_id, token_ids, extras, block_hashes)
-        if self.probes and fetch and self.config.fetch_while_queued:
-            self._waiting[req_id] = (token_ids, block_hashes)
+        if fetch:
+            self.fetches.arrived(req_id, token_ids, block_hashes)
         return self.queued.hold(req_id, req.keys)
-
-    def _fetch_for_waiting(self) -> None:
-        """Read the lower-tier chunks of requests still waiting (those a step did not
-        schedule) into the CPU tier, in arrival order, within the queue's share; each is
-        held for its request when it lands, and its lookup then finds a CPU-tier hit.
-        A request a step schedules at once has nothing fetched: its load reads them."""
-        while self._waiting:
-            req_id, (token_ids, block_hashes) = next(iter(self._waiting.items()))
-            del self._waiting[req_id]
-            if self.requests.get(req_id) is None:
-                continue
-            lookup = self.requests.lookup(req_id, token_ids, 0, None, block_hashes)
-            hit = self.hits.find(lookup)
-            if hit is None or hit.pending or not hit.found_in:
-                continue
-            if len(hit.found_in) > self.queued.room():
-                self._waiting[req_id] = (token_ids, block_hashes)  # at a later step
-                self._waiting.move_to_end(req_id, last=False)
-                return
-            if self.promotions.promote(lookup.req, req_id, hit):
-                self.queued.fetching(req_id)
-                self._stats.queued_fetches += 1
 
     def lookup(
         self,
@@ -311,7 +280,7 @@ class OffloadScheduler:
         reports them failed and vLLM recomputes them.
         """
         self.queued.release(req_id)  # scheduled: its load pins what it needs
-        self._waiting.pop(req_id, None)
+        self.fetches.left(req_id)
         req = self.requests.get(req_id)
         if req is None:
             return None
@@ -328,10 +297,9 @@ class OffloadScheduler:
         plan, steps = self.stores.plan, list(scheduled)
         for step in steps:
             self.queued.release(step.req_id)
-            self._waiting.pop(step.req_id, None)
+            self.fetches.left(step.req_id)
         self.queued.expire()
-        if self._waiting:
-            self._fetch_for_waiting()
+        self.fetches.fetch()
         if self.config.stores:  # not a kv_consumer's, unless it writes back
             for step in steps:
                 plan(step)
@@ -345,11 +313,8 @@ class OffloadScheduler:
 
     # -- reports and lifecycle ----------------------------------------------------------
     def take_orders(self) -> list[TransferOrder]:
-        """Orders queued since the last call, for this step's connector metadata.
-
-        A producer marks its stores' chunks here, before the step runs them, so before
-        the step's output leaves (:mod:`~kvoffload.connector.handoffs`).
-        """
+        """Orders queued since the last call, for this step's connector metadata (a producer
+        marks its stores' chunks here, before its output leaves: ``handoffs``)."""
         orders = self.jobs.take_orders()
         if self.handoffs is not None:
             self.handoffs.mark(orders)
@@ -366,8 +331,7 @@ class OffloadScheduler:
             self.loads.complete(req, job, job.report)
         elif order.kind is JobKind.PROMOTE:
             done = self.promotions.complete(req, job, job.report)
-            if self.queued.queued(order.req_id):  # fetched while it waits: keep them
-                self._stats.queued_fetched_chunks += self.queued.hold_fetched(order.req_id, done)
+            self.fetches.landed(order.req_id, done)
         else:
             self.stores.complete(req, job, job.report)
             if self.handoffs is not None:
@@ -377,7 +341,7 @@ class OffloadScheduler:
     def request_finished(self, req_id: str) -> None:
         """Forget the request once its orders are reported; its blocks may be freed now."""
         self.queued.release(req_id)  # aborted while queued, or done
-        self._waiting.pop(req_id, None)
+        self.fetches.left(req_id)
         req = self.requests.get(req_id)
         if req is not None:
             req.finished = True

@@ -23,7 +23,7 @@ class IndexState:
         self._ready: dict[bytes, int] = {}
         self._storing: dict[bytes, int] = {}
         self._pins: dict[bytes, int] = {}
-        #: Ready keys held for requests still queued (holders each), out of the policy.
+        #: Ready keys held for requests still queued (holders each): never evicted.
         self._held: dict[bytes, int] = {}
         # Popped from the end: slot 0 is handed out first.
         self._free: list[int] = list(range(capacity - 1, -1, -1))

@@ -132,10 +132,8 @@ class IndexStores(IndexState):
         """Let go of the ``n`` newest holds of queued requests, for a store that needs the room:
         each makes one more chunk evictable (or ends counting a pinned one twice)."""
         held = self._held
-        keys = list(held)[-n:]
-        for key in keys:
+        for key in list(held)[-n:]:
             del held[key]
-        self.policy.insert_many(keys)
         self._counts.spilled += n
 
     def _admit(self, missing: list[bytes]) -> tuple[list[bytes], list[bytes]]:
@@ -230,6 +228,8 @@ class IndexStores(IndexState):
         if need <= 0:
             return []
         pins, ready = self._pins, self._ready
+        if self._held:  # passed over like the found ones (and checked so)
+            found = found | self._held.keys()
         if spare is None:
             # A set's own membership test, not a lambda: it is asked once per victim.
             kept = (pins.keys() | found).__contains__ if pins or found else nothing_protected

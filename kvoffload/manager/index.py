@@ -178,43 +178,38 @@ class OffloadIndex(IndexStores):
     def hold(self, keys: Sequence[bytes], limit: int) -> list[bytes]:
         """Keep ready ``keys`` from eviction for a request still queued; returns those held.
 
-        The policy forgets a held chunk until :meth:`unhold` hands it back, so
-        evictions pass it over at no cost. At most ``limit`` distinct chunks
-        are held at once (a long queue cannot freeze the tier): ``keys`` are
-        taken in order until then. A store that finds no room otherwise lets
-        go of the newest holds (``spilled``): the running requests come first.
-        Holds stack like pins. Chunks of tenants under ``tenant_share`` are never
-        held (a tenant's cap decides).
+        A held chunk stays where the policy ranks it (a hold changes no ranking, so
+        a policy's history survives it) and is passed over by evictions, as a
+        pinned one is. At most ``limit`` distinct chunks are held at once (a long
+        queue cannot freeze the tier): ``keys`` are taken in order until then. A
+        store that finds no room otherwise lets go of the newest holds
+        (``spilled``): the running requests come first. Holds stack like pins.
+        Chunks of tenants under ``tenant_share`` are never held (a tenant's cap
+        decides).
         """
         if self.tenants is not None:
             return []
-        held, ready, remove = self._held, self._ready, self.policy.remove
+        held, ready = self._held, self._ready
         taken = []
         for key in keys:
             if key not in ready:
                 continue
             n = held.get(key, 0)
-            if not n:
-                if len(held) >= limit:
-                    break
-                remove(key)
+            if not n and len(held) >= limit:
+                break
             held[key] = n + 1
             taken.append(key)
         return taken
 
     def unhold(self, keys: Iterable[bytes]) -> None:
-        """Drop one hold per key (from :meth:`hold`); a chunk no longer held goes back to the
-        policy as just used (its request is about to load it, or gave up)."""
-        held, back = self._held, []
+        """Drop one hold per key (from :meth:`hold`); unknown keys are ignored."""
+        held = self._held
         for key in keys:
             n = held.get(key, 0)
             if n > 1:
                 held[key] = n - 1
             elif n:
                 del held[key]
-                if key in self._ready:
-                    back.append(key)
-        self.policy.insert_many(back)
 
     def discard(self, keys: Iterable[bytes]) -> list[bytes]:
         """Drop ready, unpinned ``keys`` (chunks no hit will need); returns those dropped."""
@@ -269,10 +264,9 @@ class OffloadIndex(IndexStores):
         check_index(
             self._ready, self._storing, self._pins, self._free, self.capacity, cold=self._cold
         )
-        if not self._held.keys() <= self._ready.keys():
-            raise IntegrityError(
-                f"{len(self._held.keys() - self._ready.keys())} held chunk(s) not ready"
-            )
-        self.policy.check_integrity(self._ready.keys() - self._held.keys())
+        stray = self._held.keys() - self._ready.keys()
+        if stray:
+            raise IntegrityError(f"{len(stray)} held chunk(s) are not ready")
+        self.policy.check_integrity(self._ready.keys())
         if self.tenants is not None:
             self.tenants.check(self._ready.keys(), self._storing.keys(), self._pins.keys())
