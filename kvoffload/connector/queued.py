@@ -130,15 +130,15 @@ class QueuedHolds:
 
     def _would_hit(self, keys: Sequence[Sequence[bytes]]) -> list[bytes]:
         """The CPU-tier chunks of ``keys`` a hit could use, head first (see the module doc)."""
-        ready = self.index.ready_mask
-        spans = self.tokens_per_chunk
-        end = None
-        for g, group_keys in enumerate(keys):
-            if self._prefix[g]:
-                mask = ready(group_keys)
-                run = mask.index(False) if False in mask else len(mask)
-                reach = run * spans[g]
-                end = reach if end is None else min(end, reach)
+        ready, spans = self.index.ready_mask, self.tokens_per_chunk
+        runs = {
+            g: self.index.ready_run(group_keys)
+            for g, group_keys in enumerate(keys)
+            if self._prefix[g]
+        }
+        if len(keys) == 1 and runs:  # a plain transformer: its leading run, in order
+            return list(keys[0][: runs[0]])
+        end = min((run * spans[g] for g, run in runs.items()), default=None)
         chunks: list[tuple[int, bytes]] = []
         for g, group_keys in enumerate(keys):
             head = group_keys[: len(group_keys) if end is None else end // spans[g]]
@@ -146,6 +146,11 @@ class QueuedHolds:
             chunks += [(c * spans[g], key) for c, key in enumerate(head) if found[c]]
         chunks.sort(key=lambda item: item[0])
         return [key for _, key in chunks]
+
+    @property
+    def active(self) -> bool:
+        """Whether any request holds or fetches (else a step has nothing to let go of)."""
+        return bool(self._held or self._fetching)
 
 
 class WaitingFetches:
@@ -185,7 +190,8 @@ class WaitingFetches:
 
     def left(self, req_id: str) -> None:
         """The request was scheduled, or finished: nothing to fetch for it any more."""
-        self._waiting.pop(req_id, None)
+        if self._waiting:
+            self._waiting.pop(req_id, None)
 
     def fetch(self) -> None:
         """At the end of a step's scheduling: order the fetches of those it left waiting."""

@@ -295,10 +295,11 @@ class OffloadScheduler:
         for req_id in preempted:
             self.preempted(req_id)
         plan, steps = self.stores.plan, list(scheduled)
-        for step in steps:
-            self.queued.release(step.req_id)
-            self.fetches.left(step.req_id)
-        self.queued.expire()
+        if self.queued.active:
+            for step in steps:
+                self.queued.release(step.req_id)
+                self.fetches.left(step.req_id)
+            self.queued.expire()
         self.fetches.fetch()
         if self.config.stores:  # not a kv_consumer's, unless it writes back
             for step in steps:

@@ -60,8 +60,10 @@ def check_victims(
     ready: Mapping[bytes, int],
     pins: Mapping[bytes, int],
     found: Collection[bytes],
+    held: Mapping[bytes, int] | None = None,
 ) -> None:
-    """A policy's ``need`` victims are distinct, ready, unpinned and not protected by the call.
+    """A policy's ``need`` victims are distinct, ready, unpinned, not held for a queued
+    request and not protected by the call.
 
     Checked at every eviction, at once on the whole batch (a few set operations): a
     policy out of step with the index must fail loudly before any slot is freed.
@@ -72,9 +74,11 @@ def check_victims(
         and ready.keys() >= chosen
         and pins.keys().isdisjoint(chosen)
         and chosen.isdisjoint(found)
+        and (not held or held.keys().isdisjoint(chosen))
     ):
         return
-    bad = [k for k in victims if k not in ready or k in pins or k in found]
+    held = held or {}
+    bad = [k for k in victims if k not in ready or k in pins or k in found or k in held]
     shown = ", ".join(short_key(k) for k in bad[:3])
     raise IntegrityError(
         f"policy {policy!r} returned {len(victims)} victim(s) for {need} "

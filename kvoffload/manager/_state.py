@@ -54,6 +54,15 @@ class IndexState:
             n += 1
         return n, pending
 
+    def ready_run(self, keys: Iterable[bytes]) -> int:
+        """How many leading ``keys`` are ready; a pure query like ``ready_mask``."""
+        ready, n = self._ready, 0
+        for key in keys:
+            if key not in ready:
+                break
+            n += 1
+        return n
+
     def storing_mask(self, keys: Iterable[bytes]) -> list[bool]:
         """Whether each key's store or promotion is in flight; a pure query like ``ready_mask``."""
         storing = self._storing

@@ -10,6 +10,7 @@ and completes the same way. Every protocol error is detected on the whole batch
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from typing import NoReturn
 
@@ -37,6 +38,10 @@ Admission = Callable[[list[bytes]], tuple[list[bytes], list[bytes]]]
 
 def _admit_every(missing: list[bytes]) -> tuple[list[bytes], list[bytes]]:
     return missing, []
+
+
+def _kept_or_held(kept: Callable[[bytes], bool], held: dict[bytes, int], key: bytes) -> bool:
+    return key in held or kept(key)
 
 
 class IndexStores(IndexState):
@@ -227,16 +232,20 @@ class IndexStores(IndexState):
         """
         if need <= 0:
             return []
-        pins, ready = self._pins, self._ready
-        if self._held:  # passed over like the found ones (and checked so)
-            found = found | self._held.keys()
+        pins, ready, held = self._pins, self._ready, self._held
         if spare is None:
             # A set's own membership test, not a lambda: it is asked once per victim.
             kept = (pins.keys() | found).__contains__ if pins or found else nothing_protected
+            if held:  # passed over too, asked after the few pinned and found ones
+                kept = functools.partial(_kept_or_held, kept, held)
             victims = self.policy.evict(need, kept)
         else:
-            victims = self.policy.evict(need, lambda key: key in pins or key in found or spare(key))
-        check_victims(self.policy.name, victims, need, ready=ready, pins=pins, found=found)
+            victims = self.policy.evict(
+                need, lambda key: key in pins or key in found or key in held or spare(key)
+            )
+        check_victims(
+            self.policy.name, victims, need, ready=ready, pins=pins, found=found, held=held
+        )
         self._drop(victims)
         self._counts.evictions += need
         return victims
