@@ -140,7 +140,7 @@ def test_every_series_has_a_producer() -> None:
          "miss_lookups_by_reason": {"evicted": 1},
          "miss_tokens_by_reason": {"evicted": 8}, "reuse_distance_chunks": 3,
          **{name: 0 for name in as_dict(SchedulerStats())
-            if name.startswith(("handoff_", "queued_"))}}
+            if name.startswith(("handoff_", "queued_", "retention_"))}}
     )  # fmt: skip
     names = {k.split("|")[0] for part in scheduler for k in part}
     for part in (*worker_series(tiers, {}, 0), *worker_series(redis, {}, 0)):

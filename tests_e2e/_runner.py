@@ -44,7 +44,9 @@ Two engines running at once meet through files: a pass with ``"signal_start": pa
 creates ``path`` before it does anything else, one with ``"wait_for": path`` waits (up
 to two minutes) until ``path`` exists before it sends its prompts, and one with
 ``"signal_end": path`` creates ``path`` once its ``generate()`` returned (its outputs
-are out; the connector's stores may still be on their way).
+are out; the connector's stores may still be on their way). ``"kv_transfer_params"``
+in a pass goes to vLLM with each of its prompts (``SamplingParams.extra_args``), as
+the OpenAI API's field of that name does.
 
 The result::
 
@@ -277,6 +279,15 @@ def _settle(llm: Any, timeout_s: float = 120.0) -> int:
     return steps
 
 
+def _with_params(params: Any, step: dict[str, Any]) -> Any:
+    """The pass's sampling parameters: with its ``kv_transfer_params`` for every prompt."""
+    if step.get("kv_transfer_params") is None:
+        return params
+    params = params.clone()
+    params.extra_args = {"kv_transfer_params": step["kv_transfer_params"]}
+    return params
+
+
 def _wait_for(path: Path, timeout_s: float = 120.0) -> None:
     """Wait until another engine's pass creates ``path`` (``signal_start``, ``signal_end``)."""
     deadline = time.monotonic() + timeout_s
@@ -491,7 +502,7 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
             entries = follow_up(*last, step["follow_up"])
         prompts, loras = zip(*[_prompt(p, spec["model"]) for p in entries], strict=True)
         started = time.perf_counter()
-        outputs, seconds = _generate(llm, step, prompts, loras, params)
+        outputs, seconds = _generate(llm, step, prompts, loras, _with_params(params, step))
         if step.get("signal_end"):
             Path(step["signal_end"]).touch()
         settled = _settle(llm)

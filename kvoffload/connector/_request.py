@@ -5,10 +5,13 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Collection, Container, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 from kvoffload.keys import EngineHashes, KeyExtras, extend_engine_keys, extend_prefix_keys
 from kvoffload.messages import JobReport, TransferOrder
+
+if TYPE_CHECKING:
+    from kvoffload.connector.hints import TokenRange
 
 __all__ = ["JobState", "RequestState", "StepRequest", "add_range", "covered", "tier_shares"]
 
@@ -96,6 +99,8 @@ class RequestState:
     #: When a lookup first waited for chunks a producer marked (a consumer's; ``None``:
     #: never; ``-inf``: its wait ran out, :mod:`~kvoffload.connector.handoffs`).
     handoff_since: float | None = None
+    #: The client's retention hint, its token ranges (:mod:`~kvoffload.connector.hints`).
+    hint: tuple[TokenRange, ...] = ()
     jobs: set[int] = field(default_factory=set)
     finished: bool = False
 

@@ -47,6 +47,7 @@ from kvoffload.connector._retention import Retention
 from kvoffload.connector._search import HitFinder
 from kvoffload.connector._tails import Tails
 from kvoffload.connector.handoffs import Handoffs
+from kvoffload.connector.hints import RetentionHints
 from kvoffload.connector.jobs import JobBook
 from kvoffload.connector.key_source import engine_keys_refusal
 from kvoffload.connector.loads import HitLoading, LoadPlanner
@@ -139,6 +140,8 @@ class OffloadScheduler:
             self.requests, self.hits, self.promotions, self.queued, self._stats, enabled=fetching
         )
         self.handoffs = Handoffs.from_config(config, handoff, self._stats)
+        spans = config.tokens_per_chunk
+        self.hints = RetentionHints(index, spans, self._stats, limit=lambda: self.queued.limit)
 
     def _planners(
         self, config: OffloadConfig, hit_loading: HitLoading
@@ -195,6 +198,10 @@ class OffloadScheduler:
         if fetch:
             self.fetches.arrived(req_id, token_ids, block_hashes)
         return self.queued.hold(req_id, req.keys)
+
+    def read_hint(self, req_id: str, params: object) -> None:
+        """A client's retention hint in the request's ``kv_transfer_params`` (``hints``)."""
+        self.hints.read(self.requests.get(req_id), params)  # known after its first lookup
 
     def lookup(
         self,
@@ -300,6 +307,7 @@ class OffloadScheduler:
                 self.queued.release(step.req_id)
                 self.fetches.left(step.req_id)
             self.queued.expire()
+        self.hints.expire()
         self.fetches.fetch()
         if self.config.stores:  # not a kv_consumer's, unless it writes back
             for step in steps:
@@ -335,6 +343,8 @@ class OffloadScheduler:
             self.fetches.landed(order.req_id, done)
         else:
             self.stores.complete(req, job, job.report)
+            if req is not None and req.finished:  # its last stores: a hint applies to them
+                self.hints.apply(req, order.keys)
             if self.handoffs is not None:
                 self.handoffs.unmark(order)
         self.requests.release(order.req_id, order.job_id)
@@ -347,6 +357,7 @@ class OffloadScheduler:
         if req is not None:
             req.finished = True
             self.stores.finish(req, req_id)
+            self.hints.apply(req)
             self.requests.release(req_id, None)
 
     def preempted(self, req_id: str) -> None:
@@ -361,6 +372,7 @@ class OffloadScheduler:
         """
         self.index.reset()
         self.queued.clear()
+        self.hints.clear()
         self._stats.resets += 1
         return True
 
@@ -379,18 +391,7 @@ class OffloadScheduler:
 
     def stats(self) -> dict[str, int | dict[str, int]]:
         """Counters since start: offered and loaded tokens (also by tier), stores, index state."""
-        out = self._stats.snapshot()
-        by_tier = {name: out.pop(name) for name in ("hit_tokens_by_tier", "loaded_tokens_by_tier")}
-        out.update(
-            {f"index_{name}": value for name, value in self.index.stats().snapshot().items()}
-        )
-        out.update(by_tier)
-        out["miss_lookups_by_reason"] = dict(self.misses.lookups)
-        out["miss_tokens_by_reason"] = dict(self.misses.tokens)
-        out["reuse_distance_chunks"] = self.misses.reuse_distance() or 0
-        out["jobs_in_flight"] = len(self.jobs)
-        out["requests_tracked"] = len(self.requests)
-        return out
+        return self._stats.report(self.index, self.misses, len(self.jobs), len(self.requests))
 
     def close(self) -> None:
         for probe in self.probes:

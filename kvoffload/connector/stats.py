@@ -10,8 +10,13 @@ reads (the adapter maps them to Prometheus series in one place,
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from kvoffload._records import as_dict
+
+if TYPE_CHECKING:
+    from kvoffload.connector.misses import MissLedger
+    from kvoffload.manager.index import OffloadIndex
 
 __all__ = ["SchedulerStats", "WorkerStats"]
 
@@ -68,6 +73,12 @@ class SchedulerStats:
     #: and the chunks that came in (then held for them).
     queued_fetches: int = 0
     queued_fetched_chunks: int = 0
+    #: Clients' retention hints (:mod:`kvoffload.connector.hints`): taken, ignored as
+    #: malformed, and the CPU-tier chunks they kept and dropped.
+    retention_hints: int = 0
+    retention_hints_ignored: int = 0
+    retention_kept_chunks: int = 0
+    retention_dropped_chunks: int = 0
     #: Prefill and decode on different engines (:mod:`kvoffload.connector.handoffs`): a
     #: producer's chunks marked as on their way, and marks that failed; a consumer's
     #: lookups answered "ask again" for marked chunks, the requests that waited, and
@@ -89,6 +100,22 @@ class SchedulerStats:
     def snapshot(self) -> dict[str, int | dict[str, int]]:
         """Every figure by name; the ``*_by_tier`` ones as fresh dicts."""
         return as_dict(self)
+
+    def report(
+        self, index: OffloadIndex, misses: MissLedger, jobs: int, requests: int
+    ) -> dict[str, int | dict[str, int]]:
+        """``OffloadScheduler.stats()``: these counters, the index's as ``index_*``, the
+        misses by reason, and what is in flight."""
+        out = self.snapshot()
+        by_tier = {name: out.pop(name) for name in ("hit_tokens_by_tier", "loaded_tokens_by_tier")}
+        out.update({f"index_{name}": value for name, value in index.stats().snapshot().items()})
+        out.update(by_tier)
+        out["miss_lookups_by_reason"] = dict(misses.lookups)
+        out["miss_tokens_by_reason"] = dict(misses.tokens)
+        out["reuse_distance_chunks"] = misses.reuse_distance() or 0
+        out["jobs_in_flight"] = jobs
+        out["requests_tracked"] = requests
+        return out
 
 
 @dataclass(slots=True)

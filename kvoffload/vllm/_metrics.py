@@ -114,6 +114,14 @@ SERIES: tuple[Series, ...] = (
            "Waiting requests whose disk or remote chunks were read into the CPU tier while "
            "they waited", label=""),
     Series("queued_fetched_chunks", "counter", "The chunks that came in", label=""),
+    Series("retention_hints", "counter",
+           "Requests whose client sent a retention hint (kv_transfer_params)", label=""),
+    Series("retention_hints_ignored", "counter", "Malformed retention hints, ignored",
+           label=""),
+    Series("retention_kept_chunks", "counter",
+           "CPU-tier chunks a hint kept (held for its duration)", label=""),
+    Series("retention_dropped_chunks", "counter",
+           "CPU-tier chunks a hint dropped when its request ended", label=""),
     Series("handoff_waits", "counter",
            "kv_consumer lookups answered 'ask again' while a producer's stores of chunks "
            "past the hit were on their way", label=""),

@@ -70,8 +70,8 @@ class SchedulerSide:
         self, request: Request, num_computed_tokens: int
     ) -> tuple[int | None, bool]:
         req_id = request.request_id
-        extras = None
-        if req_id not in self._requests:  # a repeated lookup: its state holds the extras
+        extras, first = None, req_id not in self._requests
+        if first:  # a repeated lookup: its state holds the extras
             try:
                 extras = self._extras.read(request)
             except Unkeyable as exc:
@@ -81,6 +81,8 @@ class SchedulerSide:
         hit = self.scheduler.lookup(
             req_id, request.all_token_ids, num_computed_tokens, extras, request.block_hashes
         )
+        if first and request.kv_transfer_params:  # a client's retention hint, if any
+            self.scheduler.read_hint(req_id, request.kv_transfer_params)
         if self.scheduler.loads_from_lower_tier(req_id):
             self._from_lower.add(req_id)
         else:
@@ -107,6 +109,8 @@ class SchedulerSide:
                     request.block_hashes,
                     fetch=not self._lookup_on_arrival,  # vLLM 0.34 then loads while queued
                 )
+                if request.kv_transfer_params:
+                    self.scheduler.read_hint(req_id, request.kv_transfer_params)
         if self._lookup_on_arrival:
             self.get_num_new_matched_tokens(request, 0)
 
