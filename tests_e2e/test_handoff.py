@@ -54,7 +54,8 @@ MODELS = {
 
 
 @pytest.mark.parametrize(
-    ("case", "tier"), [("llama", "disk"), ("llama", "redis"), ("gemma4", "disk")]
+    ("case", "tier"),
+    [("llama", "disk"), ("llama", "redis"), ("gemma4", "disk"), ("gemma4", "redis")],
 )
 def test_a_request_sent_while_the_producer_stores_waits_and_loads(
     engine: Engine, tmp_path: Path, request: pytest.FixtureRequest, case: str, tier: str
