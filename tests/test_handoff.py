@@ -40,19 +40,22 @@ PROMPT = random.Random(7).choices(range(1, 30000), k=320)
 KEYS = [bytes([i]) * 16 for i in range(1, 5)]
 
 
-def config(tmp_path: Path, kv_role: str, **extra: object) -> Any:
+def config(tmp_path: Path, kv_role: str, layout: KVLayout = LAYOUT, **extra: object) -> Any:
     """Keys from token ids: the bare schedulers below and the stand-in's name chunks alike."""
     keys = {"cpu_bytes_to_use": "8MiB", "disk_path": str(tmp_path / "kv"), "key_source": "tokens"}
     keys |= {"disk_bytes_to_use": "64MiB", **extra}
-    return build_offloading_config(keys, LAYOUT, kv_role=kv_role)
+    return build_offloading_config(keys, layout, kv_role=kv_role)
 
 
-def side(tmp_path: Path, kv_role: str, **extra: object) -> OffloadScheduler:
+def side(
+    tmp_path: Path, kv_role: str, layout: KVLayout = LAYOUT, **extra: object
+) -> OffloadScheduler:
     """A scheduler side of ``kv_role`` on the shared disk, with its marks, and no worker."""
-    settings = config(tmp_path, kv_role, **extra)
-    probes = [DiskProbe(tmp_path / "kv", NAMESPACE)]
-    board = handoff_board(settings, [NAMESPACE])
-    return OffloadScheduler(settings, NAMESPACE, probes, handoff=board)
+    settings = config(tmp_path, kv_role, layout, **extra)
+    namespace = namespace_of("handoff-test", "bfloat16", layout)
+    probes = [DiskProbe(tmp_path / "kv", namespace)]
+    board = handoff_board(settings, [namespace])
+    return OffloadScheduler(settings, namespace, probes, handoff=board)
 
 
 def plan_prefill(producer: OffloadScheduler, req_id: str = "p") -> list[Any]:
@@ -140,6 +143,64 @@ def test_kv_both_has_no_board_and_refuses_the_key(tmp_path: Path) -> None:
     assert "'handoff_wait_ms' applies to kv_role 'kv_producer' and 'kv_consumer' only" in str(
         refused.value
     )
+
+
+# -- a recurrent hybrid's tail --------------------------------------------------------------
+#: Qwen3-Next's groups (three gated-DeltaNet, one full attention, one block size) at two
+#: blocks per chunk: a 1370-token prompt's states sit at 1280 tokens, inside its third
+#: 512-token chunk, so its hit is a tail (kvoffload.connector._tails) under keys of its own.
+QWEN = KVLayout(
+    (
+        *(CacheGroup("mamba", 256, (f"m{i}",), 160) for i in range(3)),
+        CacheGroup("full", 256, ("a0",), 1024),
+    )
+)
+QWEN_NAMESPACE = namespace_of("handoff-test", "bfloat16", QWEN)
+
+
+def qwen_producer(tmp_path: Path) -> tuple[KVOffloadSide, StandIn]:
+    """A producer's connector side over QWEN on the shared disk, with its marks, and the
+    stand-in engine around it."""
+    settings = config(tmp_path, "kv_producer", QWEN, blocks_per_chunk=2)
+    probes = [DiskProbe(tmp_path / "kv", QWEN_NAMESPACE)]
+    board = handoff_board(settings, [QWEN_NAMESPACE])
+    kv = allocate_kv_caches(QWEN, 64)
+    side = KVOffloadSide(settings, QWEN_NAMESPACE, kv, probes, handoff=board)
+    return side, StandIn(QWEN, side, gpu_blocks=64, step_tokens=4096, kv=KVPages(QWEN, kv))
+
+
+def test_a_consumer_waits_for_a_tail_on_its_way_past_chunks_already_there(
+    tmp_path: Path,
+) -> None:
+    """The chunks a prompt's hit needs that are on their way may be its tail alone: a
+    producer that stored a first prompt stores, for a second sharing its first two chunks,
+    only the second's tail at 1280 (attention part-chunk and states). The consumer's hit
+    needs that tail (no state sits on a chunk end), so it waits for it, then loads it."""
+    rng = random.Random(44)
+    first = [rng.randrange(1, 512) for _ in range(1370)]
+    second = first[:1100] + [rng.randrange(1, 512) for _ in range(270)]
+    (producer, engine), (another, its_engine) = qwen_producer(tmp_path), qwen_producer(tmp_path)
+    consumer = side(tmp_path, "kv_consumer", QWEN, blocks_per_chunk=2)
+    try:
+        engine.run([("first", first)])  # on the disk now, its marks taken back
+        assert marks(tmp_path) == [] and consumer.lookup("c1", first, 0) == 1280
+        scheduler = producer.scheduler
+        assert scheduler.lookup("second", second, 0) == 0
+        blocks = [list(range(1, 7))] * 4
+        orders = scheduler.plan_step([StepRequest("second", second, 0, 1280, blocks, 1370)])
+        (store,) = [order for order in orders if order.kind is JobKind.STORE]
+        assert len(store.keys) == 4 == len(marks(tmp_path))  # the tail alone, marked
+        assert consumer.lookup("c2", second, 0) is None  # on its way: not a miss
+        other = first[:1100] + [t + 1 for t in second[1100:]]
+        assert consumer.lookup("c3", other, 0) == 0  # nobody stores its tail: a miss at once
+        its_engine.run([("second", second)])  # another producer's store of it lands
+        assert consumer.lookup("c2", second, 0) == 1280
+        stats = consumer.stats()
+        assert (stats["handoff_waits"], stats["handoff_waited_requests"]) == (1, 1)
+    finally:
+        producer.close()
+        another.close()
+        consumer.close()
 
 
 # -- the bounded wait -----------------------------------------------------------------------

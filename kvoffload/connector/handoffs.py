@@ -9,7 +9,11 @@ request first waited (then it loads what is there and computes the rest). Why th
 marks, and where they live: :mod:`kvoffload.tiers.handoff`.
 
 Only whole chunks are waited for: the tokens after a prompt's last whole chunk are
-the consumer's to compute, as after any hit.
+the consumer's to compute, as after any hit. On a recurrent hybrid at more than one
+block per chunk, a prompt's hit may be a *tail* inside the chunk after its last whole
+one (its states at its last block boundary, :mod:`kvoffload.connector._tails`), stored
+under keys of their own: a marked tail there is waited for too, and may be all that is
+on its way (a producer that holds the chunks below it stores the tail alone).
 """
 
 from __future__ import annotations
@@ -21,6 +25,8 @@ from collections.abc import Callable, Iterable, Sequence
 
 from kvoffload.config import OffloadConfig
 from kvoffload.connector._request import RequestState
+from kvoffload.connector._tails import Tails
+from kvoffload.connector.requests import Lookup
 from kvoffload.connector.stats import SchedulerStats
 from kvoffload.messages import JobKind, TransferOrder
 from kvoffload.tiers.handoff import HandoffBoard
@@ -46,10 +52,13 @@ class Handoffs:
         stats: SchedulerStats,
         *,
         marks: bool,
+        tails: Tails | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.board = board
         self.tokens_per_chunk = tuple(tokens_per_chunk)
+        #: Where a layout's hits may be tails (a consumer waits for those too); falsy: none.
+        self.tails = tails if tails else None
         self.wait_s = wait_s
         #: A producer's: it marks its stores. Otherwise a consumer's: it waits for marks.
         self.marks = marks
@@ -59,13 +68,17 @@ class Handoffs:
 
     @classmethod
     def from_config(
-        cls, config: OffloadConfig, board: HandoffBoard | None, stats: SchedulerStats
+        cls,
+        config: OffloadConfig,
+        board: HandoffBoard | None,
+        stats: SchedulerStats,
+        tails: Tails | None = None,
     ) -> Handoffs | None:
         """A split role's hand-off over ``board`` (``None`` without one)."""
         if board is None:
             return None
         wait_s, spans = config.handoff_wait_ms / 1000, config.tokens_per_chunk
-        return cls(board, spans, wait_s, stats, marks=config.announces_stores)
+        return cls(board, spans, wait_s, stats, marks=config.announces_stores, tails=tails)
 
     # -- a producer's side ----------------------------------------------------------
     def mark(self, orders: Iterable[TransferOrder]) -> None:
@@ -95,22 +108,45 @@ class Handoffs:
             self.board.withdraw(order.keys)
 
     # -- a consumer's side ----------------------------------------------------------
-    def should_wait(self, req: RequestState, served: int, top: int) -> bool:
+    def waits(self, lookup: Lookup, served: int) -> bool:
+        """:meth:`should_wait` for ``lookup``, which can serve ``served`` tokens: its whole
+        chunks past them, and the tails past them in the chunk after its last whole one."""
+        tails = self.tails
+        if tails is None:
+            return self.should_wait(lookup.req, served, lookup.top)
+
+        def past_tails() -> list[bytes]:
+            out: list[bytes] = []
+            for point in tails.candidates(lookup.keyable, lookup.top, served):
+                keys = tails.keys(lookup.req, lookup.token_ids, lookup.block_hashes, point)
+                out.extend(keys or ())
+            return out
+
+        return self.should_wait(lookup.req, served, lookup.top, past_tails)
+
+    def should_wait(
+        self,
+        req: RequestState,
+        served: int,
+        top: int,
+        tails: Callable[[], Sequence[bytes]] | None = None,
+    ) -> bool:
         """Whether a lookup that can serve ``served`` of ``top`` tokens asks again instead.
 
-        True while a whole chunk past ``served`` is marked, for ``wait_s`` from the
-        request's first wait; after that the request never waits again (a producer
-        that stopped mid-store leaves marks until they lapse).
+        True while a whole chunk past ``served`` is marked, or a tail's key of
+        ``tails()`` (asked only if no chunk is), for ``wait_s`` from the request's
+        first wait; after that the request never waits again (a producer that
+        stopped mid-store leaves marks until they lapse).
         """
-        if self.marks or served >= top:
+        since = req.handoff_since
+        if self.marks or (since is not None and math.isinf(since)):
             return False
         past = [
             key
             for group_keys, span in zip(req.keys, self.tokens_per_chunk, strict=True)
             for key in group_keys[served // span : top // span]
         ]
-        since = req.handoff_since
-        if (since is not None and math.isinf(since)) or not self.board.announced(past):
+        if not self.board.announced(past) and (tails is None or not self.board.announced(tails())):
             return False
         now = self._clock()
         if since is None:

@@ -139,7 +139,7 @@ class OffloadScheduler:
         self.fetches = WaitingFetches(
             self.requests, self.hits, self.promotions, self.queued, self._stats, enabled=fetching
         )
-        self.handoffs = Handoffs.from_config(config, handoff, self._stats)
+        self.handoffs = Handoffs.from_config(config, handoff, self._stats, self.tails)
         spans = config.tokens_per_chunk
         self.hints = RetentionHints(index, spans, self._stats, limit=lambda: self.queued.limit)
 
@@ -238,7 +238,7 @@ class OffloadScheduler:
             return 0
         hit = self.hits.find(lookup)
         served = local_hit if hit is None else max(hit.tokens, local_hit)
-        if self.handoffs is not None and self.handoffs.should_wait(req, served, lookup.top):
+        if self.handoffs is not None and self.handoffs.waits(lookup, served):
             return None  # a producer is storing what lies past the hit: ask again
         if hit is None:
             return 0
