@@ -62,11 +62,17 @@ class QueuedHolds:
 
     @classmethod
     def from_config(
-        cls, config: OffloadConfig, index: OffloadIndex, stats: SchedulerStats
+        cls,
+        config: OffloadConfig,
+        index: OffloadIndex,
+        stats: SchedulerStats,
+        *,
+        clock: Callable[[], float] = time.monotonic,
     ) -> QueuedHolds:
         """The holds ``queued_cpu_share`` allows on ``index`` (none where nothing loads)."""
         limit = int(config.queued_cpu_share * index.capacity) if config.loads else 0
-        return cls(index, config.layout, config.tokens_per_chunk, limit=limit, stats=stats)
+        spans = config.tokens_per_chunk
+        return cls(index, config.layout, spans, limit=limit, stats=stats, clock=clock)
 
     def hold(self, req_id: str, keys: Sequence[Sequence[bytes]]) -> int:
         """Hold the chunks of ``keys`` (the request's, per group) its hit would use; how many."""

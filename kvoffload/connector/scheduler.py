@@ -10,14 +10,11 @@ chunks inside the window before it, a recurrent group only the state taken
 at it. **Stores** keep every full-attention chunk, and window chunks and
 states only for the request's hit points (:mod:`kvoffload.connector._retention`).
 
-The work is split by what it does: the request table and its keys
-(:mod:`~kvoffload.connector.requests`), the search for hits
-(:mod:`~kvoffload.connector._search`), load plans (:mod:`~kvoffload.connector.loads`,
-:mod:`~kvoffload.connector.promotions`), store plans (:mod:`~kvoffload.connector.stores`),
-the misses (:mod:`~kvoffload.connector.misses`), and the job book of orders out and
-reports in (:mod:`~kvoffload.connector.jobs`). This class is their one face. A lookup
-is one pass through them: the request's keys, then the hit (tails included), then how
-it loads, then the misses it leaves.
+The work is split by what it does: the request table and its keys (``requests``), the
+search for hits (``_search``), load plans (``loads``, ``promotions``), store plans
+(``stores``), the misses (``misses``), the job book of orders out and reports in
+(``jobs``), all modules of :mod:`kvoffload.connector`. This class is their one face. A
+lookup is one pass: the request's keys, the hit (tails included), how it loads, the misses.
 
 **What may be stored.** A chunk whose tokens are computed and whose blocks
 all hold real KV (computed, served by vLLM's prefix cache, or loaded by us).
@@ -39,7 +36,8 @@ completed here whenever their reports arrive.
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable, Sequence
+import time
+from collections.abc import Callable, Iterable, Sequence
 
 from kvoffload.config import OffloadConfig
 from kvoffload.connector._request import StepRequest
@@ -86,7 +84,8 @@ class OffloadScheduler:
     the adapter decides it with :func:`~kvoffload.connector.loads.hit_loading`
     from the key ``load_in_step`` and from what its engine can recompute).
     ``handoff``: a producer's or a consumer's marks in the shared tiers
-    (:func:`~kvoffload.tiers.handoff.handoff_board`), which it then owns.
+    (:func:`~kvoffload.tiers.handoff.handoff_board`), which it then owns. ``clock``:
+    the seconds that queued holds and retention hints last in (a replay's simulated time).
     """
 
     def __init__(
@@ -99,6 +98,7 @@ class OffloadScheduler:
         engine_hashes: EngineHashes | None = None,
         hit_loading: HitLoading = HitLoading.LATER,
         handoff: HandoffBoard | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         if engine_hashes is not None:
             for span in config.tokens_per_chunk:
@@ -134,14 +134,14 @@ class OffloadScheduler:
         self._stats = SchedulerStats()
         self.misses = MissLedger.from_config(config)
         self.stores, self.promotions, self.loads = self._planners(config, hit_loading)
-        self.queued = QueuedHolds.from_config(config, index, self._stats)
+        self.queued = QueuedHolds.from_config(config, index, self._stats, clock=clock)
         fetching = config.fetch_while_queued and bool(self.probes)
         self.fetches = WaitingFetches(
             self.requests, self.hits, self.promotions, self.queued, self._stats, enabled=fetching
         )
         self.handoffs = Handoffs.from_config(config, handoff, self._stats, self.tails)
-        spans = config.tokens_per_chunk
-        self.hints = RetentionHints(index, spans, self._stats, limit=lambda: self.queued.limit)
+        spans, limit = config.tokens_per_chunk, lambda: self.queued.limit
+        self.hints = RetentionHints(index, spans, self._stats, limit=limit, clock=clock)
 
     def _planners(
         self, config: OffloadConfig, hit_loading: HitLoading

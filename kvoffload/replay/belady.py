@@ -42,20 +42,26 @@ def next_uses(requests: Sequence[Sequence[bytes]]) -> list[list[int]]:
     return result
 
 
-def belady_hits(requests: Sequence[Sequence[bytes]], capacity: int) -> int:
-    """Prefix-hit blocks of MIN (with bypass) at ``capacity`` chunks over ``requests``."""
+def belady_hits(
+    requests: Sequence[Sequence[bytes]], capacity: int, usable: Sequence[int] | None = None
+) -> int:
+    """Prefix-hit blocks of MIN (with bypass) at ``capacity`` chunks over ``requests``.
+
+    ``usable``: per request, the most leading blocks a hit may count (an engine computes
+    at least a prompt's last token, so its last full block may be stored, never hit).
+    """
     checked_int("capacity", capacity)
     uses = next_uses(requests)
     resident: dict[bytes, tuple[int, int]] = {}  # key -> (-next use, -depth in its chain)
     heap: list[tuple[int, int, bytes]] = []  # max-heap via negation; stale entries skipped
     hits = 0
-    for keys, nexts in zip(requests, uses, strict=True):
+    for t, (keys, nexts) in enumerate(zip(requests, uses, strict=True)):
         n = 0
         for k in keys:
             if k not in resident:
                 break
             n += 1
-        hits += n
+        hits += n if usable is None else min(n, usable[t])
         for depth, (k, nxt) in enumerate(zip(keys, nexts, strict=True)):
             rank = (-nxt, -depth)
             if k not in resident and (

@@ -12,7 +12,9 @@ not the key derivation.
 
 The engine replay and the demo need tokens: :meth:`Trace.tokens` expands each
 hash id into its own reproducible 512 token ids (``input_length`` of them in
-all), so requests sharing hash ids share exactly those tokens.
+all), so requests sharing hash ids share exactly those tokens. The arrival
+replay (:mod:`kvoffload.replay.arrivals`) needs each request's ``timestamp``
+(milliseconds since the trace began, as Mooncake writes it).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from __future__ import annotations
 import gzip
 import hashlib
 import json
+import math
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -46,16 +49,14 @@ def block_key(hash_id: int) -> bytes:
     return hash_id.to_bytes(_KEY_BYTES, "big")
 
 
-def block_tokens(hash_id: int) -> npt.NDArray[np.int64]:
-    """The 512 token ids a trace block stands for: reproducible from its hash id alone.
+def block_tokens(hash_id: int, n: int = TRACE_BLOCK_TOKENS) -> npt.NDArray[np.int64]:
+    """The ``n`` token ids a trace block stands for: reproducible from its hash id alone.
 
     SHAKE-128 of the id, two bytes per token: one call per block, several
     times cheaper than a seeded numpy generator, and unrelated ids collide
     with negligible probability.
     """
-    stream = hashlib.shake_128(hash_id.to_bytes(_KEY_BYTES, "little")).digest(
-        2 * TRACE_BLOCK_TOKENS
-    )
+    stream = hashlib.shake_128(hash_id.to_bytes(_KEY_BYTES, "little")).digest(2 * n)
     return (np.frombuffer(stream, "<u2") % _VOCAB).astype(np.int64)
 
 
@@ -69,6 +70,11 @@ class Trace:
     requests: tuple[tuple[bytes, ...], ...]
     #: Prompt tokens per request (``input_length``; all of its blocks when absent).
     lengths: tuple[int, ...] = ()
+    #: Arrival of each request in seconds since the trace began (``timestamp``); empty when
+    #: a request has none.
+    arrivals: tuple[float, ...] = ()
+    #: Tokens per hash id (512 in Mooncake's traces; 64 in the Claude Code one).
+    block_tokens: int = TRACE_BLOCK_TOKENS
 
     @property
     def num_blocks(self) -> int:
@@ -82,13 +88,16 @@ class Trace:
 
     def head(self, n: int) -> Trace:
         """The first ``n`` requests, for quick runs and tests."""
-        return Trace(self.name, self.requests[:n], self.lengths[:n])
+        return Trace(
+            self.name, self.requests[:n], self.lengths[:n], self.arrivals[:n], self.block_tokens
+        )
 
     def tokens(self, i: int) -> npt.NDArray[np.int64]:
         """Request ``i``'s prompt as token ids (see the module docstring)."""
-        keys = self.requests[i]
-        length = self.lengths[i] if self.lengths else len(keys) * TRACE_BLOCK_TOKENS
-        return np.concatenate([block_tokens(int.from_bytes(k, "big")) for k in keys])[:length]
+        keys, size = self.requests[i], self.block_tokens
+        length = self.lengths[i] if self.lengths else len(keys) * size
+        blocks = [block_tokens(int.from_bytes(k, "big"), size) for k in keys]
+        return np.concatenate(blocks)[:length]
 
 
 def _open(path: Path) -> IO[str]:
@@ -102,8 +111,8 @@ def _open(path: Path) -> IO[str]:
 MAX_BLOCKS = 1 << 15
 
 
-def _record(line: str, where: str) -> tuple[Sequence[int], int]:
-    """``hash_ids`` and the prompt length of one request line."""
+def _record(line: str, where: str, size: int) -> tuple[Sequence[int], int, float | None]:
+    """``hash_ids``, the prompt length and the arrival (seconds, if given) of one line."""
     try:
         record = json.loads(line)
     except (ValueError, RecursionError) as exc:  # bad JSON, a number over 4300 digits
@@ -118,21 +127,37 @@ def _record(line: str, where: str) -> tuple[Sequence[int], int]:
         )
     if len(ids) > MAX_BLOCKS:
         raise ConfigError(
-            f"{where}: {len(ids):,} hash_ids are {len(ids) * TRACE_BLOCK_TOKENS:,} tokens, past "
-            f"any context window; a request has at most {MAX_BLOCKS:,} blocks of "
-            f"{TRACE_BLOCK_TOKENS} tokens"
+            f"{where}: {len(ids):,} hash_ids are more blocks than any context window holds; "
+            f"a request has at most {MAX_BLOCKS:,}"
         )
     assert isinstance(record, dict)
-    full = len(ids) * TRACE_BLOCK_TOKENS
+    arrival = _arrival(record.get("timestamp"), where)
+    full = len(ids) * size
     length = record.get("input_length")
     if length is None:
-        return ids, full
+        return ids, full, arrival
     if isinstance(length, int) and not isinstance(length, bool) and 0 < length <= full:
-        return ids, length
+        return ids, length, arrival
     raise ConfigError(
         f"{where}: 'input_length' {safe_repr(length)} does not fit its {len(ids)} hash_ids: "
-        f"give the prompt's tokens, from 1 to {full:,} ({TRACE_BLOCK_TOKENS} per hash id), "
-        "or leave it out"
+        f"give the prompt's tokens, from 1 to {full:,} ({size} per hash id), or leave it out"
+    )
+
+
+def _arrival(stamp: object, where: str) -> float | None:
+    """A ``timestamp`` (milliseconds) in seconds; ``None`` when the line has none."""
+    if stamp is None:
+        return None
+    if (
+        isinstance(stamp, int | float)
+        and not isinstance(stamp, bool)
+        and math.isfinite(stamp)
+        and 0 <= stamp < 1 << 53
+    ):
+        return stamp / 1000
+    raise ConfigError(
+        f"{where}: 'timestamp' {safe_repr(stamp)} is not a time: give milliseconds since the "
+        "trace began (a number >= 0), or leave it out"
     )
 
 
@@ -144,8 +169,11 @@ def _lines(path: Path) -> Iterator[tuple[int, str]]:
         raise ConfigError(f"cannot read trace {str(path)!r}: {exc}") from exc
 
 
-def load_trace(path: str | Path, limit: int | None = None) -> Trace:
-    """Read a Mooncake-format trace; ``limit`` keeps only its first requests.
+def load_trace(
+    path: str | Path, limit: int | None = None, block_tokens: int = TRACE_BLOCK_TOKENS
+) -> Trace:
+    """Read a Mooncake-format trace; ``limit`` keeps only its first requests, ``block_tokens``
+    is the trace's tokens per hash id.
 
     Raises ``ConfigError`` naming the file (and line) if it is missing,
     unreadable, empty or not in the format, so the CLI prints one line.
@@ -156,15 +184,24 @@ def load_trace(path: str | Path, limit: int | None = None) -> Trace:
     keys: dict[int, bytes] = {}
     requests: list[tuple[bytes, ...]] = []
     lengths: list[int] = []
+    arrivals: list[float | None] = []
     for number, line in _lines(path):
         if limit is not None and len(requests) >= limit:
             break
         if not line.strip():
             continue
-        ids, length = _record(line, f"{path.name}:{number}")
+        ids, length, arrival = _record(line, f"{path.name}:{number}", block_tokens)
         # Interning one bytes object per id keeps memory flat and dict hits fast.
         requests.append(tuple([keys.get(i) or keys.setdefault(i, block_key(i)) for i in ids]))
         lengths.append(length)
+        arrivals.append(arrival)
     if not requests:
         raise ConfigError(f"trace {str(path)!r} holds no requests")
-    return Trace(path.name, tuple(requests), tuple(lengths))
+    timed = tuple(a for a in arrivals if a is not None)
+    return Trace(
+        path.name,
+        tuple(requests),
+        tuple(lengths),
+        timed if len(timed) == len(arrivals) else (),
+        block_tokens,
+    )

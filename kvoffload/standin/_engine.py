@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 
 from kvoffload.config.layout import KVLayout
 from kvoffload.errors import ConfigError, IntegrityError
@@ -81,9 +81,11 @@ class StandIn:
         extras: KeyExtras | None = None,
         *,
         output: Sequence[int] = (),
+        kv_transfer_params: Mapping[str, object] | None = None,
     ) -> SimRequest:
         """A new request of prompt ``tokens`` that generates ``output`` (decoded after the
-        prompt); ``ConfigError`` if it could never fit in the GPU cache."""
+        prompt), with the client's ``kv_transfer_params`` if any; ``ConfigError`` if it
+        could never fit in the GPU cache."""
         num_prompt = len(tokens)
         if output:
             tokens = [*tokens, *output]
@@ -107,6 +109,7 @@ class StandIn:
             told=[0] * groups,
             num_prompt=num_prompt,
             block_hashes=flat,
+            kv_transfer_params=kv_transfer_params,
         )
         if self.layout.lookahead and self.kv is not None:  # what a block holds until final
             req.provisional = self.block_hashes(tokens, extras, lookahead=0)

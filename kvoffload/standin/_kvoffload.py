@@ -10,6 +10,7 @@ calls around the forward pass on the worker side, over a real
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import NamedTuple
 
@@ -60,6 +61,8 @@ class KVOffloadSide:
     what it plans and the hits it finds are those of a settled run. Such a
     side has no worker (``worker`` is ``None``): no engine, no CPU slab.
     ``handoff``: a producer's or a consumer's marks (:mod:`kvoffload.tiers.handoff`).
+    ``clock``: the scheduler side's seconds (a replay's simulated time; see
+    :class:`~kvoffload.connector.scheduler.OffloadScheduler`).
     """
 
     def __init__(
@@ -73,6 +76,7 @@ class KVOffloadSide:
         record_events: bool = True,
         transfers: bool = True,
         handoff: HandoffBoard | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         hashes = EngineHashes(math.gcd(*config.layout.tokens_per_block), STANDIN_HASHES)
         self.scheduler = OffloadScheduler(
@@ -82,6 +86,7 @@ class KVOffloadSide:
             engine_hashes=choose_engine_hashes(config, hashes, reproducible=True),
             hit_loading=hit_loading(config, len(config.layout.groups)),
             handoff=handoff,
+            clock=clock,
         )
         # Without them the index keeps no events, as the connector's when vLLM
         # publishes none (its default); nobody drains them here.
@@ -98,12 +103,22 @@ class KVOffloadSide:
     def add_request(self, req: SimRequest) -> None:
         with self.clock:  # vLLM's on_new_request: it joins the waiting queue
             self.scheduler.request_queued(req.req_id, req.prompt, req.extras, req.block_hashes)
+            if self.scheduler.queued.limit:  # tracked from its arrival: vLLM's adapter reads it
+                self._read_hint(req)
 
     def get_num_new_matched_tokens(self, req: SimRequest, num_computed: int) -> int | None:
         with self.clock:
-            return self.scheduler.lookup(
+            hit = self.scheduler.lookup(
                 req.req_id, req.prompt, num_computed, req.extras, req.block_hashes
             )
+            self._read_hint(req)  # at its first lookup, if not at its arrival
+            return hit
+
+    def _read_hint(self, req: SimRequest) -> None:
+        """The client's ``kv_transfer_params`` (a retention hint), once per request."""
+        if req.kv_transfer_params is not None and not req.hint_read:
+            req.hint_read = True
+            self.scheduler.read_hint(req.req_id, req.kv_transfer_params)
 
     def loads_in_step(self, req: SimRequest) -> bool:
         return self.scheduler.loads_in_step(req.req_id)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Protocol
@@ -56,6 +56,9 @@ class SimRequest:
     #: With a lookahead and KV pages, per group, each full block's hash without it: what the
     #: block holds until its KV is final.
     provisional: list[list[bytes]] = field(default_factory=list)
+    #: The client's ``kv_transfer_params`` (a retention hint), read once by the connector.
+    kv_transfer_params: Mapping[str, object] | None = None
+    hint_read: bool = False
 
     def __post_init__(self) -> None:
         self.num_prompt = self.num_prompt or len(self.tokens)
