@@ -8,16 +8,22 @@ while the connector's own figures still report clean loads.
 from __future__ import annotations
 
 import logging
+import time
 from pathlib import Path
 from typing import Any
 
 import pytest
 from test_standin import GEMMA, LLAMA, make, tokens
 
-from kvoffload.config.layout import KVLayout
+from kvoffload import build_offloading_config
+from kvoffload.config.layout import CacheGroup, KVLayout
 from kvoffload.connector.scheduler import MAX_FAILED_LOADS
 from kvoffload.engine.failpoints import ENV, POINTS, FailPoints
 from kvoffload.errors import ConfigError
+from kvoffload.keys import namespace_of
+from kvoffload.standin import KVOffloadSide, KVPages, StandIn
+from kvoffload.tiers.disk import DiskProbe
+from kvoffload.transfer import allocate_kv_caches
 
 
 def serve(
@@ -78,6 +84,10 @@ def test_off_by_default_and_on_only_when_named(
         ("store.slow_lower", "store.slow_lower='' is not a duration; write store.slow_lower=3s"),
         ("store.slow_lower=3", "store.slow_lower='3' is not a duration"),
         ("store.slow_lower=0s", "or store.slow_lower=250ms"),
+        ("load.slow_lower", "load.slow_lower='' is not a read rate; write load.slow_lower=200MB/s"),
+        ("load.slow_lower=200MB", "load.slow_lower='200MB' is not a read rate"),
+        ("load.slow_lower=0MB/s", "(a size a second, at least 1B/s)"),
+        ("load.slow_lower=fast/s", "or load.slow_lower=1.5GiB/s"),
     ],
 )
 def test_a_bad_point_is_a_config_error_naming_it(spec: str, message: str) -> None:
@@ -97,6 +107,25 @@ def test_a_slow_lower_tier_waits_its_duration_at_every_chance(
     assert slept == [0.25, 0.25] and points.stats() == {"failpoint_store_slow_lower": 2}
     FailPoints("store.slow_lower=1.5s").slow_lower()
     assert slept[-1] == 1.5
+
+
+def test_a_slow_read_waits_for_its_bytes_after_the_reads_before_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``load.slow_lower``: a chunk read takes at least its bytes at the rate, the time of
+    the read itself included, and reads share the rate (the second waits for the first)."""
+    slept: list[float] = []
+    monkeypatch.setattr("kvoffload.engine.failpoints.time.sleep", slept.append)
+    points = FailPoints("load.slow_lower=2MB/s")
+    now = time.perf_counter()
+    points.slow_read(1_000_000, now)  # 0.5 s of reading at 2 MB/s
+    points.slow_read(1_000_000, now)  # read at once too: it waits for the first one
+    assert 0.45 < slept[0] <= 0.5 and 0.95 < slept[1] <= 1.0
+    assert points.stats() == {"failpoint_load_slow_lower": 2}
+    idle = FailPoints("load.slow_lower=2MB/s")
+    idle.slow_read(1_000_000, now - 10)  # its read alone took longer than the rate asks
+    assert len(slept) == 2 and idle.stats() == {"failpoint_load_slow_lower": 1}
+    assert FailPoints("load.slow_lower=1.5GiB/s")._rates["load.slow_lower"] == 1.5 * 2**30
 
 
 def test_counts_limit_firing_and_rates_repeat() -> None:
@@ -198,6 +227,79 @@ def test_a_dropped_store_is_loaded_later_as_wrong_bytes(
     assert stats.verified_blocks + stats.mismatched_blocks == clean_stats.verified_blocks
     for name in ("stored_chunks", "index_store_failures", "failed_store_chunks", "failed_loads"):
         assert figures[name] == clean_figures[name], name
+
+
+#: One group of 16-token blocks, 1 KiB a block: a 320-token prompt is 20 chunks.
+DISK_LAYOUT = KVLayout((CacheGroup("full", 16, ("l0", "l1"), 512),))
+
+
+def from_disk(tmp_path: Path, *, fetch: bool) -> tuple[Any, dict[str, Any]]:
+    """A prompt's 20 chunks on disk only (another prompt pushed them out of a 64-chunk CPU
+    tier, the GPU cache emptied), then its next turn behind a long request, one running at a
+    time: the turn fetches them while it waits (``fetch``) or loads them from disk."""
+    namespace = namespace_of("failpoint-test", "bfloat16", DISK_LAYOUT)
+    keys = {"cpu_bytes_to_use": 64 * 1024, "disk_path": str(tmp_path / "kv"),
+            "disk_bytes_to_use": "16MiB", "fetch_while_queued": fetch,
+            "queued_cpu_share": 0.5}  # fmt: skip
+    kv = allocate_kv_caches(DISK_LAYOUT, 256)
+    probes = [DiskProbe(tmp_path / "kv", namespace)]
+    config = build_offloading_config(keys, DISK_LAYOUT)
+    side = KVOffloadSide(config, namespace, kv, probes)
+    stand = StandIn(DISK_LAYOUT, side, gpu_blocks=256, kv=KVPages(DISK_LAYOUT, kv), max_running=1)
+    try:
+        stand.run([("turn-1", tokens(320, 100)), ("other", tokens(1024, 101))])
+        stand.reset_prefix_cache()
+        stand.add("long", tokens(640, 102))
+        stand.add("turn-2", [*tokens(320, 100), *tokens(40, 103)])
+        while stand.waiting or stand.running:
+            stand.step()
+        stand.step()
+        assert side.worker is not None
+        return stand.stats, {**side.scheduler.stats(), **side.worker.stats()}
+    finally:
+        side.close()
+
+
+def counters(figures: dict[str, Any]) -> dict[str, Any]:
+    """The figures a delay must not change: every counter but the fault's, no timings."""
+    out = {k: v for k, v in figures.items() if not k.startswith("failpoint_") and k != "tiers"}
+    for tier, record in figures["tiers"].items():
+        out |= {f"{tier}.{k}": v for k, v in record.items() if "seconds" not in k}
+    return out
+
+
+@pytest.mark.parametrize("fetch", [False, True], ids=["load", "fetch_while_queued"])
+def test_a_slow_lower_tier_delays_every_chunk_read_from_it_and_nothing_else(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, fetch: bool
+) -> None:
+    """``load.slow_lower`` on a real disk tier: each chunk read from the disk, by a load or
+    by a fetch while queued, waits its bytes at the rate; CPU-tier reads do not; nothing is
+    damaged, and every counter but its own equals a clean run's."""
+    monkeypatch.delenv(ENV, raising=False)
+    clean_stats, clean = from_disk(tmp_path / "clean", fetch=fetch)
+    monkeypatch.setenv(ENV, "load.slow_lower=10MB/s")  # 0.1 ms a 1 KiB chunk
+    stats, slow = from_disk(tmp_path / "slow", fetch=fetch)
+    assert clean["queued_fetched_chunks"] == (20 if fetch else 0)
+    assert clean["hit_tokens_by_tier"] == {"disk": 320}
+    # Every chunk the disk served was delayed, once: the 20 of the first turn.
+    assert fired(slow) == {"load.slow_lower": 20} and slow["tiers"]["disk"]["loads"] == 20
+    assert stats.mismatched_blocks == clean_stats.mismatched_blocks == 0
+    assert stats.loaded_tokens == clean_stats.loaded_tokens == 320
+    assert counters(slow) == counters(clean)
+
+
+def test_loads_from_the_cpu_tier_are_not_delayed(
+    monkeypatch: pytest.MonkeyPatch,
+    tmp_path: Path,
+    clean: dict[KVLayout, tuple[Any, dict[str, Any]]],
+) -> None:
+    monkeypatch.setenv(ENV, "load.slow_lower=1B/s")  # a chunk would take days
+    stats, figures = serve(LLAMA, tmp_path)
+    clean_stats, clean_figures = clean[LLAMA]
+    assert fired(figures) == {"load.slow_lower": 0}
+    assert stats.loaded_tokens == clean_stats.loaded_tokens > 0
+    assert stats.mismatched_blocks == 0
+    assert counters(figures) == counters(clean_figures)
 
 
 def test_every_point_is_documented() -> None:

@@ -15,7 +15,7 @@ its chunks, so the engine recomputes exactly those.
 
 The slab's counters take every copy here (each lower tier counts its own I/O),
 and the fault points (``KVOFFLOAD_FAILPOINTS``) fire here, on the copies they
-damage.
+damage (and on the lower-tier reads ``load.slow_lower`` slows).
 """
 
 from __future__ import annotations
@@ -110,10 +110,13 @@ class ChunkCopier:
         ok = []
         for key, slot in zip(span.keys, span.slots, strict=True):
             why: list[str] = []
+            started = time.perf_counter()
             source = self.cascade.fill(key, slot, nbytes, why)
             ok.append(source is not None)
             if source is not None and source is not self.cascade.cpu:
                 outcome.promoted.append(key)
+                if self.faults is not None:  # load.slow_lower: a read from a slow tier
+                    self.faults.slow_read(nbytes, started)
             if source is None:
                 detail = "; ".join(why) or "no tier holds it"
                 outcome.errors.append(f"no tier could load chunk {key.hex()[:16]} ({detail})")

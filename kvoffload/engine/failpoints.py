@@ -41,6 +41,15 @@ bug would do; the checksum path, which reports a failed load, is not faked.
     is the job, not a span). The step goes on meanwhile. It proves that a
     consumer engine sent a request while a producer's stores are still on their
     way waits for them (:mod:`kvoffload.connector.handoffs`).
+``load.slow_lower=RATE``
+    Not damage but delay: every chunk a job reads from a lower tier (disk or
+    remote: a load, a load in the step, a promotion or a fetch while queued)
+    takes at least its bytes at ``RATE`` (``200MB/s``, ``1.5GiB/s``), the reads
+    of one engine sharing that rate as they would share a disk, so a slow
+    disk is one setting whatever the model, the group or ``blocks_per_chunk``
+    (what a cgroup's read limit on the disk's device would do). A chunk found
+    in the CPU tier is never delayed. Its chance is one chunk read from a
+    lower tier; it always fires, and counts the chunks it delayed.
 
 A load point's chance is one run of verified chunks of one group in one load
 job (one scatter: usually the group's whole span); a store point's is one
@@ -61,6 +70,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from kvoffload.config.values import Bounds, to_size
 from kvoffload.errors import ConfigError
 from kvoffload.messages import BlockSpan
 
@@ -76,9 +86,12 @@ POINTS = (
     "load.fail_last_chunk",
     "store.drop",
     "store.slow_lower",
+    "load.slow_lower",
 )
 #: Points whose value is a duration, not a count or a rate.
 _DELAYS = ("store.slow_lower",)
+#: Points whose value is a read rate (bytes a second).
+_RATES = ("load.slow_lower",)
 #: A scatter as :meth:`kvoffload.transfer.KVTransfer.scatter` does it (the CUDA event bound).
 Scatter = Callable[[int, BlockSpan, Sequence[torch.Tensor]], None]
 
@@ -113,6 +126,20 @@ def _parse_duration(point: str, text: str) -> float:
     )
 
 
+def _parse_rate(point: str, text: str) -> float:
+    """Bytes a second of ``point=text``, where ``text`` is a size a second (``200MB/s``)."""
+    size = text.removesuffix("/s")
+    try:
+        if size != text and size.strip():
+            return float(to_size(point, size, Bounds(1, 2**60)))
+    except ConfigError:
+        pass
+    raise ConfigError(
+        f"{ENV}: {point}={text!r} is not a read rate; write {point}=200MB/s or "
+        f"{point}=1.5GiB/s (a size a second, at least 1B/s)"
+    )
+
+
 class FailPoints:
     """The points turned on, and how often each has fired (thread-safe: jobs run on a pool)."""
 
@@ -120,6 +147,7 @@ class FailPoints:
         self.spec = spec
         self._limits: dict[str, tuple[int | None, float]] = {}
         self._delays: dict[str, float] = {}
+        self._rates: dict[str, float] = {}
         for item in (part.strip() for part in spec.split(",")):
             if not item:
                 continue
@@ -132,11 +160,16 @@ class FailPoints:
             if name in _DELAYS:
                 self._delays[name] = _parse_duration(name, value)
                 self._limits[name] = (None, 1.0)
+            elif name in _RATES:
+                self._rates[name] = _parse_rate(name, value)
+                self._limits[name] = (None, 1.0)
             else:
                 self._limits[name] = _parse_value(name, value) if value else (None, 1.0)
         self.fired = Counter[str]()
         self._random = random.Random(0)
         self._lock = threading.Lock()
+        #: When the slow lower tier has read every chunk asked of it so far (perf_counter).
+        self._reads_done = 0.0
 
     @classmethod
     def from_env(cls) -> FailPoints | None:
@@ -206,3 +239,19 @@ class FailPoints:
         """Wait before this store span writes the lower tiers (``store.slow_lower``)."""
         if self.fires("store.slow_lower"):
             time.sleep(self._delays["store.slow_lower"])
+
+    def slow_read(self, nbytes: int, started: float) -> None:
+        """A chunk of ``nbytes`` read from a lower tier since ``started`` (``perf_counter``):
+        wait until ``load.slow_lower``'s rate would have read it, after the chunks before it.
+
+        The time the read itself took counts towards it, and the reads of every job share
+        the rate, so two at once take twice as long as one.
+        """
+        if not self.fires("load.slow_lower"):
+            return
+        seconds = nbytes / self._rates["load.slow_lower"]
+        with self._lock:
+            done = self._reads_done = max(started, self._reads_done) + seconds
+        wait = done - time.perf_counter()
+        if wait > 0:
+            time.sleep(wait)
