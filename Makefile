@@ -16,7 +16,7 @@ VLLM_STAMP  = $(VLLM_VENV)/.installed-stamp
 # vLLM releases whose Python modules the connector is checked against (make vllm-api-check).
 VERSIONS   ?= 0.33.0 0.34.0
 
-.PHONY: setup demo demo-vllm plan test lint typecheck bench replay e2e vllm-setup vllm-api-check vllm033-check bench-vllm bench-hybrid bench-serve bench-disagg clean
+.PHONY: setup demo demo-vllm plan test lint typecheck bench replay e2e vllm-setup vllm-api-check vllm033-check bench-vllm bench-hybrid bench-serve bench-serve-lower bench-disagg clean
 
 setup: $(STAMP)
 
@@ -103,6 +103,14 @@ bench-hybrid: vllm-setup
 # 2 busy AVX2 ones).
 bench-serve: vllm-setup
 	$(VLLM_PY) benchmarks/serve_chat.py
+
+# The same chat from a lower tier: a CPU tier for a quarter of the conversations, a disk for
+# all, 4 requests in flight on an engine that runs 2 (two wait in vLLM's queue), without and
+# with fetch_while_queued, on this disk and on one slowed to an NVMe read against an H100's
+# prefill; vLLM alone and the limit in the same run (docs/benchmarks.md, "Serving"; ~10 min).
+bench-serve-lower: vllm-setup
+	$(VLLM_PY) benchmarks/serve_chat.py --workloads chat --concurrency 4 --max-num-seqs 2 \
+		--modes vllm,limit,lower,lower-fetch,lower-slow,lower-slow-fetch $(ARGS)
 
 # Prefill on one `vllm serve` (kv_producer), decode on another (kv_consumer) over one disk
 # tier: the decode instance's TTFT, the prompt loaded against computed there, the bytes moved

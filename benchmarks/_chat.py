@@ -131,6 +131,8 @@ def summary(
             }
         )
     delta = {name: after[name] - before[name] for name in after}
+    # Every turn that carries a history (all but the first), pooled.
+    later = [t.answer.ttft_s for c in convs for t in c.turns[1:]] or [0.0]
     return {
         "seconds": seconds,
         "requests": len(answers),
@@ -138,6 +140,7 @@ def summary(
         "generated_tokens": generated,
         "tokens_per_s": (prompt + generated) / seconds,
         "per_turn": per_turn,
+        "later_turns": {"ttft_median_s": statistics.median(later), "ttft_p90_s": p90(later)},
         "engine_hit_tokens": int(delta["vllm:prefix_cache_hits_total"]),
         "connector_hit_tokens": int(delta["vllm:external_prefix_cache_hits_total"]),
         "disk_hit_tokens": int(delta[DISK_HITS]),

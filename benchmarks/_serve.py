@@ -64,6 +64,7 @@ class ServerSpec:
     extra_env: tuple[tuple[str, str], ...] = ()  # more of the server's environment
     kv_role: str = "kv_both"  # vLLM's kv_role: kv_producer and kv_consumer split the work
     tokenizer: bool = False  # the model directory has one (logprobs need it); else none loaded
+    max_num_seqs: int | None = None  # --max-num-seqs: requests the engine runs at once
 
     def argv(self, port: int) -> list[str]:
         argv = [
@@ -78,6 +79,8 @@ class ServerSpec:
         ]  # fmt: skip
         if not self.tokenizer:
             argv.append("--skip-tokenizer-init")
+        if self.max_num_seqs is not None:
+            argv += ["--max-num-seqs", str(self.max_num_seqs)]
         if self.connector is not None:
             transfer = {
                 "kv_connector": "KVOffloadConnector",

@@ -24,6 +24,14 @@ Workloads (``--workloads``):
   same KV, reused): the answers (token ids) must be identical, or the
   script exits 1.
 
+The lower-tier modes (``--modes lower,lower-fetch,lower-slow,lower-slow-fetch``,
+``_lower.py``) serve the chat from a CPU tier that holds about a quarter of the
+conversations and a disk that holds all, with requests waiting in vLLM's queue
+(``--max-num-seqs`` below ``--concurrency``), without and with
+``fetch_while_queued``, on this disk and on a disk slowed to what an NVMe read
+is against a GPU's prefill; with ``vllm`` and ``limit`` in the same run they get
+a table of their own (``make bench-serve-lower``).
+
 Every engine gets the same ``VLLM_CPU_NUM_OF_RESERVED_CPU``: vLLM's CPU
 backend reserves one core more when any KV connector is configured
 (``vllm/utils/ompmultiprocessing.py``), so without it a 2-core machine
@@ -46,12 +54,14 @@ import signal
 import sys
 import tempfile
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests_e2e"))  # model builders
 
+import _lower
 from _chat import (
     Ask,
     Conversation,
@@ -61,14 +71,30 @@ from _chat import (
     threads,
     unique_prompts,
 )
+from _lower import LOWER_MODES, SLOW_MODES, Calibration
 from _models import MODELS, build, kv_bytes_per_token
 from _serve import Server, ServerError, ServerSpec, complete, running
+
+from kvoffload.config.values import Bounds, to_size
+from kvoffload.errors import ConfigError
 
 WORKLOADS = ("chat", "unique", "check")
 MODES = ("vllm", "kvoffload", "limit")
 #: Timed servers run only when ``--modes`` names them.
-EXTRA_MODES = ("next-step", "disk", "disk-promote")
+EXTRA_MODES = ("next-step", "disk", "disk-promote", *LOWER_MODES)
 REQUEST_TIMEOUT_S = 1800.0
+
+
+class UsageError(ValueError):
+    """Sizes or options that cannot make a run; one line, exit 2, before any server starts."""
+
+
+class Parser(argparse.ArgumentParser):
+    """Errors in one line: what was wrong, and where help is; exit 2."""
+
+    def error(self, message: str) -> NoReturn:
+        print(f"{self.prog}: error: {message} (see --help)", file=sys.stderr)
+        sys.exit(2)
 
 
 @dataclass(frozen=True)
@@ -85,34 +111,40 @@ class Plan:
 
 
 def in_flight_blocks(args: argparse.Namespace) -> int:
-    """Blocks for ``--concurrency`` whole conversations at once, and vLLM's null block.
+    """Blocks for the requests the engine runs at once (``--concurrency``, or
+    ``--max-num-seqs`` where lower) as whole conversations, and vLLM's null block.
 
     A smaller engine cache makes a request wait in vLLM's queue for room, with
     or without an offload tier (no load path gives that back); this one runs
     the requests in flight at once and still loses every history that waits
     behind the other conversations' turns.
     """
-    chat_len = args.system_tokens + args.turns * (args.user_tokens + args.answer_tokens)
-    return args.concurrency * math.ceil(chat_len / args.block_size) + 1
+    running = min(args.concurrency, args.max_num_seqs or args.concurrency)
+    return running * math.ceil(conversation_tokens(args) / args.block_size) + 1
+
+
+def conversation_tokens(args: argparse.Namespace) -> int:
+    """Tokens of a whole conversation: the system prompt and every turn."""
+    return int(args.system_tokens + args.turns * (args.user_tokens + args.answer_tokens))
 
 
 def plan(args: argparse.Namespace, model: Path) -> Plan:
     config = MODELS[args.model]
-    chat_len = args.system_tokens + args.turns * (args.user_tokens + args.answer_tokens)
+    chat_len = conversation_tokens(args)
     needs = [chat_len] if {"chat", "check"} & set(args.workloads) else []
     if "unique" in args.workloads:
         needs.append(args.unique_tokens + args.answer_tokens)
     bs = args.block_size
     max_model_len = math.ceil(max(needs) / bs) * bs
     if max_model_len > config["max_position_embeddings"]:
-        raise SystemExit(
+        raise UsageError(
             f"a conversation or prompt of {max(needs)} tokens is longer than the model's "
             f"{config['max_position_embeddings']} positions: lower --turns, --user-tokens, "
             "--system-tokens, --answer-tokens or --unique-tokens"
         )
     least = max_model_len // bs + 1  # vLLM keeps one block back (its null block)
     if args.engine_blocks < least:
-        raise SystemExit(
+        raise UsageError(
             f"--engine-blocks {args.engine_blocks} cannot hold one request of {max(needs)} "
             f"tokens ({bs} tokens a block, and vLLM keeps one block back): vLLM would refuse "
             f"to start; give --engine-blocks {least} or more, or lower the sizes"
@@ -135,6 +167,7 @@ def spec(args: argparse.Namespace, p: Plan, name: str, **kw: Any) -> ServerSpec:
         "connector": None,
         "reserved_cpus": args.reserved_cpus,
         "kvcache_gib": p.kvcache_gib,
+        "max_num_seqs": args.max_num_seqs,
     }
     return ServerSpec(name=name, **{**base, **kw})
 
@@ -149,6 +182,28 @@ def on_disk(args: argparse.Namespace, path: Path) -> dict[str, Any]:
             "disk_path": str(path), "disk_bytes_to_use": "8GiB"}  # fmt: skip
 
 
+def kv_per_token(args: argparse.Namespace) -> int:
+    """The timed model's KV bytes a token, in the timed dtype."""
+    return kv_bytes_per_token(MODELS[args.model], _lower.dtype_bytes(args.dtype))
+
+
+def lower_cpu_bytes(args: argparse.Namespace) -> int:
+    """The lower modes' CPU tier: the system prompt and ``--lower-cpu-share`` of the rest."""
+    chunk = args.block_size * args.blocks_per_chunk
+    return _lower.cpu_tier_bytes(
+        args.conversations, args.lower_cpu_share, conversation_tokens(args), args.system_tokens,
+        chunk_bytes=chunk * kv_per_token(args), chunk_tokens=chunk,
+    )  # fmt: skip
+
+
+def lower_spec(
+    args: argparse.Namespace, p: Plan, work: Path, name: str, cal: Calibration
+) -> ServerSpec:
+    extra = _lower.connector(connector(args), lower_cpu_bytes(args), work / f"kv-{name}",
+                             name, args.lower_queued_share)  # fmt: skip
+    return spec(args, p, name, connector=extra, extra_env=_lower.environment(name, cal.rate))
+
+
 def chat(args: argparse.Namespace, p: Plan, n: int) -> tuple[list[int], list[Conversation]]:
     return conversations(n, args.turns, args.system_tokens, args.user_tokens, p.vocab)
 
@@ -158,14 +213,26 @@ def asker(server: Server, answer_tokens: int) -> Ask:
 
 
 def timed_mode(
-    args: argparse.Namespace, p: Plan, s: ServerSpec, work: Path, workloads: tuple[str, ...]
+    args: argparse.Namespace,
+    p: Plan,
+    s: ServerSpec,
+    work: Path,
+    workloads: tuple[str, ...],
+    *,
+    cal: Calibration | None = None,
 ) -> dict[str, Any]:
-    """One server, alone on the machine: a warm-up request, then each timed workload."""
+    """One server, alone on the machine: a warm-up request, then each timed workload.
+
+    ``cal`` not yet measured: this machine's prefill is measured first (for the slow disk).
+    """
     out: dict[str, Any] = {}
     with running([s], work, args.start_timeout) as [server]:
         out["server"] = server.record()
         ask = asker(server, args.answer_tokens)
         ask(unique_prompts(1, 64, p.vocab, seed=2)[0].questions[0])
+        if cal is not None and cal.rate is None:
+            calibrate(args, p, cal, server)
+        lower = s.name in LOWER_MODES
         for workload in workloads:
             if workload not in args.workloads:
                 continue
@@ -174,11 +241,29 @@ def timed_mode(
                 if workload == "chat"
                 else ([], unique_prompts(args.unique_prompts, args.unique_tokens, p.vocab))
             )
-            before = server.metrics()
+            before, samples = server.metrics(), server.samples() if lower else {}
             seconds = converse(ask, system, convs, args.concurrency)
             out[workload] = summary(convs, seconds, before, server.metrics())
+            if lower:
+                kv = _lower.counters(samples, server.samples())
+                if s.name in SLOW_MODES:
+                    kv["slowed_chunks"] = _lower.fired(server)
+                out[workload]["kvoffload"] = kv
             print(f"  {s.name} {workload}: {seconds:.1f} s", file=sys.stderr)
     return out
+
+
+def calibrate(args: argparse.Namespace, p: Plan, cal: Calibration, server: Server) -> None:
+    """This machine's prefill of a token on ``server``, and the slow disk's rate from it."""
+    tokens = min(args.system_tokens + args.user_tokens, p.max_model_len - 1)
+    _lower.calibrate(
+        cal, server, tokens, p.vocab, ratio=args.slow_read_ratio, kv_per_token=kv_per_token(args)
+    )
+    print(
+        f"  prefill {1000 * cal.seconds_per_token:.3f} ms a token ({tokens} tokens on "
+        f"{server.spec.name}): slow disk at {(cal.rate or 0) / 1e6:.2f} MB/s",
+        file=sys.stderr,
+    )
 
 
 def check(args: argparse.Namespace, p: Plan, work: Path) -> dict[str, Any]:
@@ -250,8 +335,9 @@ def print_timed(args: argparse.Namespace, modes: dict[str, dict[str, Any]], work
             f"nothing, {args.answer_tokens} answer tokens, concurrency {args.concurrency}"
         )
         turns = f"{'all':>14}"
+    w = max(10, *(len(name) for name in modes))  # the lower modes' names are longer
     print(
-        f"{'mode':<10} {'total s':>8} {'tokens/s':>9}  TTFT median / p90 s:{turns} "
+        f"{'mode':<{w}} {'total s':>8} {'tokens/s':>9}  TTFT median / p90 s:{turns} "
         f"{'engine hits':>12} {'kvoffload hits':>15} {'preempted':>10}"
     )
     for name, figures in modes.items():
@@ -259,7 +345,7 @@ def print_timed(args: argparse.Namespace, modes: dict[str, dict[str, Any]], work
             continue
         row = figures[workload]
         print(
-            f"{name:<10} {row['seconds']:>8.1f} {row['tokens_per_s']:>9.1f}  {'':>20}"
+            f"{name:<{w}} {row['seconds']:>8.1f} {row['tokens_per_s']:>9.1f}  {'':>20}"
             f"{ttft_cells(row)} {row['engine_hit_tokens']:>12} "
             f"{row['connector_hit_tokens']:>15} {row['preemptions']:>10}"
         )
@@ -309,7 +395,7 @@ def print_check(args: argparse.Namespace, c: dict[str, Any]) -> None:
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(
+    parser = Parser(
         description=(__doc__ or "").split("\n\n")[0],
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
@@ -352,11 +438,30 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     add("--modes", default=",".join(MODES),
         help="the timed servers, a comma list of vllm, kvoffload, limit, next-step "
              "(kvoffload with load_in_step: never, every hit loaded a step later), disk "
-             "(kvoffload with a disk tier behind a CPU tier of --disk-cpu-bytes) and "
-             "disk-promote (the same with KVOFFLOAD_LOWER_TIER_HITS=promote)")  # fmt: skip
+             "(kvoffload with a disk tier behind a CPU tier of --disk-cpu-bytes), "
+             "disk-promote (the same with KVOFFLOAD_LOWER_TIER_HITS=promote), and the "
+             "lower-tier modes lower, lower-fetch (fetch_while_queued), lower-slow and "
+             "lower-slow-fetch (the same two on a slow disk), which need --max-num-seqs "
+             "below --concurrency")  # fmt: skip
     add("--disk-cpu-bytes", default="256MiB",
         help="the CPU tier of the disk modes: too small for the histories, so hits come "
              "from disk")  # fmt: skip
+    add("--max-num-seqs", type=int, default=None,
+        help="vLLM's --max-num-seqs in every server: requests it runs at once; below "
+             "--concurrency the others wait in its queue (default: vLLM's)")  # fmt: skip
+    add("--lower-cpu-share", type=float, default=0.25,
+        help="the lower modes' CPU tier holds the system prompt and this share of the "
+             "conversations' own tokens")  # fmt: skip
+    add("--lower-queued-share", type=float, default=0.6,
+        help="the lower modes' queued_cpu_share: a waiting request's whole history must fit "
+             "for it to be fetched, and this small a tier holds about two")  # fmt: skip
+    add("--slow-read-ratio", type=float, default=round(_lower.GPU_RATIO, 3),
+        help="the slow disk reads a token's KV in this many times this machine's prefill of "
+             "a token: an NVMe read of Llama-3.1-8B's KV against an H100's prefill "
+             "(benchmarks/_lower.py)")  # fmt: skip
+    add("--slow-read-rate", default=None,
+        help="the slow disk's rate as given (e.g. 20MB/s), instead of one measured from "
+             "this machine's prefill")  # fmt: skip
     add("--start-timeout", type=float, default=900.0, help="seconds for a server to start")
     add("--model-dir", type=Path, help="build the model here once and reuse it")
     add("--keep", type=Path, help="keep the servers' logs here")
@@ -378,7 +483,35 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
             parser.error(f"--{name.replace('_', '-')} must be at least 1")
     if args.reserved_cpus < 0:
         parser.error("--reserved-cpus must be 0 or more")
+    check_lower(parser, args)
     return args
+
+
+def check_lower(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """The options of the lower-tier modes, and the queue they need."""
+    if args.max_num_seqs is not None and args.max_num_seqs < 1:
+        parser.error("--max-num-seqs must be at least 1")
+    for name in ("lower_cpu_share", "lower_queued_share"):
+        if not 0 < getattr(args, name) <= 1:
+            parser.error(f"--{name.replace('_', '-')} must be a fraction in (0, 1]")
+    if not (args.slow_read_ratio > 0 and math.isfinite(args.slow_read_ratio)):
+        parser.error("--slow-read-ratio must be a number above 0")
+    if args.slow_read_rate is not None:
+        text = args.slow_read_rate
+        try:
+            if not text.endswith("/s"):
+                raise ConfigError(text)
+            args.slow_read_rate = float(to_size("--slow-read-rate", text[:-2], Bounds(1, 2**60)))
+        except ConfigError:
+            parser.error(f"--slow-read-rate {text!r}: give a size a second, e.g. 20MB/s or 1GiB/s")
+    lower = [m for m in args.modes if m in LOWER_MODES]
+    if lower and not (args.max_num_seqs and args.max_num_seqs < args.concurrency):
+        parser.error(
+            f"--modes {','.join(lower)}: requests wait in vLLM's queue only with --max-num-seqs "
+            f"below --concurrency (e.g. --concurrency 3 --max-num-seqs 2)"
+        )
+    if lower and "chat" not in args.workloads:
+        parser.error(f"--modes {','.join(lower)} serve the chat workload: add chat to --workloads")
 
 
 def measure(args: argparse.Namespace) -> dict[str, Any]:
@@ -393,29 +526,54 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         modes: dict[str, dict[str, Any]] = {}
         both, chat_only = ("chat", "unique"), ("chat",)
         servers = {
-            "vllm": (spec(args, p, "vllm"), both),
-            "kvoffload": (spec(args, p, "kvoffload", connector=connector(args)), both),
-            "next-step": (spec(args, p, "next-step",
-                               connector={**connector(args), "load_in_step": "never"}), both),
-            "limit": (spec(args, p, "limit", engine_blocks=p.limit_blocks), chat_only),
-            "disk": (spec(args, p, "disk", connector=on_disk(args, work / "kv-disk")),
+            "vllm": (lambda: spec(args, p, "vllm"), both),
+            "kvoffload": (lambda: spec(args, p, "kvoffload", connector=connector(args)), both),
+            "next-step": (lambda: spec(args, p, "next-step",
+                          connector={**connector(args), "load_in_step": "never"}), both),
+            "limit": (lambda: spec(args, p, "limit", engine_blocks=p.limit_blocks), chat_only),
+            "disk": (lambda: spec(args, p, "disk", connector=on_disk(args, work / "kv-disk")),
                      chat_only),
-            "disk-promote": (spec(args, p, "disk-promote",
-                                  connector=on_disk(args, work / "kv-disk-promote"),
-                                  extra_env=(("KVOFFLOAD_LOWER_TIER_HITS", "promote"),)),
+            "disk-promote": (lambda: spec(args, p, "disk-promote",
+                                          connector=on_disk(args, work / "kv-disk-promote"),
+                                          extra_env=(("KVOFFLOAD_LOWER_TIER_HITS", "promote"),)),
                              chat_only),
         }  # fmt: skip
-        for name in args.modes:
-            server, workloads = servers[name]
+        cal = Calibration(rate=args.slow_read_rate, given=args.slow_read_rate is not None)
+        for name in LOWER_MODES:
+            servers[name] = (partial(lower_spec, args, p, work, name, cal), chat_only)
+        order = run_order(args.modes, cal)
+        if cal.rate is None and order and order[0] in SLOW_MODES:  # nothing runs before them
+            with running([spec(args, p, "prefill-probe")], work, args.start_timeout) as [probe]:
+                calibrate(args, p, cal, probe)
+        for name in order:
+            make, workloads = servers[name]
             if set(workloads) & set(args.workloads):
-                modes[name] = timed_mode(args, p, server, work, workloads)
+                first = cal.rate is None and any(m in SLOW_MODES for m in order)
+                modes[name] = timed_mode(
+                    args, p, make(), work, workloads, cal=cal if first else None
+                )
         checked = check(args, p, work) if "check" in args.workloads else None
     ok = checked is None or (
         checked["identical"] == checked["answers"] and checked["oracle_reused_all_history"]
     )
     setup = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
     setup["max_model_len"] = p.max_model_len
+    if set(args.modes) & set(LOWER_MODES):
+        setup["lower_cpu_bytes"] = lower_cpu_bytes(args)
+        setup["lower_chunk_bytes"] = args.block_size * args.blocks_per_chunk * kv_per_token(args)
+        setup["calibration"] = cal.record() if cal.rate is not None else None
     return {"setup": setup, "modes": modes, "check": checked, "ok": ok}
+
+
+def run_order(modes: list[str], cal: Calibration) -> list[str]:
+    """``modes`` in their order, the slow-disk ones last where their rate is to be measured
+    (on the first server), announced when that moves them."""
+    if cal.rate is not None:
+        return list(modes)
+    order = [m for m in modes if m not in SLOW_MODES] + [m for m in modes if m in SLOW_MODES]
+    if order != modes:
+        print(f"the slow-disk modes run last: {', '.join(order)}", file=sys.stderr)
+    return order
 
 
 def print_setup(args: argparse.Namespace, modes: dict[str, dict[str, Any]]) -> None:
@@ -436,6 +594,9 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # stop the servers on SIGTERM too
     try:
         result = measure(args)
+    except UsageError as exc:
+        print(f"serve_chat.py: error: {exc}", file=sys.stderr)
+        return 2
     except ServerError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
@@ -448,6 +609,8 @@ def main(argv: list[str] | None = None) -> int:
         for workload in ("chat", "unique"):
             if workload in args.workloads:
                 print_timed(args, result["modes"], workload)
+        if set(args.modes) & set(LOWER_MODES):
+            print("\n".join(_lower.table(result["modes"], result["setup"])))
         if result["check"] is not None:
             print_check(args, result["check"])
     return 0 if result["ok"] else 1
