@@ -60,14 +60,15 @@ def test_scheduler_series_split_tokens_by_tier_and_index_gauges() -> None:
                "hit_tokens_by_tier": {"cpu": 64, "disk": 32},
                "loaded_tokens_by_tier": {"cpu": 64, "disk": 32},
                "index_evictions": 3, "index_used": 7, "index_capacity": 10,
-               "jobs_in_flight": 1, "unkeyable_requests": 2}  # fmt: skip
+               "index_held": 5, "jobs_in_flight": 1, "unkeyable_requests": 2}  # fmt: skip
     counters, gauges = scheduler_series(figures)
     assert counters[key("hit_tokens", "disk")] == 32
     assert counters[key("loaded_tokens", "cpu")] == 64
     assert counters[key("evictions", "cpu")] == 3
     assert counters[key("unkeyable_requests")] == 2 and counters[key("lookups")] == 4
     assert key("hit_tokens") not in counters  # only by tier
-    assert gauges == {"index_used|": 7, "index_capacity|": 10, "jobs_in_flight|": 1}
+    assert gauges == {"index_used|": 7, "index_capacity|": 10, "index_held|": 5,
+                      "jobs_in_flight|": 1}  # fmt: skip
 
 
 def test_misses_travel_by_reason_and_the_reuse_distance_as_a_gauge() -> None:

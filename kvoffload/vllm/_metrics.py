@@ -173,6 +173,7 @@ _GAUGES = frozenset(
         "ready",
         "storing",
         "pinned",
+        "held",
         "free",
         "jobs_in_flight",
         "requests_tracked",
