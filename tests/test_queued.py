@@ -171,3 +171,31 @@ def test_a_request_scheduled_at_once_fetches_nothing(tmp_path: Path) -> None:
         assert stats["in_step_hit_tokens"] == 0  # a disk hit loads over later steps
     finally:
         side.close()
+
+
+def test_a_fetch_that_could_never_fit_does_not_stall_those_behind_it(tmp_path: Path) -> None:
+    """Holds may take 16 chunks (a quarter of 64): the first waiting request's 20 disk
+    chunks could never be held whole, so the one behind it, whose 10 could, is fetched."""
+    keys = {"cpu_bytes_to_use": CPU_CHUNKS * 1024, "disk_path": str(tmp_path / "kv"),
+            "disk_bytes_to_use": "16MiB", "fetch_while_queued": True,
+            "queued_cpu_share": 0.25}  # fmt: skip
+    kv = allocate_kv_caches(LAYOUT, 256)
+    side = KVOffloadSide(build_offloading_config(keys, LAYOUT), NAMESPACE, kv,
+                         [DiskProbe(tmp_path / "kv", NAMESPACE)])  # fmt: skip
+    stand = StandIn(LAYOUT, side, gpu_blocks=256, kv=KVPages(LAYOUT, kv), max_running=1)
+    try:  # two first turns reach the disk only: another request's 64 chunks push them out
+        stand.run([("big-1", tokens(1, 320)), ("small-1", tokens(5, 160)),
+                   ("other", tokens(4, 1024))])  # fmt: skip
+        stand.reset_prefix_cache()
+        stand.add("long", tokens(2, 640))
+        big = stand.add("big-2", [*tokens(1, 320), *tokens(3, 40)])
+        small = stand.add("small-2", [*tokens(5, 160), *tokens(6, 40)])
+        while stand.waiting or stand.running:
+            stand.step()
+        stand.step()
+        stats = side.scheduler.stats()
+        assert stand.stats.mismatched_blocks == 0 and stand.stats.failed_load_tokens == 0
+        assert (big.external, small.external) == (320, 160)  # both still hit, from either tier
+        assert stats["queued_fetches"] == 1 and stats["queued_fetched_chunks"] == 10
+    finally:
+        side.close()

@@ -200,23 +200,34 @@ class WaitingFetches:
             self._waiting.pop(req_id, None)
 
     def fetch(self) -> None:
-        """At the end of a step's scheduling: order the fetches of those it left waiting."""
-        waiting = self._waiting
+        """At the end of a step's scheduling: order the fetches of those it left waiting.
+
+        In arrival order. A request whose hit waits for a chunk being stored now is asked
+        again at the next step; one whose fetch does not fit in the room holds leave waits
+        there, first in line (the requests ahead of it free their room as they run); one
+        whose fetch could never fit is passed over, so it cannot stall those behind it.
+        """
+        waiting, later = self._waiting, []
         while waiting:
-            req_id, (token_ids, block_hashes) = waiting.popitem(last=False)
+            req_id, entry = waiting.popitem(last=False)
             if self.requests.get(req_id) is None:
                 continue
-            lookup = self.requests.lookup(req_id, token_ids, 0, None, block_hashes)
+            lookup = self.requests.lookup(req_id, entry[0], 0, None, entry[1])
             hit = self.hits.find(lookup)
-            if hit is None or hit.pending or not hit.found_in:
+            if hit is not None and hit.pending:
+                later.append((req_id, entry))  # a chunk it needs lands at a later step
+                continue
+            if hit is None or not hit.found_in or len(hit.found_in) > self.holds.limit:
                 continue
             if len(hit.found_in) > self.holds.room():  # at a later step, first in line
-                waiting[req_id] = (token_ids, block_hashes)
-                waiting.move_to_end(req_id, last=False)
-                return
+                later.append((req_id, entry))
+                break
             if self.promotions.promote(lookup.req, req_id, hit):
                 self.holds.fetching(req_id)
                 self._stats.queued_fetches += 1
+        for req_id, entry in reversed(later):
+            waiting[req_id] = entry
+            waiting.move_to_end(req_id, last=False)
 
     def landed(self, req_id: str, chunks: Sequence[bytes]) -> None:
         """A promotion reported: chunks fetched for a request still waiting are held for it."""
