@@ -222,3 +222,12 @@ def test_a_trace_without_timestamps_is_refused_before_any_work(tmp_path: Path) -
     ran = kvoffload("replay", tmp_path / "t.jsonl", "--arrivals", "--hints", "none")
     assert ran.code == 2 and ran.out == ""
     assert "no 'timestamp' on every request" in ran.err and ran.err.count("\n") == 1
+
+
+def test_a_trace_that_names_whole_blocks_only_keeps_its_part_block(tmp_path: Path) -> None:
+    """The Claude Code trace gives hash ids to whole 64-token blocks only: a prompt of 150
+    tokens has 2 ids and a part block of 22 tokens of its own."""
+    trace = load_trace(write_trace(tmp_path / "t.jsonl", [(0, [1, 2], 150)]), block_tokens=64)
+    assert len(trace.tokens(0)) == 150 and trace.block_tokens == 64
+    with pytest.raises(ConfigError, match=r"from 1 to 191 \(64 per hash id, and a part block\)"):
+        load_trace(write_trace(tmp_path / "u.jsonl", [(0, [1, 2], 192)]), block_tokens=64)

@@ -97,6 +97,9 @@ class Trace:
         keys, size = self.requests[i], self.block_tokens
         length = self.lengths[i] if self.lengths else len(keys) * size
         blocks = [block_tokens(int.from_bytes(k, "big"), size) for k in keys]
+        if length > len(keys) * size:  # a part block with no hash id: this request's own
+            stream = hashlib.shake_128(b"part block %d" % i).digest(2 * size)
+            blocks.append((np.frombuffer(stream, "<u2") % _VOCAB).astype(np.int64))
         return np.concatenate(blocks)[:length]
 
 
@@ -136,11 +139,13 @@ def _record(line: str, where: str, size: int) -> tuple[Sequence[int], int, float
     length = record.get("input_length")
     if length is None:
         return ids, full, arrival
-    if isinstance(length, int) and not isinstance(length, bool) and 0 < length <= full:
+    # Up to a part block past the last id: some traces name whole blocks only.
+    if isinstance(length, int) and not isinstance(length, bool) and 0 < length < full + size:
         return ids, length, arrival
     raise ConfigError(
         f"{where}: 'input_length' {safe_repr(length)} does not fit its {len(ids)} hash_ids: "
-        f"give the prompt's tokens, from 1 to {full:,} ({size} per hash id), or leave it out"
+        f"give the prompt's tokens, from 1 to {full + size - 1:,} ({size} per hash id, and "
+        "a part block), or leave it out"
     )
 
 
