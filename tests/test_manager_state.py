@@ -12,7 +12,7 @@ policy chose was allowed (unpinned, not protected by the call, ready).
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 import pytest
 from hypothesis import HealthCheck, settings
@@ -35,6 +35,13 @@ CAPACITY = 5
 UNIVERSE = [bytes([i]) * 16 for i in range(12)]
 keys_st = st.sampled_from(UNIVERSE)
 batch_st = st.lists(keys_st, min_size=0, max_size=7)
+#: Each key's parent in its chain: two trees that branch (0-1-2-3, 1-4-5; 6-7-8-9, 7-10),
+#: and 11 alone. Stores and ``link`` tell the index these; a lookup tells it its own guess
+#: (the chunk before the first miss), which the model follows too.
+PARENT = {
+    UNIVERSE[c]: UNIVERSE[p]
+    for c, p in {1: 0, 2: 1, 3: 2, 4: 1, 5: 4, 7: 6, 8: 7, 9: 8, 10: 7}.items()
+}
 
 PolicyFactory = Callable[[int], EvictionPolicy | str]
 
@@ -60,6 +67,10 @@ class IndexMachine(RuleBasedStateMachine):
         self.holds: list[list[bytes]] = []
         self.hits = self.misses = self.evictions = self.stores = self.failures = 0
         self.rejected = self.written_around = self.spilled = 0
+        #: Each present linked chunk's parent (present or not: an orphan), and where the
+        #: last lookup stopped (its first miss, the chunk before it).
+        self.links: dict[bytes, bytes] = {}
+        self.after: tuple[bytes, bytes] | None = None
 
     # -- helpers -------------------------------------------------------------
     def free_slots(self) -> int:
@@ -86,6 +97,8 @@ class IndexMachine(RuleBasedStateMachine):
         assert self.manager.lookup(keys) == expected
         self.hits += expected
         self.misses += len(keys) - expected
+        if 0 < expected < len(keys):
+            self.after = (keys[expected], keys[expected - 1])
 
     @rule(keys=batch_st)
     def touch(self, keys: list[bytes]) -> None:
@@ -150,18 +163,18 @@ class IndexMachine(RuleBasedStateMachine):
         self.held = +self.held
 
     # -- stores ----------------------------------------------------------------
-    @rule(keys=batch_st)
-    def prepare_store(self, keys: list[bytes]) -> None:
-        self.checked_prepare_store(keys)
+    @rule(keys=batch_st, linked=st.booleans())
+    def prepare_store(self, keys: list[bytes], linked: bool) -> None:
+        self.checked_prepare_store(keys, linked)
 
-    @rule(keys=batch_st)
-    def store_and_complete(self, keys: list[bytes]) -> None:
+    @rule(keys=batch_st, linked=st.booleans())
+    def store_and_complete(self, keys: list[bytes], linked: bool) -> None:
         """The common flow, so that the index fills up with ready chunks often."""
-        stored = self.checked_prepare_store(keys)
+        stored = self.checked_prepare_store(keys, linked)
         if stored:
             self.checked_complete_store(stored, success=True)
 
-    def checked_prepare_store(self, keys: list[bytes]) -> list[bytes]:
+    def checked_prepare_store(self, keys: list[bytes], linked: bool = False) -> list[bytes]:
         unique = list(dict.fromkeys(keys))
         missing = [k for k in unique if k not in self.ready and k not in self.storing]
         found = {k for k in unique if k in self.ready}
@@ -169,7 +182,8 @@ class IndexMachine(RuleBasedStateMachine):
         evictable -= len(+self.held)  # never evicted; counted once more if pinned or found
         free_before = self.free_slots()
         before = self.manager.stats()
-        result = self.manager.prepare_store(keys)
+        parents = [PARENT.get(k) for k in keys] if linked else None
+        result = self.manager.prepare_store(keys, parents=parents)
         short = len(missing) - free_before - evictable
         if short > len(+self.held):
             assert result is None
@@ -198,14 +212,93 @@ class IndexMachine(RuleBasedStateMachine):
         for victim in result.evicted:
             assert victim in self.ready and victim not in self.pins and victim not in found
             assert victim not in self.held
+        after = self.manager.stats()
+        protected = set(self.pins) | found | set(+self.held)
+        near = {PARENT.get(k) for k in keys} | ({self.after[1]} if self.after else set())
+        self.check_eviction_order(
+            list(result.evicted),
+            after.orphan_evictions - before.orphan_evictions,
+            after.interior_evictions - before.interior_evictions,
+            protected,
+            near,
+        )
         events = [IndexEvent(EventKind.REMOVED, k, self.ready.pop(k)) for k in result.evicted]
         self.expect_events(events)
+        self.leave(result.evicted)
         taken = set(self.ready.values()) | set(self.storing.values())
         assert not taken & set(result.slots)
         assert len(set(result.slots)) == len(stored)
         self.storing.update(zip(stored, result.slots, strict=True))
         self.evictions += len(result.evicted)
+        if parents is not None:  # the index links the chunks it reserved
+            self.link_model(stored, [PARENT.get(k) for k in stored])
+        elif stored and self.after is not None and stored[0] == self.after[0]:
+            self.link_model(stored[:1], [self.after[1]])  # the lookup's guess
         return stored
+
+    # -- prefix order -----------------------------------------------------------------
+    def children(self, key: bytes, among: set[bytes]) -> set[bytes]:
+        return {c for c, p in self.links.items() if p == key and c in among}
+
+    def check_eviction_order(
+        self,
+        evicted: list[bytes],
+        orphans: int,
+        interior: int,
+        protected: set[bytes],
+        near: set[bytes | None],
+    ) -> None:
+        """Orphans went first, then leaves (a victim's children left with it), and
+        chunks with a child left only when no leaf could go (``near``: the store's
+        chunks' parents, which it may spare)."""
+        here = set(self.ready) | set(self.storing)
+        for victim in evicted[:orphans]:
+            assert victim in self.links and self.links[victim] not in here, "no orphan"
+            here.discard(victim)
+        if orphans < len(evicted):
+            left = [k for k in here if k in self.ready and k not in protected]
+            assert not [k for k in left if k in self.links and self.links[k] not in here], (
+                "the policy was asked while an orphan could go"
+            )
+        leaves = evicted[orphans : len(evicted) - interior]
+        for victim in leaves:
+            assert self.children(victim, here) <= set(leaves), "a parent went before its child"
+        here -= set(leaves)
+        if interior:
+            could = [
+                k
+                for k in here
+                if k in self.ready and k not in protected and k not in near
+                if not self.children(k, here)
+            ]
+            assert not could, "a chunk with a child went while a leaf could"
+
+    def link_model(self, keys: list[bytes], parents: list[bytes | None]) -> None:
+        """What ``OffloadIndex.link`` does: present keys not linked yet get their parent."""
+        here = set(self.ready) | set(self.storing)
+        for key, parent in zip(keys, parents, strict=True):
+            if parent is not None and parent != key and key in here and key not in self.links:
+                self.links[key] = parent
+
+    def leave(self, keys: Iterable[bytes]) -> None:
+        for key in keys:
+            self.links.pop(key, None)
+
+    @rule(keys=batch_st)
+    def link(self, keys: list[bytes]) -> None:
+        parents = [PARENT.get(k) for k in keys]
+        self.manager.link(keys, parents)
+        self.link_model(keys, parents)
+
+    @rule(keys=batch_st)
+    def discard(self, keys: list[bytes]) -> None:
+        dropped = self.manager.discard(keys)
+        expected = list(dict.fromkeys(k for k in keys if k in self.ready and k not in self.pins))
+        assert dropped == expected
+        self.expect_events([IndexEvent(EventKind.REMOVED, k, self.ready.pop(k)) for k in dropped])
+        for key in dropped:
+            self.held.pop(key, None)
+        self.leave(dropped)
 
     @precondition(lambda self: self.storing)
     @rule(data=st.data(), success=st.booleans())
@@ -227,9 +320,11 @@ class IndexMachine(RuleBasedStateMachine):
             self.expect_events([IndexEvent(EventKind.STORED, k, slots[k]) for k in kept])
             self.stores += len(kept)
             self.written_around += len(around)
+            self.leave(around)
         else:
             self.expect_events([])
             self.failures += len(keys)
+            self.leave(keys)
 
     @rule(key=keys_st)
     def complete_store_not_in_flight(self, key: bytes) -> None:
@@ -242,6 +337,7 @@ class IndexMachine(RuleBasedStateMachine):
         dropped = [k for k in self.ready if k not in self.pins]
         expected = {IndexEvent(EventKind.REMOVED, k, self.ready.pop(k)) for k in dropped}
         self.held.clear()  # every hold let go
+        self.leave(dropped)
         events = self.manager.take_events()
         assert len(events) == len(expected) and set(events) == expected
 
@@ -264,6 +360,10 @@ class IndexMachine(RuleBasedStateMachine):
         assert manager._cold == self.around
         assert stats.held == len(+self.held) and stats.spilled == self.spilled
         assert len(manager.policy) == len(self.ready)
+        here = set(self.ready) | set(self.storing)
+        orphans = {k for k, p in self.links.items() if p not in here}
+        assert set(manager._chains.orphans) == orphans and stats.orphans == len(orphans)
+        assert manager._chains.linked == len(self.links)
         slots = list(self.ready.values()) + list(self.storing.values())
         assert len(set(slots)) == len(slots)
         assert all(0 <= s < CAPACITY for s in slots)

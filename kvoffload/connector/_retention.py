@@ -173,3 +173,12 @@ class Retention:
             for group, group_keys in zip(self.layout.groups, req.keys, strict=True)
         ]
         return req.chain(self.spans, wanted)
+
+    def parents(self, req: RequestState, keys: Collection[bytes]) -> list[bytes | None]:
+        """Each of ``keys`` 's parent, for the index's prefix order: the chunk before it
+        in its full-prefix group (``None``: a head, a window chunk, a state, a tail)."""
+        mine, parent = set(keys), dict[bytes, bytes]()
+        for group, chain in zip(self.layout.groups, req.keys, strict=True):
+            if group.reuse is Reuse.PREFIX:
+                parent.update((k, chain[c - 1]) for c, k in enumerate(chain) if c and k in mine)
+        return [parent.get(key) for key in keys]

@@ -105,7 +105,7 @@ class StorePlanner:
     def _store(self, req: RequestState, req_id: str, selection: Selection) -> TransferOrder | None:
         """Reserve CPU slots for the selected chunks (as many as fit) and queue their store."""
         keys, chosen = self._candidates(req, selection)
-        reserved, n = self._reserve_slots(keys, req.tenant)
+        reserved, n = self._reserve_slots(keys, req.tenant, self._parents(req, chosen))
         self.selector.retry_later(req, chosen[n:])
         if self._windowed:
             new = set(reserved.keys) if reserved is not None else set()
@@ -126,8 +126,10 @@ class StorePlanner:
         self, req: RequestState, req_id: str, run: range, blocks: Sequence[int]
     ) -> TransferOrder | None:
         """:meth:`_store` for a plain step's chunks ``run``, in the one group's ``blocks``."""
-        keys = req.keys[0][run.start : run.stop]
-        reserved, n = self._reserve_slots(keys, req.tenant)
+        chain = req.keys[0]
+        keys = chain[run.start : run.stop]
+        after = chain[run.start - 1] if run.start else None
+        reserved, n = self._reserve_slots(keys, req.tenant, after=after)
         self.selector.retry_run(req, run[n:])
         if reserved is None or not reserved.keys:
             return None
@@ -142,17 +144,34 @@ class StorePlanner:
         return self._queue(req, req_id, spans, chunks)
 
     def _reserve_slots(
-        self, keys: Sequence[bytes], tenant: str | None
+        self,
+        keys: Sequence[bytes],
+        tenant: str | None,
+        parents: Sequence[bytes | None] | None = None,
+        *,
+        after: bytes | None = None,
     ) -> tuple[StoreResult | None, int]:
         """Slots for as many leading ``keys`` as the index can take now, and how many were asked.
 
         Stores in flight hold slots no eviction can free: if all of ``keys``
         do not fit, half of them are asked, and so on (``None``, 0: none fit).
+        For the index's prefix order: ``parents``, each key's parent in its chain;
+        without, ``keys`` are a plain chain's consecutive chunks after ``after``.
         """
         index = self.index
         n = min(len(keys), index.room())
         while n > 0:
-            reserved = index.prepare_store(keys if n == len(keys) else keys[:n], tenant=tenant)
+            whole = n == len(keys)
+            if parents is None:
+                reserved = index.prepare_store(
+                    keys if whole else keys[:n], tenant=tenant, chain=True, after=after
+                )
+            else:
+                reserved = index.prepare_store(
+                    keys if whole else keys[:n],
+                    tenant=tenant,
+                    parents=parents if whole else parents[:n],
+                )
             if reserved is not None:
                 if reserved.evicted:
                     self.misses.evicted(reserved.evicted, reserved.capped)
@@ -173,6 +192,16 @@ class StorePlanner:
         self.stats.stores += 1
         return order
 
+    def _parents(self, req: RequestState, chosen: Sequence[Chosen]) -> list[bytes | None]:
+        """Each chosen chunk's parent: the chunk before it in a full-prefix group's chain
+        (``None`` for a head, a window chunk, a state or a tail's own key)."""
+        chains = [g.reuse is Reuse.PREFIX for g in self.layout.groups]
+        keys = req.keys
+        return [
+            keys[c.group][c.chunk - 1] if c.chunk and c.key is None and chains[c.group] else None
+            for c in chosen
+        ]
+
     def _candidates(
         self, req: RequestState, selection: Selection
     ) -> tuple[list[bytes], list[Chosen]]:
@@ -192,9 +221,10 @@ class StorePlanner:
         keys = job.order.keys
         failed = report.failed_keys
         lost = failed.intersection(keys) if failed else frozenset()
-        self.misses.stored(
-            record_stored(self.index, self.retention, req, job, keys=keys, failed=lost)
-        )
+        done = record_stored(
+            self.index, self.retention, req, job, keys=keys, failed=lost, linked=True
+        )  # linked when their slots were reserved (_reserve_slots)
+        self.misses.stored(done)
         stats = self.stats
         stats.dropped_chunks += self.trails.stored(keys)
         stats.stored_chunks += len(keys) - len(lost)
@@ -216,19 +246,25 @@ def record_stored(
     *,
     keys: Sequence[bytes],
     failed: Collection[bytes],
+    linked: bool = False,
 ) -> Sequence[bytes]:
     """Complete ``job`` 's stores (or promotions) of ``keys`` in chain order: those in
     ``failed`` failed. Returns the keys stored.
 
     One group's ``keys`` come in chain order already (an order's spans are sorted
     by chunk), and a store knows where its first stored chunk is; other layouts'
-    keys are put in that order.
+    keys are put in that order. The index learns each chunk's parent in its chain
+    (``record_stores``), unless it was told when their slots were reserved
+    (``linked``).
     """
     first = None
+    parents: Sequence[bytes | None] | None = None  # from the chain: a plain request's
     if req is None or retention.plain:
         chain: Sequence[bytes] = keys if req is None else req.keys[0]
         done = [k for k in keys if k not in failed] if failed else keys
-        if req is not None and done and len(job.chunks) == len(keys):
+        if req is None:
+            linked = True  # its chain is gone: nothing to link
+        elif done and len(job.chunks) == len(keys):
             first = job.chunks[keys.index(done[0])]
     else:
         chain = retention.chain(req, keys)
@@ -238,5 +274,17 @@ def record_stored(
             known = set(done)
             tails = [k for k in keys if k in good and k not in known]
             chain, done = [*chain, *tails], [*done, *tails]
-    record_stores(index, chain, done, [k for k in keys if k in failed], first=first)
+        if not linked:
+            parents = retention.parents(req, done)
+    failures = [k for k in keys if k in failed]
+    record_stores(
+        index,
+        chain,
+        done,
+        failures,
+        first=first,
+        parents=parents,
+        linked=linked,
+        chained=req is None or len(retention.layout.groups) == 1,  # one group's chain
+    )
     return done

@@ -1,7 +1,7 @@
-"""How chunks enter and leave the index: stores reserved, completed or aborted, evictions.
+"""How chunks enter the index: stores reserved, completed or aborted.
 
 A store is two calls around the worker's copy: ``prepare_store`` reserves a slot per
-chunk (evicting what the policy picks to make room), and ``complete_store`` makes the
+chunk (evicting to make room: :mod:`kvoffload.manager._evictions`), and ``complete_store`` makes the
 chunks loadable or ``abort_store`` gives their slots back. A promotion (a lower tier's
 chunk read into this tier for a load) reserves its slots with ``prepare_promotion``
 and completes the same way. Every protocol error is detected on the whole batch
@@ -10,26 +10,29 @@ and completes the same way. Every protocol error is detected on the whole batch
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable, Sequence
+from collections.abc import Set as AbstractSet
+from itertools import filterfalse
 from typing import NoReturn
 
 from kvoffload.errors import ProtocolError
 from kvoffload.keys import short_key
-from kvoffload.manager._integrity import check_victims
-from kvoffload.manager._state import IndexState
+from kvoffload.manager._evictions import IndexEvictions
 from kvoffload.manager._tenants import TenantShares
-from kvoffload.manager.policy import EvictionPolicy, nothing_protected
+from kvoffload.manager.policy import EvictionPolicy
 from kvoffload.manager.results import EventKind, IndexEvent, StoreResult
-from kvoffload.manager.stats import IndexCounters
 
 __all__ = ["IndexStores"]
 
 _STORED = EventKind.STORED
-_REMOVED = EventKind.REMOVED
 
 #: What a store all of whose keys were turned away (or are there already) reserves.
 _NOTHING_STORED = StoreResult((), (), ())
+_NO_KEYS: frozenset[bytes] = frozenset()
+
+#: What a store tells of its chunks' parents (``prepare_store``): a parent per key, or
+#: whether they are one chain's consecutive chunks, and the chunk before them.
+Links = tuple[Sequence[bytes | None] | None, bool, bytes | None]
 
 #: Which of a store's missing keys this tier keeps, and which it stores for the lower
 #: tiers only (write-around): the policy's admission, or none for a promotion.
@@ -40,12 +43,8 @@ def _admit_every(missing: list[bytes]) -> tuple[list[bytes], list[bytes]]:
     return missing, []
 
 
-def _kept_or_held(kept: Callable[[bytes], bool], held: dict[bytes, int], key: bytes) -> bool:
-    return key in held or kept(key)
-
-
-class IndexStores(IndexState):
-    """Slot reservations for stores and promotions, their completion, and evictions."""
+class IndexStores(IndexEvictions):
+    """Slot reservations for stores and promotions, and their completion."""
 
     def __init__(
         self,
@@ -56,20 +55,23 @@ class IndexStores(IndexState):
         record_events: bool,
         write_around: bool,
     ) -> None:
-        super().__init__(capacity)
-        self.policy = policy
-        self.tenants = tenants
+        super().__init__(capacity, policy, tenants=tenants, record_events=record_events)
         # Asking a policy without an admission hook per key would only cost time.
         self._filters_admission = type(policy).admit is not EvictionPolicy.admit
-        self.record_events = record_events
         #: Whether stores the policy's admission turns away are made anyway, for the lower
         #: tiers behind this one: through a slot freed when they complete (``prepare_store``).
         self.write_around = write_around
-        self._events: list[IndexEvent] = []
-        self._counts = IndexCounters()
+        #: Where the last ``lookup`` stopped: its first missing key and the chunk before it.
+        self._after: tuple[bytes, bytes] | None = None
 
     def prepare_store(
-        self, keys: Sequence[bytes], *, tenant: str | None = None
+        self,
+        keys: Sequence[bytes],
+        *,
+        tenant: str | None = None,
+        parents: Sequence[bytes | None] | None = None,
+        chain: bool = False,
+        after: bytes | None = None,
     ) -> StoreResult | None:
         """Reserve slots for the missing ``keys``, evicting unprotected ready chunks if needed.
 
@@ -88,8 +90,22 @@ class IndexStores(IndexState):
         ``admit`` is asked, so that ``None`` (room cannot be made without
         evicting pinned or protected chunks) changes nothing at all, policy
         and admission state included.
+
+        The chunks reserved are linked to their parents at once, for prefix
+        order (:mod:`kvoffload.manager._chains`), where the caller says what
+        they are: ``parents[i]`` is ``keys[i]`` 's parent in its full-prefix
+        chain (``None``: a head, a window chunk or a state); or, with
+        ``chain``, ``keys`` are consecutive chunks of one chain after
+        ``after`` (``None``: from its head), a plain layout's step. Without
+        either, the chunk the last ``lookup`` stopped after is the parent of
+        a store that starts where it stopped.
         """
-        return self._reserve(keys, tenant, self._admit)
+        if parents is not None and (chain or len(parents) != len(keys)):
+            raise ProtocolError(
+                f"prepare_store: {len(keys)} key(s), {len(parents)} parent(s)"
+                + (" and chain=True" if chain else "")
+            )
+        return self._reserve(keys, tenant, self._admit, (parents, chain, after))
 
     def prepare_promotion(
         self, keys: Sequence[bytes], *, tenant: str | None = None
@@ -99,11 +115,16 @@ class IndexStores(IndexState):
         return self._reserve(keys, tenant, _admit_every)
 
     def _reserve(
-        self, keys: Sequence[bytes], tenant: str | None, admit: Admission
+        self,
+        keys: Sequence[bytes],
+        tenant: str | None,
+        admit: Admission,
+        links: Links = (None, False, None),
     ) -> StoreResult | None:
         ready, storing = self._ready, self._storing
         unique = dict.fromkeys(keys)  # each key once, in order
-        missing = [key for key in unique if key not in ready and key not in storing]
+        # Neither ready nor in flight, at C speed (a store of every step of every request).
+        missing = list(filterfalse(storing.__contains__, filterfalse(ready.__contains__, unique)))
         found = {key for key in unique if key in ready} if len(missing) < len(unique) else set()
         short = len(missing) - len(self._free) - self._evictable(found)
         if short > 0:
@@ -116,22 +137,81 @@ class IndexStores(IndexState):
         admitted, cold = admit(missing)
         if not admitted and tenants is None:
             return _NOTHING_STORED  # every key turned away (the common store at a full tier)
-        evicted: list[bytes] = []
-        if tenants is not None:
-            own = tenants.over_cap(tenant, len(admitted))
-            evicted = self._evict(own, found, tenants.others(tenant))
-        capped = len(evicted)
-        evicted += self._evict(len(admitted) - len(self._free), found)
-        free = self._free
+        memo = self._after
+        if links[0] is None and not links[1] and memo is not None and admitted[0] == memo[0]:
+            keys, links = admitted[:1], (None, True, memo[1])  # it goes on from the lookup's
+        evicted, capped = self._make_room(admitted, found, tenant, keys, links)
+        free, key_of = self._free, self._chains.key_of
         slots = []
         for key in admitted:
             slot = free.pop()
             storing[key] = slot
+            key_of[slot] = key
             slots.append(slot)
+        self._link_reserved(keys, admitted, slots, links)
         if tenants is not None:
             tenants.reserve(admitted, tenant)
         self._cold.update(cold)
         return StoreResult(tuple(admitted), tuple(slots), tuple(evicted), capped)
+
+    def _link_reserved(
+        self, keys: Sequence[bytes], admitted: list[bytes], slots: list[int], links: Links
+    ) -> None:
+        """Link the chunks just reserved (``admitted``, of ``keys``, in ``slots``): their
+        parents, present, are no leaves while they are copied."""
+        chains = self._chains
+        fresh = not chains.waiting  # no orphan waits for these chunks: they have no child
+        if not fresh:  # a chunk back in the tier makes its children reachable
+            chains.arrive(admitted, slots)
+        parents, chain, after = links
+        if chain and len(admitted) == len(keys):  # a plain step's run, all of it new
+            if len(admitted) > 1:
+                chains.link_run(admitted, slots, after, fresh)
+            elif after is not None:
+                chains.link_new(admitted, slots, [after])
+            return
+        if chain:  # each one's parent: the one before it in keys
+            parents = [after, *keys[:-1]]
+        if parents is not None:
+            if len(keys) != len(admitted):  # admission turned some away, or some were there
+                parent_of = dict(zip(keys, parents, strict=True))
+                parents = [parent_of.get(key) for key in admitted]
+            chains.link_new(admitted, slots, parents, fresh=fresh)
+
+    def _make_room(
+        self,
+        admitted: list[bytes],
+        found: set[bytes],
+        tenant: str | None,
+        keys: Sequence[bytes],
+        links: Links,
+    ) -> tuple[list[bytes], int]:
+        """Evict for ``admitted``: the victims, and how many went for the tenant's cap.
+
+        The parents of the store's chunks (``keys``) are no leaves while it runs."""
+        tenants = self.tenants
+        if len(admitted) <= len(self._free) and tenants is None:
+            return [], 0
+        keep = _NO_KEYS if self._takes_back else self._chains_kept(keys, links)
+        evicted: list[bytes] = []
+        if tenants is not None:
+            own = tenants.over_cap(tenant, len(admitted))
+            evicted = self._evict(own, found, tenants.others(tenant), keep)
+        capped = len(evicted)
+        evicted += self._evict(len(admitted) - len(self._free), found, keep=keep)
+        return evicted, capped
+
+    def _chains_kept(self, keys: Sequence[bytes], links: Links) -> AbstractSet[bytes]:
+        """The ready parents of a store's ``keys`` that are not among them."""
+        parents, chain, after = links
+        if chain:  # the others' parents are the store's own chunks
+            return {after} if after is not None and after in self._ready else _NO_KEYS
+        if parents is None:
+            return _NO_KEYS
+        outside = set(parents)  # at C speed: the few that remain are checked one by one
+        outside.difference_update(keys)
+        ready = self._ready
+        return {p for p in outside if p is not None and p in ready}
 
     def _spill(self, n: int) -> None:
         """Let go of the ``n`` newest holds of queued requests, for a store that needs the room:
@@ -205,6 +285,7 @@ class IndexStores(IndexState):
         """Free the slots of in-flight ``keys`` that do not become ready here (failed, or
         stored for the lower tiers only)."""
         storing, free = self._storing, self._free
+        self._chains.leave(keys, list(map(storing.__getitem__, keys)))  # first: still there
         for key in keys:
             free.append(storing.pop(key))
         self._cold.difference_update(keys)
@@ -222,44 +303,3 @@ class IndexStores(IndexState):
                 )
             batch.add(key)
         raise AssertionError(f"{call} refused keys it can complete")
-
-    def _evict(
-        self, need: int, found: set[bytes], spare: Callable[[bytes], bool] | None = None
-    ) -> list[bytes]:
-        """Have the policy pick ``need`` victims, check them, then free their slots.
-
-        ``spare`` protects more chunks (another tenant's, for a tenant at its cap).
-        """
-        if need <= 0:
-            return []
-        pins, ready, held = self._pins, self._ready, self._held
-        if spare is None:
-            # A set's own membership test, not a lambda: it is asked once per victim.
-            kept = (pins.keys() | found).__contains__ if pins or found else nothing_protected
-            if held:  # passed over too, asked after the few pinned and found ones
-                kept = functools.partial(_kept_or_held, kept, held)
-            victims = self.policy.evict(need, kept)
-        else:
-            victims = self.policy.evict(
-                need, lambda key: key in pins or key in found or key in held or spare(key)
-            )
-        check_victims(
-            self.policy.name, victims, need, ready=ready, pins=pins, found=found, held=held
-        )
-        self._drop(victims)
-        self._counts.evictions += need
-        return victims
-
-    def _drop(self, keys: Sequence[bytes]) -> None:
-        """Free the slots of ready ``keys`` (the policy already let go of them), with events."""
-        free, ready = self._free, self._ready
-        if self.record_events:
-            record = self._events.append
-            for key in keys:
-                free.append(slot := ready.pop(key))
-                record(IndexEvent(_REMOVED, key, slot))
-        else:
-            for key in keys:
-                free.append(ready.pop(key))
-        if self.tenants is not None:
-            self.tenants.dropped(keys, ready=True)

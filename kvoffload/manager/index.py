@@ -98,13 +98,17 @@ class OffloadIndex(IndexStores):
 
         Counts ``hits`` (the ready prefix) and ``misses`` (the rest) and tells
         the policy of the first miss only: chunks after it cannot be used
-        without it, so they carry no information of their own.
+        without it, so they carry no information of their own. Where the count
+        stops, the index remembers the chunk before: the parent of a store that
+        starts with the first miss (``prepare_store``).
         """
         ready = self._ready
         n = 0
         for key in keys:
             if key not in ready:
                 self.policy.on_miss(key)
+                if n:  # a chain fact: a store that starts here continues keys[n - 1]
+                    self._after = (key, keys[n - 1])
                 break
             n += 1
         counts = self._counts
@@ -126,6 +130,21 @@ class OffloadIndex(IndexStores):
     def refresh(self, keys: Iterable[bytes]) -> None:
         """Rank ``keys`` recent like ``touch``, but as no hit of this tier (see ``usage``)."""
         self.policy.refresh_many(keys)
+
+    def link(self, keys: Sequence[bytes], parents: Sequence[bytes | None]) -> None:
+        """Tell the index each chunk's parent in its full-prefix chain, for prefix order.
+
+        ``parents[i]`` is the chunk before ``keys[i]`` in its group's chain (``None``:
+        a chain's head, a window chunk or a state). Keys neither ready nor being
+        stored are skipped; a key linked already costs a dict probe. A chunk whose
+        parent is in neither state is an orphan: it gives its room first
+        (:mod:`kvoffload.manager._chains`). ``prepare_store`` links what it reserves
+        where told the parents (so that the parent of a chunk in flight is kept too),
+        and ``record_stores`` what it completes.
+        """
+        if len(keys) != len(parents):
+            raise ProtocolError(f"link: {len(keys)} key(s) but {len(parents)} parent(s)")
+        self._chains.link(keys, parents)
 
     # -- loads ---------------------------------------------------------------
     def prepare_load(self, keys: Sequence[bytes]) -> LoadResult:
@@ -239,6 +258,7 @@ class OffloadIndex(IndexStores):
             pinned=len(self._pins),
             held=len(self._held),
             free=len(self._free),
+            orphans=len(self._chains.orphans),
         )
 
     def reset(self) -> None:
@@ -268,5 +288,6 @@ class OffloadIndex(IndexStores):
         if stray:
             raise IntegrityError(f"{len(stray)} held chunk(s) are not ready")
         self.policy.check_integrity(self._ready.keys())
+        self._chains.check()
         if self.tenants is not None:
             self.tenants.check(self._ready.keys(), self._storing.keys(), self._pins.keys())

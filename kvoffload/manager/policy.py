@@ -21,6 +21,8 @@ Protocol, as the index drives it:
   eviction (reset of one key, a tier dropping a corrupt chunk).
 * ``evict(n, protected)`` chooses up to ``n`` resident victims for which
   ``protected(key)`` is false, forgets them and returns them, oldest first.
+  It asks ``protected`` of a key only to take it: a ``False`` answer means
+  the key is a victim (the index's prefix-order guard counts on it).
   The index passes :func:`nothing_protected` itself when no key is (no pins,
   no keys of the store at hand): a policy may recognise it and skip asking.
   Fewer than ``n`` means no more unprotected keys exist; the index then
@@ -30,6 +32,13 @@ Protocol, as the index drives it:
   returning ``False`` skips the store. Filters that track sightings record
   the sighting here.
 * ``on_miss(key)`` (optional hook) is told of a lookup miss of ``key``.
+* ``takes_back`` (optional property, default ``False``): whether ``insert`` of a
+  key it just evicted only ranks it newest (no ghost, no adaptation). The index
+  keeps prefix order itself (:mod:`kvoffload.manager._evictions`): a chunk with
+  a child present is not evicted while a leaf can go. It takes such a policy's
+  choice as it is and gives back the few victims that turn out parents; any
+  other policy it asks about each candidate. Chains are the index's business
+  otherwise: a policy never sees them.
 * ``check_integrity(resident)`` (optional hook) raises ``IntegrityError``
   with the numbers if the policy's own state is inconsistent or does not
   track exactly the index's ready keys; the index's ``check_integrity`` and
@@ -89,6 +98,11 @@ class EvictionPolicy(ABC):
         """Forget everything, ghosts and adaptive state included."""
 
     # -- optional hooks -----------------------------------------------------
+    @property
+    def takes_back(self) -> bool:
+        """Whether ``insert`` of a key just evicted only ranks it newest (module docstring)."""
+        return False
+
     def admit(self, key: bytes) -> bool:
         """Whether a missing ``key`` should be stored now. Default: always."""
         return True

@@ -29,6 +29,12 @@ class IndexCounters:
     #: Chunks held for queued requests let go to make room for a store (the newest held
     #: first): the running requests' stores come first.
     spilled: int = 0
+    #: Of ``evictions``: chunks whose parent had left the CPU tier (orphans), evicted
+    #: before the policy was asked (:mod:`kvoffload.manager._chains`).
+    orphan_evictions: int = 0
+    #: Of ``evictions``: chunks with a child present, evicted because pins, holds or the
+    #: store's own chunks protected every leaf the policy could take.
+    interior_evictions: int = 0
 
     def snapshot(self) -> dict[str, int]:
         """Every figure by name, for an exporter or a log line."""
@@ -50,3 +56,5 @@ class IndexStats(IndexCounters):
     #: Chunks held for requests in the engine's waiting queue (``OffloadIndex.hold``).
     held: int = 0
     free: int = 0
+    #: Chunks whose parent in their chain is not in the CPU tier now: the first to go.
+    orphans: int = 0

@@ -34,7 +34,7 @@ from collections.abc import Collection, Sequence
 from kvoffload.errors import ProtocolError
 from kvoffload.manager.index import OffloadIndex
 
-__all__ = ["record_stores", "record_use"]
+__all__ = ["chain_parents", "record_stores", "record_use"]
 
 
 def record_use(index: OffloadIndex, keys: Sequence[bytes], served: int = 0) -> None:
@@ -57,6 +57,9 @@ def record_stores(
     failed: Collection[bytes] = (),
     *,
     first: int | None = None,
+    parents: Sequence[bytes | None] | None = None,
+    linked: bool = False,
+    chained: bool = True,
 ) -> None:
     """Complete a request's stores: ``done`` succeeded, ``failed`` did not.
 
@@ -66,16 +69,60 @@ def record_stores(
     the caller knows (searching a long chain for it costs a memory access
     per chunk ahead of it). Raises ``ValueError`` if ``done[0]`` is not in
     ``request_keys`` (a caller bug: the order could not be kept).
+
+    The index learns each stored chunk's parent (:meth:`OffloadIndex.link`):
+    ``parents[i]`` is ``done[i]`` 's (``None``: a head, or no full-prefix chunk),
+    or, without ``parents``, the chunk before it in ``request_keys``: one chain,
+    a plain layout's. ``linked``: the caller gave them to ``prepare_store`` already.
+    ``chained``: ``request_keys`` is one chain; where a chunk already here lies among
+    those stored (after a gap), the chain is ranked from the last one stored, so that
+    every parent ends newer than its children (the order LRU keeps by).
     """
     if done:  # checked before anything changes
         if first is None:
             first = request_keys.index(done[0])
         elif not (0 <= first < len(request_keys) and request_keys[first] == done[0]):
             raise ProtocolError(f"record_stores: done[0] is not chunk {first} of the chain")
+        if parents is None and not linked:
+            parents = chain_parents(request_keys, done, first)
     if failed:
         index.abort_store(list(failed))
     if not done:
         return
+    assert first is not None  # found above, with done
     index.complete_store(done[::-1])
-    if first:
-        index.refresh(request_keys[first - 1 :: -1])  # an order, not another use
+    if parents is not None:
+        index.link(done, parents)
+    start = first
+    if chained and len(done) > 1:
+        last = first + len(done) - 1
+        if not (last < len(request_keys) and request_keys[last] == done[-1]):  # gaps
+            last = request_keys.index(done[-1], first)
+            gaps = set(request_keys[first:last]).difference(done)
+            if index.any_ready(gaps):
+                start = last  # ranks the chunks between ahead of those stored after them
+    if start:
+        index.refresh(request_keys[start - 1 :: -1])  # an order, not another use
+
+
+def chain_parents(chain: Sequence[bytes], done: Sequence[bytes], first: int) -> list[bytes | None]:
+    """The parent of each of ``done`` (a subsequence of ``chain`` from ``chain[first]``):
+    the chunk before it in ``chain``; ``None`` for the head.
+
+    A store of consecutive chunks (the common one) costs a list copy; one with gaps
+    (chunks the admission turned away) a walk over the chunks it spans.
+    """
+    last = first + len(done) - 1
+    head = chain[first - 1] if first else None
+    if last < len(chain) and chain[last] == done[-1]:
+        return [head, *done[:-1]]
+    parents: list[bytes | None] = []
+    at = first
+    for key in done:
+        try:
+            at = chain.index(key, at)
+        except ValueError:
+            raise ProtocolError("record_stores: the chunks stored are not in chain order") from None
+        parents.append(chain[at - 1] if at else None)
+        at += 1
+    return parents

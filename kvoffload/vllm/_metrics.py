@@ -175,6 +175,7 @@ _GAUGES = frozenset(
         "pinned",
         "held",
         "free",
+        "orphans",
         "jobs_in_flight",
         "requests_tracked",
         "reuse_distance_chunks",

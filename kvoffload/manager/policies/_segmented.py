@@ -15,7 +15,9 @@ and off at run time through :meth:`SegmentedLRU.protect`.
 
 Chains keep their order: a request's keys are touched tail first, so within
 either segment its head is newer than its tail, and a segment overflows
-oldest first, tails before heads.
+oldest first, tails before heads. Across the segments they do not (a tail
+that was hit is protected, a head the engine served is not): the index gives
+such a head back when the policy picks it (``takes_back``).
 """
 
 from __future__ import annotations
@@ -47,6 +49,12 @@ class SegmentedLRU(EvictionPolicy):
         self._protected: OrderedDict[bytes, None] = OrderedDict()
         self.protected_limit = 0
         self.protect(protected_limit)
+
+    @property
+    def takes_back(self) -> bool:
+        """An insert is a key at the newest end of probation, nothing more (the adaptive
+        policy's shadows see admissions and hits, not inserts)."""
+        return True
 
     def protect(self, limit: int) -> None:
         """Let at most ``limit`` keys be protected; the oldest beyond it go back to probation."""
@@ -127,11 +135,12 @@ class SegmentedLRU(EvictionPolicy):
                 victims += [pop(last=False)[0] for _ in range(min(n - len(victims), len(segment)))]
             else:
                 chosen: list[bytes] = []
+                want = n - len(victims)  # > 0: the loop stops once it has n
                 for key in segment:
-                    if len(victims) + len(chosen) == n:
-                        break
                     if not protected(key):
                         chosen.append(key)
+                        if len(chosen) == want:
+                            break
                 for key in chosen:
                     del segment[key]
                 victims += chosen

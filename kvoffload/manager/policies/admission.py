@@ -47,6 +47,10 @@ class AdmissionFilter(EvictionPolicy):
         #: key -> offers seen so far (fewer than ``sightings``), oldest first.
         self._sightings: OrderedDict[bytes, int] = OrderedDict()
 
+    @property
+    def takes_back(self) -> bool:
+        return self.inner.takes_back  # it ranks nothing itself
+
     def admit(self, key: bytes) -> bool:
         sightings = self._sightings
         seen = sightings.get(key, 0) + 1

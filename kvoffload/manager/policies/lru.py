@@ -21,6 +21,14 @@ class LRUPolicy(EvictionPolicy):
 
     name = "lru"
 
+    @property
+    def takes_back(self) -> bool:
+        """An insert is a key at the newest end, nothing more. Under the usage rules
+        (:mod:`kvoffload.manager.usage`) a parent is ranked after its children, so the
+        oldest chunk is a leaf: the index gives back a victim only where a pin, a hold
+        or a store protected its child (``tests/test_chains.py``)."""
+        return True
+
     def __init__(self, capacity: int) -> None:
         super().__init__(check_capacity("LRUPolicy", capacity))
         self._order: OrderedDict[bytes, None] = OrderedDict()
