@@ -7,10 +7,14 @@ tensors with pinned slabs included where a GPU is present.
 from __future__ import annotations
 
 import ast
+import random
 import threading
+import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from _paths import PATHS, TransferPath, as_bytes
@@ -18,10 +22,14 @@ from _paths import PATHS, TransferPath, as_bytes
 import kvoffload.engine
 from kvoffload import build_offloading_config
 from kvoffload.config.layout import CacheGroup, KVLayout
-from kvoffload.engine import ChunkSpan, JobKind, JobResult, JobStatus, OffloadEngine
+from kvoffload.engine import ChunkSpan, JobKind, JobResult, JobStatus, LayeredLoad, OffloadEngine
+from kvoffload.engine._locks import Held, JobLocks
 from kvoffload.errors import TransferError
 from kvoffload.messages import BlockSpan
+from kvoffload.tiers.base import ChunkBuffer, WrappedTier
 from kvoffload.tiers.cpu import CPUSlab
+from kvoffload.tiers.disk import DiskTier
+from kvoffload.tiers.stats import TierStats
 from kvoffload.transfer import allocate_kv_caches, fill_blocks
 
 NUM_BLOCKS = 32
@@ -299,3 +307,192 @@ def test_the_engines_modules_import_one_way() -> None:
         for module in ready:
             del left[module]
     assert not left, f"modules in or behind an import circle: {sorted(left)}"
+
+
+# -- a slow lower tier never holds up jobs on other chunks ------------------------------
+class GatedReads(WrappedTier):
+    """A real disk tier whose reads wait until the test lets them go (``gate``)."""
+
+    def __init__(self, tier: DiskTier) -> None:
+        super().__init__(tier)
+        self.gate = threading.Event()
+        self.reading = threading.Semaphore(0)  # released once a read waits at the gate
+
+    def get_into(self, key: bytes, out: ChunkBuffer) -> bool:
+        self.reading.release()
+        assert self.gate.wait(timeout=60), "the test never opened the gate"
+        return super().get_into(key, out)
+
+    def put(self, key: bytes, data: ChunkBuffer) -> None:
+        self.tier.put(key, data)
+
+    def stats(self) -> TierStats:
+        return self.tier.stats()
+
+    def waiting(self, reads: int = 1) -> None:
+        """Return once ``reads`` more reads wait at the gate."""
+        for _ in range(reads):
+            assert self.reading.acquire(timeout=10), "no read reached the gate"
+
+
+FULL = 1  # the full-attention group: 2 blocks, 256 bytes a chunk
+
+
+@pytest.fixture
+def gated(
+    path: TransferPath, kv: dict[str, torch.Tensor], tmp_path: Path
+) -> Iterator[tuple[OffloadEngine, GatedReads]]:
+    """An engine over 64 CPU slots and a disk whose reads wait at a gate, holding ``d0``-``d39``."""
+    lay = layout()
+    disk = GatedReads(DiskTier(tmp_path / "disk", 1 << 20, b"test-gated-reads"))
+    nbytes = lay.groups[FULL].chunk_bytes(BPC)
+    for i in range(40):
+        disk.put(b"d%d" % i, np.full(nbytes, i, dtype=np.uint8))
+    cpu = slab(path, 64, max(g.chunk_bytes(BPC) for g in lay.groups))
+    eng = OffloadEngine.create(path.transfer(lay, kv, BPC), cpu, [disk])
+    try:
+        yield eng, disk
+    finally:
+        disk.gate.set()
+        eng.close()
+
+
+def promotion(first: int, count: int) -> ChunkSpan:
+    """Disk chunks ``d<first>...`` into slots ``first...``."""
+    keys = tuple(b"d%d" % i for i in range(first, first + count))
+    return ChunkSpan(FULL, keys, tuple(range(first, first + count)), BlockSpan(()))
+
+
+def other_stores(engine: OffloadEngine, count: int, first_slot: int) -> list[int]:
+    """``count`` one-chunk stores of chunks nobody else touches, one job each."""
+    return [
+        engine.submit_store([ChunkSpan(FULL, (b"o%d" % i,), (first_slot + i,), BlockSpan((1, 2)))])
+        for i in range(count)
+    ]
+
+
+def test_stores_copy_out_while_two_reads_of_other_chunks_are_blocked(
+    gated: tuple[OffloadEngine, GatedReads],
+) -> None:
+    """A load and a promotion each wait in a disk read: a store of other chunks submitted
+    after them still copies its blocks out, so the engine's step need not wait for disks."""
+    engine, disk = gated
+    load = engine.submit_load([ChunkSpan(FULL, (b"d0",), (0,), BlockSpan((20, 21)))])
+    promote = engine.submit_promote([promotion(1, 1)])
+    disk.waiting(2)
+    stores = other_stores(engine, 1, first_slot=40)
+    assert engine.wait_for_sources(timeout=10), "a store waited for other chunks' disk reads"
+    assert {r.job_id for r in engine.get_finished()} <= set(stores)  # the reads still wait
+    disk.gate.set()
+    results = {r.job_id: r for r in finish(engine)}
+    assert results[load].status is results[promote].status is JobStatus.SUCCESS
+
+
+def test_jobs_on_other_chunks_never_wait_for_a_blocked_read(
+    gated: tuple[OffloadEngine, GatedReads],
+) -> None:
+    """A promotion of 30 chunks waits in its first read; stores of 8 other chunks (other
+    keys, other slots) all copy out and finish meanwhile: only what conflicts is locked."""
+    engine, disk = gated
+    promote = engine.submit_promote([promotion(0, 30)])
+    disk.waiting()
+    stores = other_stores(engine, 8, first_slot=40)
+    assert engine.wait_for_sources(timeout=10), "a store waited for a read of other chunks"
+    done: set[int] = set()
+    while not set(stores) <= done and engine.wait_for_any(timeout=10):
+        done |= {r.job_id for r in engine.get_finished()}
+    assert done == set(stores), "stores of other chunks waited for a blocked read"
+    disk.gate.set()
+    [promoted] = finish(engine)
+    assert promoted.job_id == promote and promoted.status is JobStatus.SUCCESS
+    assert len(promoted.done_keys) == 30
+
+
+def test_a_load_in_the_step_never_waits_for_a_blocked_read_of_other_chunks(
+    gated: tuple[OffloadEngine, GatedReads], kv: dict[str, torch.Tensor]
+) -> None:
+    """The step's loads (CPU-tier hits) start while a promotion of other chunks waits in a
+    disk read: they take the job locks of their own chunks only."""
+    engine, disk = gated
+    engine.submit_store([ChunkSpan(FULL, (b"hit",), (50,), BlockSpan((3, 4)))])
+    finish(engine)
+    promote = engine.submit_promote([promotion(0, 30)])
+    disk.waiting()
+    started: list[LayeredLoad] = []
+    step = threading.Thread(
+        target=lambda: started.append(
+            engine.load_by_layer([[ChunkSpan(FULL, (b"hit",), (50,), BlockSpan((8, 9)))]])
+        )
+    )
+    step.start()
+    step.join(timeout=10)
+    try:
+        assert started, "the step's load waited for a read of other chunks"
+        [result] = started[0].join()
+        assert result.status is JobStatus.SUCCESS
+        assert torch.equal(as_bytes(kv["f0"][[8, 9]]), as_bytes(kv["f0"][[3, 4]]))
+    finally:
+        disk.gate.set()
+        step.join()
+    assert [r.job_id for r in finish(engine)] == [promote]
+
+
+@pytest.mark.parametrize("same", ["key", "slot"])
+def test_a_store_of_a_chunk_or_slot_being_loaded_waits_for_the_load(
+    gated: tuple[OffloadEngine, GatedReads], kv: dict[str, torch.Tensor], same: str
+) -> None:
+    """A load of ``d0`` waits in its disk read; a store of the same key (another slot) or
+    into the same slot (another key) waits for it, a store of other chunks does not. The
+    load brings the disk's bytes, untouched by the store that came after it."""
+    engine, disk = gated
+    kv["f0"][[5, 6]] = 7.0  # what the conflicting store writes
+    load = engine.submit_load([ChunkSpan(FULL, (b"d0",), (0,), BlockSpan((20, 21)))])
+    disk.waiting()
+    key, slot = (b"d0", 9) if same == "key" else (b"x", 0)
+    conflicting = engine.submit_store([ChunkSpan(FULL, (key,), (slot,), BlockSpan((5, 6)))])
+    [other] = other_stores(engine, 1, first_slot=40)
+    done: list[JobResult] = []
+    while other not in {r.job_id for r in done} and engine.wait_for_any(timeout=10):
+        done += engine.get_finished()
+    assert [r.job_id for r in done] == [other], "a store of other chunks waited for a load"
+    assert not engine.wait_for_sources(timeout=0), "the conflicting store did not wait"
+    disk.gate.set()
+    results = {r.job_id: r for r in finish(engine)}
+    assert results[load].status is results[conflicting].status is JobStatus.SUCCESS
+    assert bool((as_bytes(kv["f0"][[20, 21]]) == 0).all())  # d0 is zeros on disk
+    engine.submit_load([ChunkSpan(FULL, (key,), (slot,), BlockSpan((22, 23)))])
+    [again] = finish(engine)
+    assert again.status is JobStatus.SUCCESS
+    assert torch.equal(as_bytes(kv["f0"][[22, 23]]), as_bytes(kv["f0"][[5, 6]]))
+
+
+def test_job_locks_keep_jobs_of_a_name_apart_in_submission_order() -> None:
+    """Jobs on random overlapping names, run on 4 threads as the engine runs them: no two
+    that share a name ever run at once, each name's jobs run in the order they were
+    admitted, and every job ran and freed its names (no deadlock, nothing left held)."""
+    locks, rng = JobLocks(), random.Random(5)
+    pool = ThreadPoolExecutor(4)
+    running: set[object] = set()
+    order: dict[object, list[int]] = {}
+    guard, mixed, ended = threading.Lock(), [], threading.Semaphore(0)
+
+    def run(job: int, names: frozenset[int], held: Held) -> None:
+        with guard:
+            mixed.extend(names & running)
+            running.update(names)
+            for name in names:
+                order.setdefault(name, []).append(job)
+        time.sleep(rng.random() / 1000)
+        with guard:
+            running.difference_update(names)
+        held.close()
+        ended.release()
+
+    jobs = [frozenset(rng.sample(range(12), rng.randint(1, 4))) for _ in range(300)]
+    for job, names in enumerate(jobs):
+        locks.admit(names, lambda held, j=job, n=names: pool.submit(run, j, n, held))
+    ran_all = all(ended.acquire(timeout=10) for _ in jobs)
+    pool.shutdown(wait=True)
+    assert ran_all and not mixed and locks.idle()
+    for name, ran in order.items():
+        assert ran == [job for job, names in enumerate(jobs) if name in names], name

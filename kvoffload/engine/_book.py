@@ -1,55 +1,61 @@
 """The engine's job book: job ids, the locks that keep jobs on one chunk apart, and the counts.
 
-Jobs run on the engine's pool, and loads in the step on the thread that runs
+Jobs run on the engine's threads, and loads in the step on the thread that runs
 the forward pass (:mod:`._layered`). Both take their ids, locks and counts
-here, so the engine's waits cover every job, whichever way it runs.
+here, so the engine's waits cover every job, whichever way it runs. The locks
+are :mod:`._locks`: a job waits only for earlier jobs of its own chunks or slots.
 """
 
 from __future__ import annotations
 
 import itertools
 import threading
-from collections.abc import Sequence
-from contextlib import ExitStack
+from collections.abc import Callable, Sequence
 
+from kvoffload.engine._locks import Held, JobLocks
 from kvoffload.messages import ChunkSpan, JobKind, JobResult
 
-__all__ = ["JobBook"]
+__all__ = ["Held", "JobBook"]
 
-#: Enough that jobs on different chunks rarely share a lock, few enough to take in one sweep.
-_LOCK_STRIPES = 64
+
+def _names(spans: Sequence[ChunkSpan]) -> set[tuple[str, bytes | int]]:
+    """What a job touches: each chunk key and each CPU slot of its spans."""
+    names: set[tuple[str, bytes | int]] = {("k", k) for s in spans for k in s.keys}
+    return names | {("s", slot) for s in spans for slot in s.slots}
 
 
 class JobBook:
-    """Ids, striped locks, and the pending and reading counts of an engine's jobs."""
+    """Ids, job locks, and the pending, queued and reading counts of an engine's jobs."""
 
     def __init__(self) -> None:
-        self._locks = [threading.Lock() for _ in range(_LOCK_STRIPES)]
+        self.locks = JobLocks()
         self._ids = itertools.count(1)
         self._cond = threading.Condition()
         self._finished: list[JobResult] = []
-        self._pending = 0
+        self._pending = 0  # every job not ended, loads in the step included
+        self._queued = 0  # jobs on the engine's threads (or waiting for their chunks)
         self._reading = 0  # store jobs still reading engine blocks
 
     def new_id(self) -> int:
         return next(self._ids)
 
-    def locked(self, spans: Sequence[ChunkSpan]) -> ExitStack:
-        """The job locks over ``spans``' keys and slots, taken in one sorted order.
+    def locked(self, spans: Sequence[ChunkSpan]) -> Held:
+        """Wait in this thread for the job locks of ``spans``' keys and slots, and hold them."""
+        return self.locks.acquire(_names(spans))
 
-        One order for every job, so two jobs never each hold a lock the other waits for.
+    def admit(self, spans: Sequence[ChunkSpan], start: Callable[[Held], None]) -> None:
+        """Call ``start`` with the job locks of ``spans`` once they are free (:mod:`._locks`)."""
+        self.locks.admit(_names(spans), start)
+
+    def begin(self, kind: JobKind, *, queued: bool = True) -> None:
+        """A job of ``kind`` is pending; a store also reads engine blocks until it lets them go.
+
+        ``queued``: it runs on the engine's threads, and ends by :meth:`end`; a load in
+        the step is not, and ends by :meth:`end_unqueued`.
         """
-        stripes = {hash(("k", k)) % _LOCK_STRIPES for s in spans for k in s.keys}
-        stripes |= {hash(("s", slot)) % _LOCK_STRIPES for s in spans for slot in s.slots}
-        stack = ExitStack()
-        for stripe in sorted(stripes):
-            stack.enter_context(self._locks[stripe])
-        return stack
-
-    def begin(self, kind: JobKind) -> None:
-        """A job of ``kind`` is pending; a store also reads engine blocks until it lets them go."""
         with self._cond:
             self._pending += 1
+            self._queued += queued
             self._reading += kind is JobKind.STORE
 
     def sources_released(self) -> None:
@@ -59,10 +65,11 @@ class JobBook:
             self._cond.notify_all()
 
     def end(self, result: JobResult) -> None:
-        """A pool job ended; its result waits in :meth:`take_finished`."""
+        """A queued job ended; its result waits in :meth:`take_finished`."""
         with self._cond:
             self._finished.append(result)
             self._pending -= 1
+            self._queued -= 1
             self._cond.notify_all()
 
     def end_unqueued(self) -> None:
@@ -91,3 +98,8 @@ class JobBook:
         """Block until no job is pending; ``False`` on timeout."""
         with self._cond:
             return self._cond.wait_for(lambda: self._pending == 0, timeout)
+
+    def wait_queued(self) -> None:
+        """Block until every queued job has ended (those waiting for their chunks included)."""
+        with self._cond:
+            self._cond.wait_for(lambda: self._queued == 0)

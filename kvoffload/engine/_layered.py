@@ -121,7 +121,7 @@ class LayeredLoader:
         running_states: Sequence[Mapping[int, int]],
     ) -> LayeredLoad:
         """Verify ``jobs``' chunks and start copying them (see :class:`LayeredLoad`)."""
-        self.book.begin(JobKind.LOAD)
+        self.book.begin(JobKind.LOAD, queued=False)
         try:
             return LayeredLoad(self, jobs, after, mode, running_states)
         except BaseException:

@@ -1,8 +1,8 @@
 """The worker side: asynchronous store and load jobs between engine KV and the tiers.
 
 ``OffloadEngine`` is what a vLLM worker-side connector drives: it submits
-jobs and returns their ids at once, runs them on a small thread pool (tiers
-are synchronous; copies and file I/O release the GIL), and reports each one
+jobs and returns their ids at once, runs them on a few threads (tiers are
+synchronous; copies and file I/O release the GIL), and reports each one
 once through :meth:`OffloadEngine.get_finished`.
 
 What a job is given comes from the scheduler-side index: chunk keys and the
@@ -12,9 +12,11 @@ to evict; it moves bytes and reports.
 
 Guarantees:
 
-* **No races per chunk.** A job holds striped locks over its keys and slots
-  (taken in one sorted order, so jobs never deadlock); a store and a load of
-  the same chunk run one after the other whatever the submitting threads do.
+* **No races per chunk, no waits across chunks.** A job holds the job locks of
+  its keys and slots: a store and a load of the same chunk or slot run one
+  after the other, in the order they were submitted, whatever the submitting
+  threads do, and jobs of other chunks and slots never wait for them
+  (:mod:`._locks`: how, and why jobs never deadlock).
 * **Loads are verified before they reach the engine** (invariant 3). Each
   chunk is made to hold its key in its CPU slot first (already there, or
   read and checksum-verified from a lower tier into it); only chunks that
@@ -27,17 +29,41 @@ Guarantees:
   the CPU slab and records them in the slab's counters; every lower tier counts
   its own I/O. :meth:`stats` returns one record per tier; jobs are reported,
   not counted, here (the connector's worker side counts them from the reports).
-* **Engine blocks are free again early.** A store job copies all its blocks
-  into CPU slots first, then writes lower tiers; :meth:`wait_for_sources`
-  returns once every submitted store is past the copy, so a connector can let
-  the engine reuse those blocks without waiting for disk or network.
+* **Engine blocks are free again early, whatever the lower tiers do.** A store
+  job copies all its blocks into CPU slots first, then writes lower tiers;
+  :meth:`wait_for_sources` returns once every submitted store is past the
+  copy, so a connector can let the engine reuse those blocks without waiting
+  for disk or network. That copy never queues behind a lower-tier read or
+  write of other chunks (the threads below); it waits only for earlier jobs of
+  its own chunks or slots.
 * **CUDA.** A job records an event on the submitting thread's current
   stream; its copies wait on that event on the job thread's own stream (a
   store so that it copies the KV the forward pass wrote, a load so that it
   never overwrites blocks a queued kernel still uses), and the host waits for
   that stream only, never the engine's.
 
-Inside, a job on the pool and a load in the step share two parts, each
+Threads. A job starts on the threads of its kind once its locks are free; it
+waits for them on none (:mod:`._locks`). The kinds have threads of their own,
+a fixed number in all, so that the copies the engine waits for never queue
+behind lower-tier I/O, nor the loads a running request waits for behind a
+promotion:
+
+* one *copy* thread: a store's copy out of the engine's blocks, and nothing
+  that touches a lower tier. One, because the copies are memory-bound and
+  short, and more would take cores from the forward pass;
+* ``max_workers`` (2) *job* threads: loads, and stores' writes to the lower
+  tiers once their copy is done. Two keep a disk write and a read in flight
+  at once without oversubscribing the host;
+* one *promotion* thread: reads of lower-tier chunks into the CPU tier for
+  requests that still wait in the engine's queue (:meth:`OffloadEngine.submit_promote`).
+  One, because they read the same disk one after the other anyway.
+
+Loads in the step run on none of these but on the forward pass's thread (and
+the copy thread of :mod:`._layered`); they too wait only for earlier jobs of
+their own chunks. The remote tier is written on its queue's own thread
+(:mod:`kvoffload.tiers.cascade`).
+
+Inside, a job on the threads and a load in the step share two parts, each
 handed only what it needs, so that neither reaches back into the engine:
 the job book (:mod:`._book`: ids, locks, the counts the waits read) and the
 chunk copier (:mod:`._copier`: transfer, tiers, fault points). Loads in the
@@ -49,11 +75,13 @@ from __future__ import annotations
 import time
 from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from functools import partial
 
 import torch
 
 from kvoffload.config import OffloadConfig
-from kvoffload.engine._book import JobBook
+from kvoffload.engine._book import Held, JobBook
 from kvoffload.engine._copier import ChunkCopier
 from kvoffload.engine._layered import CopyMode, LayeredLoad, LayeredLoader
 from kvoffload.engine._outcome import Outcome
@@ -70,11 +98,24 @@ from kvoffload.transfer import KVTransfer
 __all__ = ["OffloadEngine"]
 
 
+@dataclass(slots=True)
+class _Job:
+    """One submitted job, from its thread to the next (a store's copy, then its writes)."""
+
+    job_id: int
+    kind: JobKind
+    spans: tuple[ChunkSpan, ...]
+    after: torch.cuda.Event | None
+    submitted: float
+    outcome: Outcome = field(default_factory=Outcome)
+    held: Held | None = None  # its job locks, once it may start
+
+
 class OffloadEngine:
     """Submits store/load jobs between ``transfer``'s engine tensors and ``cascade``.
 
-    ``max_workers`` bounds concurrent jobs; two keep a disk write and a copy
-    in flight at once without oversubscribing the host.
+    ``max_workers``: the job threads, which run loads and stores' lower-tier
+    writes (the module docstring's "Threads").
     """
 
     def __init__(self, transfer: KVTransfer, cascade: TierCascade, *, max_workers: int = 2) -> None:
@@ -85,7 +126,10 @@ class OffloadEngine:
         self._copier = ChunkCopier(transfer, cascade, self.faults)
         self._book = JobBook()
         self._layered = LayeredLoader(self._copier, self._book)
-        self._pool = ThreadPoolExecutor(max_workers, thread_name_prefix="kvoffload")
+        # The module docstring's "Threads": each kind of work on its own, a fixed number.
+        self._copies = ThreadPoolExecutor(1, thread_name_prefix="kvoffload-copy")
+        self._jobs = ThreadPoolExecutor(max_workers, thread_name_prefix="kvoffload")
+        self._promotions = ThreadPoolExecutor(1, thread_name_prefix="kvoffload-promote")
         self._closed = False
 
     @classmethod
@@ -158,9 +202,9 @@ class OffloadEngine:
     ) -> LayeredLoad:
         """Start the loads the engine's next forward pass reads, layer by layer (:mod:`._layered`).
 
-        Not queued on the pool, where they could wait behind store jobs
-        writing to disk. They still take the job locks of their chunks, so they
-        never race a store or a promotion of them. Their results come from
+        Not run on the engine's threads, where they could wait behind store
+        jobs writing to disk. They still take the job locks of their chunks, so
+        they never race a store or a promotion of them. Their results come from
         :meth:`LayeredLoad.join`, not :meth:`get_finished`. ``running_states``:
         per job, recurrent group -> a second block its state goes into
         (``TransferOrder.running_states``).
@@ -206,7 +250,9 @@ class OffloadEngine:
         if self._closed:
             return
         self._closed = True
-        self._pool.shutdown(wait=True)
+        self._book.wait_queued()  # a job waiting for its chunks starts on a thread yet
+        for threads in (self._copies, self._jobs, self._promotions):
+            threads.shutdown(wait=True)
         self._layered.close()
         self.cascade.close()
 
@@ -248,52 +294,73 @@ class OffloadEngine:
     def _submit(
         self, kind: JobKind, spans: Sequence[ChunkSpan], after: torch.cuda.Event | None
     ) -> int:
-        job_id = self._book.new_id()
+        job = _Job(self._book.new_id(), kind, tuple(spans), after, time.perf_counter())
         self._book.begin(kind)
-        self._pool.submit(self._run, job_id, kind, tuple(spans), after, time.perf_counter())
-        return job_id
+        self._book.admit(job.spans, partial(self._start, job))
+        return job.job_id
 
-    def _run(
-        self,
-        job_id: int,
-        kind: JobKind,
-        spans: tuple[ChunkSpan, ...],
-        after: torch.cuda.Event | None,
-        submitted: float,
-    ) -> None:
-        """Run one job on the pool; its result waits in ``get_finished``."""
-        outcome = Outcome()
-        reading = kind is JobKind.STORE
+    def _start(self, job: _Job, held: Held) -> None:
+        """Hand a job whose locks are free to its thread (from whichever thread freed them)."""
+        job.held = held
+        if job.kind is JobKind.STORE:
+            self._copies.submit(self._copy_out, job)
+        elif job.kind is JobKind.LOAD:
+            self._jobs.submit(self._run, job)
+        else:
+            self._promotions.submit(self._run, job)
+
+    def _copy_out(self, job: _Job) -> None:
+        """A store's copy out of the engine's blocks, on the copy thread; then its writes."""
+        gathered = [False] * len(job.spans)
         try:
-            with self._book.locked(spans):
-                if kind is JobKind.STORE:
-                    gathered = [self._copier.gather(span, after, outcome) for span in spans]
-                    self._book.sources_released()
-                    reading = False
-                    if self.faults is not None and self._copier.cascade.lower:
-                        self.faults.slow_lower()
-                    for span, ok in zip(spans, gathered, strict=True):
-                        if ok:
-                            self._copier.commit(span, outcome)
-                elif kind is JobKind.LOAD:
-                    for span in spans:
-                        self._copier.load(span, after, outcome)
-                else:
-                    for span in spans:
-                        self._copier.promote(span, outcome)
+            gathered = [self._copier.gather(span, job.after, job.outcome) for span in job.spans]
         except Exception as exc:  # a bug must still report the job, never hang the engine
-            self._crashed(kind, spans, outcome, exc)
-        if reading:
-            self._book.sources_released()
-        self._book.end(outcome.result(job_id, kind, time.perf_counter() - submitted))
+            self._crashed(job, exc)
+        self._book.sources_released()
+        if self.cascade.lower:  # lower-tier writes are never made on the copy thread
+            self._jobs.submit(self._commit, job, gathered)
+        else:
+            self._commit(job, gathered)
+
+    def _commit(self, job: _Job, gathered: list[bool]) -> None:
+        """Bind a store's copied chunks and write them through to the lower tiers."""
+        try:
+            if self.faults is not None and self.cascade.lower:
+                self.faults.slow_lower()
+            for span, ok in zip(job.spans, gathered, strict=True):
+                if ok:
+                    self._copier.commit(span, job.outcome)
+        except Exception as exc:  # a bug must still report the job, never hang the engine
+            self._crashed(job, exc)
+        self._finish(job)
+
+    def _run(self, job: _Job) -> None:
+        """Run a load or a promotion on its thread."""
+        try:
+            for span in job.spans:
+                if job.kind is JobKind.LOAD:
+                    self._copier.load(span, job.after, job.outcome)
+                else:
+                    self._copier.promote(span, job.outcome)
+        except Exception as exc:  # a bug must still report the job, never hang the engine
+            self._crashed(job, exc)
+        self._finish(job)
+
+    def _finish(self, job: _Job) -> None:
+        """Let the job's chunks go (starting the jobs that waited for them), then report it."""
+        try:
+            if job.held is not None:
+                job.held.close()
+        finally:
+            seconds = time.perf_counter() - job.submitted
+            self._book.end(job.outcome.result(job.job_id, job.kind, seconds))
 
     @staticmethod
-    def _crashed(
-        kind: JobKind, spans: Sequence[ChunkSpan], outcome: Outcome, exc: Exception
-    ) -> None:
+    def _crashed(job: _Job, exc: Exception) -> None:
         """Report an unexpected error: a load loses all its blocks, a store its unbound chunks."""
+        outcome, spans = job.outcome, job.spans
         outcome.errors.append(f"{type(exc).__name__}: {exc}")
-        if kind is not JobKind.STORE:
+        if job.kind is not JobKind.STORE:
             outcome.done.clear()
             outcome.failed = [k for s in spans for k in s.keys]
             outcome.failed_blocks = {}
