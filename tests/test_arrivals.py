@@ -23,7 +23,7 @@ from kvoffload.replay.arrival_report import (
 )
 from kvoffload.replay.arrivals import arrival_bound, replay_arrivals, service_rate
 from kvoffload.replay.engine import EngineSettings
-from kvoffload.replay.foresight import DROP_PRIORITY, GUESSED_KEEP_S, KEEP_PRIORITY, trace_hints
+from kvoffload.replay.foresight import DROP_PRIORITY, KEEP_PRIORITY, trace_hints, typical_gap
 from tests._cli import kvoffload
 
 CONVERSATION = Path(__file__).resolve().parent / "data" / "mooncake_conversation_3000.jsonl"
@@ -144,7 +144,8 @@ def test_a_client_that_guesses_is_wrong_as_often_as_said_and_keeps_for_its_guess
     flipped = sum(ranges(p)[0]["priority"] != ranges(g)[0]["priority"] for p, g in said)
     assert 0.15 < flipped / len(said) < 0.25
     kept = [ranges(g)[0] for _, g in said if ranges(g)[0]["priority"] == KEEP_PRIORITY]
-    assert {r["duration_ms"] for r in kept} == {GUESSED_KEEP_S * 1000}
+    assert {r["duration_ms"] for r in kept} == {round(typical_gap(trace) * 1000)}
+    assert 30 < typical_gap(trace) < 600  # the trace's median time to a next turn
     assert trace_hints(trace, 0.8, seed=3) == guessed  # a fixed seed: a run repeats
     with pytest.raises(ConfigError, match=r"accuracy 1\.5 is not in"):
         trace_hints(trace, 1.5)

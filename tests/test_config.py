@@ -293,6 +293,7 @@ def test_a_key_left_out_takes_the_default_the_key_table_shows(hetero_layout: KVL
         "consumer_write_back": False,
         "handoff_wait_ms": 10000,
         "queued_cpu_share": 0.25,
+        "retention_cpu_share": 0.5,
         "fetch_while_queued": False,
     }
     assert {name: getattr(cfg, name) for name in shown} == shown

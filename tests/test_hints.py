@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import random
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -14,6 +15,7 @@ from kvoffload.config.layout import CacheGroup, KVLayout
 from kvoffload.connector.hints import MAX_KEEP_S, TokenRange, parse_hint
 from kvoffload.keys import namespace_of
 from kvoffload.standin import KVOffloadSide, KVPages, StandIn
+from kvoffload.tiers.disk import DiskProbe
 from kvoffload.transfer import allocate_kv_caches
 
 LAYOUT = KVLayout((CacheGroup("full", 16, ("l0", "l1"), 512),))
@@ -126,5 +128,82 @@ def test_a_malformed_hint_is_ignored_with_one_warning(caplog: pytest.LogCaptureF
         assert side.scheduler.stats()["retention_hints_ignored"] == 3
         [record] = [r for r in caplog.records if "retention hint" in r.getMessage()]
         assert "priority must be an integer from 0 to 100, got 'high'" in record.getMessage()
+    finally:
+        side.close()
+
+
+def two_turns(extra: dict[str, Any], first_hint: dict[str, Any] | None,
+              tmp_path: Path | None = None) -> tuple[int, Any]:  # fmt: skip
+    """A first turn (with ``first_hint``, sent with the request as a client sends it), then
+    its next turn with the GPU cache emptied: the next turn's hit and the stats."""
+    keys = {"cpu_bytes_to_use": CPU_CHUNKS * 1024, **extra}
+    probes = []
+    if tmp_path is not None:
+        keys |= {"disk_path": str(tmp_path / "kv"), "disk_bytes_to_use": "16MiB"}
+        probes = [DiskProbe(tmp_path / "kv", NAMESPACE)]
+    side = KVOffloadSide(build_offloading_config(keys, LAYOUT), NAMESPACE,
+                         kv := allocate_kv_caches(LAYOUT, 256), probes)  # fmt: skip
+    stand = StandIn(LAYOUT, side, gpu_blocks=256, kv=KVPages(LAYOUT, kv))
+    try:
+        first = tokens(1, 320)
+        stand.add("turn-1", first, kv_transfer_params=first_hint)
+        while stand.waiting or stand.running:
+            stand.step()
+        stand.step()
+        stand.reset_prefix_cache()
+        turn = stand.add("turn-2", [*first, *tokens(3, 40)])
+        while stand.waiting or stand.running:
+            stand.step()
+        stand.step()
+        assert stand.stats.mismatched_blocks == 0 and stand.stats.failed_load_tokens == 0
+        return turn.external, side.scheduler.stats()
+    finally:
+        side.close()
+
+
+def test_a_kept_range_is_admitted_past_the_policys_filter() -> None:
+    """Storing on a second sighting turns a first turn away; a kept range goes in at once."""
+    filtered = {"store_threshold": 2}
+    hit, _ = two_turns(filtered, None)
+    assert hit == 0  # seen once: not stored
+    hit, stats = two_turns(filtered, hint({"token_start": 0, "priority": 90}))
+    assert hit == 320 and stats["retention_kept_chunks"] == 20
+
+
+def test_a_dropped_range_never_enters_the_cpu_tier_but_reaches_the_disk(tmp_path: Path) -> None:
+    """What a client drops is turned away from the CPU tier as it is stored (it evicts
+    nothing there), and still written to the disk behind it, which serves the next turn."""
+    dropped = hint({"token_start": 0, "priority": 10})
+    hit, stats = two_turns({}, dropped, tmp_path)
+    assert hit == 320 and stats["hit_tokens_by_tier"] == {"disk": 320}
+    assert stats["retention_dropped_chunks"] == 20
+    hit, stats = two_turns({}, dropped)  # no disk: the next turn recomputes it
+    assert hit == 0 and stats["retention_dropped_chunks"] == 20
+
+
+def test_a_full_share_makes_room_for_the_range_read_again_sooner() -> None:
+    """The kept ranges may hold a quarter of the tier (16 chunks): a range kept for an hour
+    holds 16 of its 20; one kept for ten seconds then takes the room, since the client
+    said it is read again sooner. A third, kept for two hours, does not displace it."""
+    keys = {"cpu_bytes_to_use": CPU_CHUNKS * 1024, "retention_cpu_share": 0.25}
+    side = KVOffloadSide(build_offloading_config(keys, LAYOUT), NAMESPACE,
+                         kv := allocate_kv_caches(LAYOUT, 256))  # fmt: skip
+    stand = StandIn(LAYOUT, side, gpu_blocks=256, kv=KVPages(LAYOUT, kv))
+    index = side.scheduler.index
+    try:
+        held = []  # after each request: how many of its chunks are held
+        for n, ms in enumerate((3_600_000, 10_000, 7_200_000)):
+            prompt = tokens(10 + n, 320)
+            kept = hint({"token_start": 0, "priority": 90, "duration_ms": ms})
+            stand.add(f"r{n}", prompt, kv_transfer_params=kept)
+            while stand.waiting or stand.running:
+                stand.step()
+            stand.step()
+            chain = side.scheduler.keys_for(prompt, None, stand.request_hashes(prompt))[0]
+            held.append(sum(key in index._held for key in chain))
+        assert held[0] == 16 and index.held == 16
+        prompts = [tokens(10 + n, 320) for n in range(3)]
+        chains = [side.scheduler.keys_for(p, None, stand.request_hashes(p))[0] for p in prompts]
+        assert [sum(key in index._held for key in c) for c in chains] == [0, 16, 0]
     finally:
         side.close()

@@ -245,6 +245,15 @@ KEYS: tuple[Key, ...] = (
         "tier, first come first held. 0: nothing held.",
     ),
     Key(
+        "retention_cpu_share",
+        KeyType.SHARE,
+        "Most of the CPU tier held for the token ranges clients' retention hints keep "
+        "(`kv_transfer_params`, docs/vllm.md), beside `queued_cpu_share`: a kept range is not "
+        "evicted for its duration, up to this fraction of the tier; when it is full, the "
+        "range whose time runs out last makes room for one whose time runs out sooner. 0: "
+        "nothing kept (drops still apply).",
+    ),
+    Key(
         "fetch_while_queued",
         KeyType.BOOL,
         "Read the disk or remote chunks of a request that a step left waiting into the "

@@ -64,6 +64,8 @@ class OffloadConfig:
     queued_cpu_share: float = 0.25
     #: Read a waiting request's lower-tier chunks into the CPU tier while it waits.
     fetch_while_queued: bool = False
+    #: Most of the CPU tier held for the ranges clients' retention hints keep (0: none).
+    retention_cpu_share: float = 0.5
     #: Tokens between the hit points kept besides each request's ends (0: none; 1: all).
     retention_interval: int = 16384
     #: Directory of the disk tier, or None for no disk tier.

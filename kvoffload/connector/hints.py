@@ -29,15 +29,17 @@ from __future__ import annotations
 import heapq
 import logging
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TypeGuard
 
+from kvoffload.config import OffloadConfig
 from kvoffload.connector._request import RequestState
 from kvoffload.connector.stats import SchedulerStats
 from kvoffload.manager.index import OffloadIndex
+from kvoffload.manager.results import Steer
 
-__all__ = ["DEFAULT_PRIORITY", "RetentionHints", "TokenRange", "parse_hint"]
+__all__ = ["DEFAULT_PRIORITY", "RetentionHints", "TokenRange", "parse_hint", "steering"]
 
 logger = logging.getLogger("kvoffload")
 
@@ -81,6 +83,37 @@ def parse_hint(params: object) -> tuple[TokenRange, ...] | str | None:
     return tuple(out)
 
 
+def steering(
+    hint: Sequence[TokenRange], chunks: Iterable[tuple[bytes, int]], spans: Sequence[int]
+) -> Steer | None:
+    """What a request's ``hint`` asks of the chunks a store is about to reserve: each a key
+    and its chunk index, of ``spans[0]`` tokens (one group) or of ``spans[i]`` for the i-th.
+    A chunk in a kept range is admitted past the policy's filter; one in a dropped range is
+    not kept in the CPU tier (the lower tiers still get it). ``None``: nothing to steer."""
+    if not hint:
+        return None
+    kept: set[bytes] = set()
+    dropped: set[bytes] = set()
+    one = spans[0] if len(spans) == 1 else None
+    for i, (key, chunk) in enumerate(chunks):
+        size = spans[i] if one is None else one
+        priority = _priority(hint, chunk * size, (chunk + 1) * size)
+        if priority > DEFAULT_PRIORITY:
+            kept.add(key)
+        elif priority < DEFAULT_PRIORITY:
+            dropped.add(key)
+    return Steer(frozenset(kept), frozenset(dropped)) if kept or dropped else None
+
+
+def _priority(hint: Sequence[TokenRange], begin: int, stop: int) -> int:
+    """The priority of the chunk of tokens ``[begin, stop)``: of the last range that covers
+    it (a later range overrides an earlier one, as in TensorRT-LLM), else the default."""
+    for tokens in reversed(hint):
+        if tokens.covers(begin, stop):
+            return tokens.priority
+    return DEFAULT_PRIORITY
+
+
 def _is_int(value: object) -> TypeGuard[int]:
     return isinstance(value, int) and not isinstance(value, bool)
 
@@ -115,7 +148,7 @@ class RetentionHints:
         tokens_per_chunk: Sequence[int],
         stats: SchedulerStats,
         *,
-        limit: Callable[[], int],
+        limit: int,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.index = index
@@ -123,10 +156,28 @@ class RetentionHints:
         self._stats = stats
         self._limit = limit
         self._clock = clock
-        #: (deadline, sequence, kept keys), soonest first.
-        self._kept: list[tuple[float, int, list[bytes]]] = []
+        #: (deadline, sequence) of each kept range, soonest first; its chunks by sequence
+        #: (a range that made room for another leaves only the second).
+        self._kept: list[tuple[float, int]] = []
+        self._ranges: dict[int, list[bytes]] = {}
+        #: (-deadline, sequence): the range whose time runs out last first.
+        self._last: list[tuple[float, int]] = []
+        self._count = 0  # chunks held, a chunk of two ranges twice
         self._sequence = 0
         self._warned = False
+
+    @classmethod
+    def from_config(
+        cls,
+        config: OffloadConfig,
+        index: OffloadIndex,
+        stats: SchedulerStats,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> RetentionHints:
+        """The hints ``retention_cpu_share`` allows on ``index`` (none kept where nothing loads)."""
+        limit = int(config.retention_cpu_share * index.capacity) if config.loads else 0
+        return cls(index, config.tokens_per_chunk, stats, limit=limit, clock=clock)
 
     def read(self, req: RequestState | None, params: object) -> None:
         """Take the request's hint from its ``kv_transfer_params`` (once; ``req`` ``None``: a
@@ -166,18 +217,52 @@ class RetentionHints:
                 self._stats.retention_dropped_chunks += len(self.index.discard(chunks))
 
     def _keep(self, chunks: list[bytes], seconds: float) -> None:
-        held = self.index.hold(chunks, self._limit())
+        """Hold ``chunks`` for ``seconds``, within this share alone (the index holds for
+        queued requests too). With no room left, the kept range whose time runs out last
+        makes room for one whose time runs out sooner: the client said when each will be
+        read again, and the sooner one is the better use of the room (Belady's)."""
+        index, deadline = self.index, self._clock() + seconds
+        ready = [key for key, here in zip(chunks, index.ready_mask(chunks), strict=True) if here]
+        held = index.hold(ready, index.held + self._room())
+        while len(held) < len(ready) and (last := self._latest()) is not None:
+            if -last[0] <= deadline:
+                break
+            heapq.heappop(self._last)
+            self._let_go(last[1])
+            held += index.hold(ready[len(held) :], index.held + self._room())
         if held:
             self._sequence += 1
-            heapq.heappush(self._kept, (self._clock() + seconds, self._sequence, held))
+            self._ranges[self._sequence] = held
+            self._count += len(held)
+            heapq.heappush(self._kept, (deadline, self._sequence))
+            heapq.heappush(self._last, (-deadline, self._sequence))
             self._stats.retention_kept_chunks += len(held)
 
+    def _room(self) -> int:
+        return max(0, self._limit - self._count)
+
+    def _let_go(self, sequence: int) -> None:
+        held = self._ranges.pop(sequence, None)
+        if held is not None:
+            self.index.unhold(held)
+            self._count -= len(held)
+
+    def _latest(self) -> tuple[float, int] | None:
+        """(-deadline, sequence) of the kept range whose time runs out last, if any."""
+        last = self._last
+        while last and last[0][1] not in self._ranges:
+            heapq.heappop(last)
+        return last[0] if last else None
+
     def expire(self) -> None:
-        """Let go of the kept ranges whose time is up."""
+        """Let go of the kept ranges whose time is up (those made room for are gone)."""
         now, kept = self._clock(), self._kept
         while kept and kept[0][0] <= now:
-            self.index.unhold(heapq.heappop(kept)[2])
+            self._let_go(heapq.heappop(kept)[1])
 
     def clear(self) -> None:
         """The index dropped every hold (a reset)."""
         self._kept.clear()
+        self._ranges.clear()
+        self._last.clear()
+        self._count = 0

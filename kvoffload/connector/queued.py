@@ -55,8 +55,9 @@ class QueuedHolds:
         self._prefix = [g.reuse is Reuse.PREFIX for g in layout.groups]
         self._stats = stats
         self._clock = clock
-        #: Request -> the chunks held for it and since when, oldest first.
+        #: Request -> the chunks held for it and since when, oldest first; how many in all.
         self._held: dict[str, tuple[list[bytes], float]] = {}
+        self._count = 0
         #: Requests whose lower-tier chunks are being fetched while they wait.
         self._fetching: set[str] = set()
 
@@ -97,13 +98,15 @@ class QueuedHolds:
         return req_id in self._held or req_id in self._fetching
 
     def room(self) -> int:
-        """Chunks that may still be held (fetches take from it too)."""
-        return max(0, self.limit - self.index.held)
+        """Chunks that may still be held for queued requests (fetches take from it too)."""
+        return max(0, self.limit - self._count)
 
     def _take(self, req_id: str, keys: Sequence[bytes], since: float) -> int:
-        held = self.index.hold(keys, self.limit)
+        # Within this share alone (the index holds for retention hints too).
+        held = self.index.hold(keys, self.index.held + self.room())
         if not held:
             return 0
+        self._count += len(held)
         before = self._held.get(req_id)
         if before is None:
             self._stats.queued_holds += 1
@@ -117,6 +120,7 @@ class QueuedHolds:
         entry = self._held.pop(req_id, None)
         if entry is not None:
             self.index.unhold(entry[0])
+            self._count -= len(entry[0])
 
     def expire(self) -> None:
         """Let go of the holds of requests queued longer than :data:`MAX_WAIT_S`."""
@@ -132,6 +136,7 @@ class QueuedHolds:
     def clear(self) -> None:
         """The index dropped every hold (a reset): forget them here too."""
         self._held.clear()
+        self._count = 0
         self._fetching.clear()
 
     def _would_hit(self, keys: Sequence[Sequence[bytes]]) -> list[bytes]:

@@ -140,8 +140,7 @@ class OffloadScheduler:
             self.requests, self.hits, self.promotions, self.queued, self._stats, enabled=fetching
         )
         self.handoffs = Handoffs.from_config(config, handoff, self._stats, self.tails)
-        spans, limit = config.tokens_per_chunk, lambda: self.queued.limit
-        self.hints = RetentionHints(index, spans, self._stats, limit=limit, clock=clock)
+        self.hints = RetentionHints.from_config(config, index, self._stats, clock=clock)
 
     def _planners(
         self, config: OffloadConfig, hit_loading: HitLoading

@@ -22,12 +22,13 @@ from kvoffload.connector._selection import Chosen, Selection, Selector
 from kvoffload.connector._spans import StorePiece, run_spans, store_spans
 from kvoffload.connector._tails import Tails
 from kvoffload.connector._trails import Trails
+from kvoffload.connector.hints import steering
 from kvoffload.connector.jobs import JobBook
 from kvoffload.connector.misses import MissLedger
 from kvoffload.connector.requests import RequestTable
 from kvoffload.connector.stats import SchedulerStats
 from kvoffload.manager.index import OffloadIndex
-from kvoffload.manager.results import StoreResult
+from kvoffload.manager.results import Steer, StoreResult
 from kvoffload.manager.usage import record_stores
 from kvoffload.messages import ChunkSpan, JobKind, JobReport, TransferOrder
 
@@ -105,7 +106,11 @@ class StorePlanner:
     def _store(self, req: RequestState, req_id: str, selection: Selection) -> TransferOrder | None:
         """Reserve CPU slots for the selected chunks (as many as fit) and queue their store."""
         keys, chosen = self._candidates(req, selection)
-        reserved, n = self._reserve_slots(keys, req.tenant, self._parents(req, chosen))
+        steer = None
+        if req.hint:  # a client's retention hint: what this tier admits
+            at = [(key, c.chunk) for key, c in zip(keys, chosen, strict=True)]
+            steer = steering(req.hint, at, [self.spans[c.group] for c in chosen])
+        reserved, n = self._reserve_slots(keys, req.tenant, self._parents(req, chosen), steer=steer)
         self.selector.retry_later(req, chosen[n:])
         if self._windowed:
             new = set(reserved.keys) if reserved is not None else set()
@@ -129,7 +134,8 @@ class StorePlanner:
         chain = req.keys[0]
         keys = chain[run.start : run.stop]
         after = chain[run.start - 1] if run.start else None
-        reserved, n = self._reserve_slots(keys, req.tenant, after=after)
+        steer = steering(req.hint, zip(keys, run, strict=True), self.spans) if req.hint else None
+        reserved, n = self._reserve_slots(keys, req.tenant, after=after, steer=steer)
         self.selector.retry_run(req, run[n:])
         if reserved is None or not reserved.keys:
             return None
@@ -150,6 +156,7 @@ class StorePlanner:
         parents: Sequence[bytes | None] | None = None,
         *,
         after: bytes | None = None,
+        steer: Steer | None = None,
     ) -> tuple[StoreResult | None, int]:
         """Slots for as many leading ``keys`` as the index can take now, and how many were asked.
 
@@ -157,6 +164,7 @@ class StorePlanner:
         do not fit, half of them are asked, and so on (``None``, 0: none fit).
         For the index's prefix order: ``parents``, each key's parent in its chain;
         without, ``keys`` are a plain chain's consecutive chunks after ``after``.
+        ``steer``: what a client's retention hint admits (``hints.steering``).
         """
         index = self.index
         n = min(len(keys), index.room())
@@ -164,17 +172,21 @@ class StorePlanner:
             whole = n == len(keys)
             if parents is None:
                 reserved = index.prepare_store(
-                    keys if whole else keys[:n], tenant=tenant, chain=True, after=after
+                    keys if whole else keys[:n], tenant=tenant, chain=True, after=after, steer=steer
                 )
             else:
                 reserved = index.prepare_store(
                     keys if whole else keys[:n],
                     tenant=tenant,
                     parents=parents if whole else parents[:n],
+                    steer=steer,
                 )
             if reserved is not None:
                 if reserved.evicted:
                     self.misses.evicted(reserved.evicted, reserved.capped)
+                if steer is not None and steer.drop:  # kept out of this tier by the hint
+                    out = [key for key in keys[:n] if key in steer.drop]
+                    self.stats.retention_dropped_chunks += index.ready_mask(out).count(False)
                 return reserved, n
             n //= 2
         return None, 0

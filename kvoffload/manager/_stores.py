@@ -10,6 +10,7 @@ and completes the same way. Every protocol error is detected on the whole batch
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from collections.abc import Set as AbstractSet
 from itertools import filterfalse
@@ -20,7 +21,7 @@ from kvoffload.keys import short_key
 from kvoffload.manager._evictions import IndexEvictions
 from kvoffload.manager._tenants import TenantShares
 from kvoffload.manager.policy import EvictionPolicy
-from kvoffload.manager.results import EventKind, IndexEvent, StoreResult
+from kvoffload.manager.results import EventKind, IndexEvent, Steer, StoreResult
 
 __all__ = ["IndexStores"]
 
@@ -72,6 +73,7 @@ class IndexStores(IndexEvictions):
         parents: Sequence[bytes | None] | None = None,
         chain: bool = False,
         after: bytes | None = None,
+        steer: Steer | None = None,
     ) -> StoreResult | None:
         """Reserve slots for the missing ``keys``, evicting unprotected ready chunks if needed.
 
@@ -99,13 +101,18 @@ class IndexStores(IndexEvictions):
         ``after`` (``None``: from its head), a plain layout's step. Without
         either, the chunk the last ``lookup`` stopped after is the parent of
         a store that starts where it stopped.
+
+        ``steer``: a client's retention hint for some of ``keys`` (:class:`Steer`): its
+        ``keep`` keys are admitted whatever the policy's admission says, its ``drop`` keys
+        are turned away from this tier as admission's rejects are.
         """
         if parents is not None and (chain or len(parents) != len(keys)):
             raise ProtocolError(
                 f"prepare_store: {len(keys)} key(s), {len(parents)} parent(s)"
                 + (" and chain=True" if chain else "")
             )
-        return self._reserve(keys, tenant, self._admit, (parents, chain, after))
+        admit = self._admit if steer is None else functools.partial(self._steered, steer)
+        return self._reserve(keys, tenant, admit, (parents, chain, after))
 
     def prepare_promotion(
         self, keys: Sequence[bytes], *, tenant: str | None = None
@@ -233,6 +240,23 @@ class IndexStores(IndexEvictions):
         # like the others, which is freed once the store is done.
         kept = set(admitted)
         return missing, [key for key in missing if key not in kept]
+
+    def _steered(self, steer: Steer, missing: list[bytes]) -> tuple[list[bytes], list[bytes]]:
+        """:meth:`_admit` with a client's hint: kept keys pass, dropped ones are turned away
+        as admission's rejects are, and the policy's admission is asked about the rest."""
+        keep, drop = steer
+        asked = [key for key in missing if key not in keep and key not in drop]
+        passed = set(self.policy.admit_many(asked)) if self._filters_admission else set(asked)
+        admitted: list[bytes] = []
+        cold: list[bytes] = []
+        for key in missing:
+            if key in keep or key in passed:
+                admitted.append(key)
+            elif self.write_around:  # for the lower tiers only, through a slot
+                admitted.append(key)
+                cold.append(key)
+        self._counts.rejected += len(missing) - len(admitted) + len(cold)
+        return admitted, cold
 
     def complete_store(self, keys: Sequence[bytes]) -> None:
         """Finish in-flight stores that succeeded: the chunks are ready, with a ``STORED`` event.

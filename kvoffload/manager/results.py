@@ -10,7 +10,7 @@ from __future__ import annotations
 from enum import Enum
 from typing import NamedTuple
 
-__all__ = ["EventKind", "IndexEvent", "LoadResult", "StoreResult"]
+__all__ = ["EventKind", "IndexEvent", "LoadResult", "Steer", "StoreResult"]
 
 
 class LoadResult(NamedTuple):
@@ -33,6 +33,16 @@ class StoreResult(NamedTuple):
     slots: tuple[int, ...]
     evicted: tuple[bytes, ...]
     capped: int = 0
+
+
+class Steer(NamedTuple):
+    """What a client's retention hint asks of a store (``prepare_store``): ``keep`` chunks
+    are admitted whatever the policy's admission says, ``drop`` chunks are not kept in
+    this tier (with a tier behind it they pass through a slot to reach it, as admission's
+    rejects do)."""
+
+    keep: frozenset[bytes]
+    drop: frozenset[bytes]
 
 
 class EventKind(Enum):

@@ -14,8 +14,9 @@ client says whether a later request reads that part again:
 What earlier requests already held (a system prompt, the conversation so far) is left
 to the eviction policy: its own hint came when it was new. ``accuracy`` below 1 is a
 client that knows less: it is wrong that often (drawn from a fixed seed), and it does
-not know when a next turn comes, so it keeps what it takes for continued for
-:data:`GUESSED_KEEP_S`.
+not know when a next turn comes, so it keeps what it takes for continued for the
+trace's median time between a turn and the next (what a client learns from its own
+history: 126 s on the Mooncake conversation trace; :func:`typical_gap`).
 
 The hints are in the shape :mod:`kvoffload.connector.hints` parses from vLLM's
 ``kv_transfer_params``, so the replay goes through the connector's own parser.
@@ -31,17 +32,13 @@ from kvoffload.errors import ConfigError
 from kvoffload.replay.belady import NEVER, next_uses
 from kvoffload.replay.trace import Trace
 
-__all__ = ["DROP_PRIORITY", "GUESSED_KEEP_S", "KEEP_PRIORITY", "MARGIN_S", "trace_hints"]
+__all__ = ["DROP_PRIORITY", "KEEP_PRIORITY", "MARGIN_S", "trace_hints", "typical_gap"]
 
 #: TensorRT-LLM's scale runs from 0 to 100 with 35 the default: well above it, and below.
 KEEP_PRIORITY = 90
 DROP_PRIORITY = 10
 #: How long past the next turn's arrival a kept part stays: about the longest queue wait.
 MARGIN_S = 60.0
-#: How long a client that cannot see the future keeps a conversation it believes goes on
-#: (a chat session's idle time: in the Mooncake conversation trace a turn is continued after
-#: 5 minutes idle 14% of the time, after 20 minutes 2%).
-GUESSED_KEEP_S = 600.0
 
 Params = dict[str, object]
 T = TypeVar("T")
@@ -61,45 +58,65 @@ def trace_hints(trace: Trace, accuracy: float = 1.0, *, seed: int = 0) -> list[P
             f"trace {trace.name!r} has no 'timestamp' on every request: hints from the "
             "trace keep a turn until the next one arrives, so they need arrival times"
         )
-    rng = random.Random(seed)
     uses = next_uses(trace.requests)
-    seen: set[bytes] = set()
-    hints: list[Params | None] = []
-    for i, keys in enumerate(trace.requests):
-        new, full = _leading(keys, seen.__contains__), _full_blocks(trace, i)
-        seen.update(keys)
-        if new >= full:
-            hints.append(None)
-            continue
-        read = min(full, _leading(uses[i], NEVER.__ne__))  # what later requests read again
-        hints.append(_said(trace, i, (new, read), uses[i], (accuracy, rng)))
+    parts = _parts(trace, uses)
+    guess = _median([gap for _, _, gap in parts if gap is not None]) if accuracy < 1 else 0.0
+    rng = random.Random(seed)
+    hints: list[Params | None] = [None] * len(trace.requests)
+    for i, (new, read, gap) in enumerate(parts):
+        full = _full_blocks(trace, i)
+        if new < full:
+            part = (new, read, gap, read < full)
+            hints[i] = _said(trace.block_tokens, part, (accuracy, rng, guess))
     return hints
 
 
+def typical_gap(trace: Trace) -> float:
+    """The median seconds between a turn and the next request that reads its new part."""
+    gaps = [gap for _, _, gap in _parts(trace, next_uses(trace.requests)) if gap is not None]
+    return _median(gaps)
+
+
+def _parts(trace: Trace, uses: list[list[int]]) -> list[tuple[int, int, float | None]]:
+    """Per request: where its new part starts, how many leading blocks a later request
+    reads again, and the seconds until the request that reads the last of them (``None``:
+    no later request reads its new part)."""
+    seen: set[bytes] = set()
+    out: list[tuple[int, int, float | None]] = []
+    for i, keys in enumerate(trace.requests):
+        new, full = _leading(keys, seen.__contains__), _full_blocks(trace, i)
+        seen.update(keys)
+        read = min(full, _leading(uses[i], NEVER.__ne__))  # what later requests read again
+        gap = trace.arrivals[uses[i][read - 1]] - trace.arrivals[i] if read > new else None
+        out.append((new, read, gap))
+    return out
+
+
+def _median(values: list[float]) -> float:
+    values = sorted(values)
+    return values[len(values) // 2] if values else MARGIN_S
+
+
 def _said(
-    trace: Trace,
-    i: int,
-    parts: tuple[int, int],
-    uses: Sequence[int],
-    client: tuple[float, random.Random],
+    size: int,
+    part: tuple[int, int, float | None, bool],
+    client: tuple[float, random.Random, float],
 ) -> Params:
-    """What the client (its accuracy, its draws) says of request ``i`` whose blocks from
-    ``parts[0]`` are new and whose first ``parts[1]`` blocks a later request reads again."""
-    (new, read), (accuracy, rng) = parts, client
-    size = trace.block_tokens
-    continued = read > new
+    """What the client (its accuracy, its draws, its guess of a gap) says of a request
+    whose blocks from ``part[0]`` are new, whose first ``part[1]`` blocks a later request
+    reads again ``part[2]`` seconds on (and whose later blocks, if ``part[3]``, none does)."""
+    (new, read, gap, rest), (accuracy, rng, guess) = part, client
+    continued = gap is not None
     if accuracy < 1:  # it knows only whether the conversation goes on, and may be wrong
         if rng.random() >= accuracy:
             continued = not continued
         if continued:
-            return _hint((new * size, None, KEEP_PRIORITY, round(GUESSED_KEEP_S * 1000)))
+            return _hint((new * size, None, KEEP_PRIORITY, round(guess * 1000)))
         return _hint((new * size, None, DROP_PRIORITY, None))
-    if not continued:
+    if gap is None:
         return _hint((new * size, None, DROP_PRIORITY, None))
-    wait = trace.arrivals[uses[read - 1]] - trace.arrivals[i] + MARGIN_S
-    keep = (new * size, read * size, KEEP_PRIORITY, max(1, round(wait * 1000)))
-    rest = (read * size, None, DROP_PRIORITY, None)
-    return _hint(keep, rest) if read < _full_blocks(trace, i) else _hint(keep)
+    keep = (new * size, read * size, KEEP_PRIORITY, max(1, round((gap + MARGIN_S) * 1000)))
+    return _hint(keep, (read * size, None, DROP_PRIORITY, None)) if rest else _hint(keep)
 
 
 def _leading(items: Sequence[T], test: Callable[[T], bool]) -> int:
