@@ -54,9 +54,7 @@ def serve(first_hint: dict[str, Any] | None, clock: list[float] | None = None) -
         stand.run([("long", tokens(2, 640))])
         stand.reset_prefix_cache()
         turn = stand.add("turn-2", [*first, *tokens(3, 40)])
-        while stand.waiting or stand.running:
-            stand.step()
-        stand.step()
+        stand.run([])  # to the end
         assert stand.stats.mismatched_blocks == 0 and stand.stats.failed_load_tokens == 0
         return turn.external, side.scheduler.stats()
     finally:
@@ -147,14 +145,10 @@ def two_turns(extra: dict[str, Any], first_hint: dict[str, Any] | None,
     try:
         first = tokens(1, 320)
         stand.add("turn-1", first, kv_transfer_params=first_hint)
-        while stand.waiting or stand.running:
-            stand.step()
-        stand.step()
+        stand.run([])  # to the end
         stand.reset_prefix_cache()
         turn = stand.add("turn-2", [*first, *tokens(3, 40)])
-        while stand.waiting or stand.running:
-            stand.step()
-        stand.step()
+        stand.run([])  # to the end
         assert stand.stats.mismatched_blocks == 0 and stand.stats.failed_load_tokens == 0
         return turn.external, side.scheduler.stats()
     finally:
@@ -196,9 +190,7 @@ def test_a_full_share_makes_room_for_the_range_read_again_sooner() -> None:
             prompt = tokens(10 + n, 320)
             kept = hint({"token_start": 0, "priority": 90, "duration_ms": ms})
             stand.add(f"r{n}", prompt, kv_transfer_params=kept)
-            while stand.waiting or stand.running:
-                stand.step()
-            stand.step()
+            stand.run([])
             chain = side.scheduler.keys_for(prompt, None, stand.request_hashes(prompt))[0]
             held.append(sum(key in index._held for key in chain))
         assert held[0] == 16 and index.held == 16

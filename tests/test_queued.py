@@ -53,9 +53,7 @@ def serve_behind_a_long_request(share: float, long_chunks: int = 40) -> tuple[in
         stand.reset_prefix_cache()  # only the connector can serve the next turn's prefix
         stand.add("long", tokens(2, 16 * long_chunks))
         turn = stand.add("turn-2", [*first, *tokens(3, 40)])
-        while stand.waiting or stand.running:
-            stand.step()
-        stand.step()
+        stand.run([])  # to the end
         assert stand.stats.mismatched_blocks == 0 and stand.stats.failed_load_tokens == 0
         return turn.external, side.scheduler.stats()
     finally:
@@ -147,9 +145,7 @@ def test_a_waiting_requests_disk_chunks_are_fetched_and_load_in_its_step(tmp_pat
     try:
         stand.add("long", tokens(2, 640))
         turn = stand.add("turn-2", [*tokens(1, 320), *tokens(3, 40)])
-        while stand.waiting or stand.running:
-            stand.step()
-        stand.step()
+        stand.run([])  # to the end
         stats = side.scheduler.stats()
         assert stand.stats.mismatched_blocks == 0 and stand.stats.failed_load_tokens == 0
         assert turn.external == 320  # the whole first turn
@@ -190,9 +186,7 @@ def test_a_fetch_that_could_never_fit_does_not_stall_those_behind_it(tmp_path: P
         stand.add("long", tokens(2, 640))
         big = stand.add("big-2", [*tokens(1, 320), *tokens(3, 40)])
         small = stand.add("small-2", [*tokens(5, 160), *tokens(6, 40)])
-        while stand.waiting or stand.running:
-            stand.step()
-        stand.step()
+        stand.run([])  # to the end
         stats = side.scheduler.stats()
         assert stand.stats.mismatched_blocks == 0 and stand.stats.failed_load_tokens == 0
         assert (big.external, small.external) == (320, 160)  # both still hit, from either tier
