@@ -122,6 +122,8 @@ class IndexEvictions(IndexState):
         if pins or found or keep:
             kept = (pins.keys() | found).union(keep).__contains__
         if held:  # passed over too, asked after the few pinned and found ones
+            if kept is nothing_protected:
+                return held.__contains__
             kept = functools.partial(_kept_or_held, kept, held)
         return kept
 
@@ -180,16 +182,7 @@ class IndexEvictions(IndexState):
     def _take(self, need: int, kept: Callable[[bytes], bool], found: set[bytes]) -> list[bytes]:
         """The policy's ``need`` victims among the chunks ``kept`` does not protect, freed."""
         victims = self.policy.evict(need, kept)
-        check_victims(
-            self.policy.name,
-            victims,
-            need,
-            ready=self._ready,
-            pins=self._pins,
-            found=found,
-            held=self._held,
-        )
-        self._drop(victims)
+        self._check_and_drop(victims, need, found)
         return victims
 
     def _take_in_order(

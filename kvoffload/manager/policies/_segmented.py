@@ -22,8 +22,9 @@ such a head back when the policy picks it (``takes_back``).
 
 from __future__ import annotations
 
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Callable, Collection, Iterable
+from itertools import filterfalse, islice
 
 from kvoffload.errors import ConfigError, IntegrityError
 from kvoffload.manager._integrity import check_resident
@@ -134,15 +135,9 @@ class SegmentedLRU(EvictionPolicy):
                 pop = segment.popitem
                 victims += [pop(last=False)[0] for _ in range(min(n - len(victims), len(segment)))]
             else:
-                chosen: list[bytes] = []
-                want = n - len(victims)  # > 0: the loop stops once it has n
-                for key in segment:
-                    if not protected(key):
-                        chosen.append(key)
-                        if len(chosen) == want:
-                            break
-                for key in chosen:
-                    del segment[key]
+                # The oldest unprotected, at C speed (islice asks no key past the last).
+                chosen = list(islice(filterfalse(protected, segment), n - len(victims)))
+                deque(map(segment.__delitem__, chosen), 0)
                 victims += chosen
             if len(victims) == n:
                 break
