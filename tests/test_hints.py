@@ -4,11 +4,11 @@ them from it, through kvoffload's real scheduler and worker under the stand-in e
 from __future__ import annotations
 
 import logging
-import random
 from pathlib import Path
 from typing import Any
 
 import pytest
+from _turns import run_out, tokens
 
 from kvoffload import build_offloading_config
 from kvoffload.config.layout import CacheGroup, KVLayout
@@ -21,10 +21,6 @@ from kvoffload.transfer import allocate_kv_caches
 LAYOUT = KVLayout((CacheGroup("full", 16, ("l0", "l1"), 512),))
 NAMESPACE = namespace_of("hints-test", "bfloat16", LAYOUT)
 CPU_CHUNKS = 64
-
-
-def tokens(seed: int, n: int) -> list[int]:
-    return random.Random(seed).choices(range(1, 30000), k=n)
 
 
 def hint(*ranges: dict[str, Any]) -> dict[str, Any]:
@@ -54,9 +50,8 @@ def serve(first_hint: dict[str, Any] | None, clock: list[float] | None = None) -
         stand.run([("long", tokens(2, 640))])
         stand.reset_prefix_cache()
         turn = stand.add("turn-2", [*first, *tokens(3, 40)])
-        stand.run([])  # to the end
-        assert stand.stats.mismatched_blocks == 0 and stand.stats.failed_load_tokens == 0
-        return turn.external, side.scheduler.stats()
+        stats = run_out(stand, side)
+        return turn.external, stats
     finally:
         side.close()
 
@@ -148,9 +143,8 @@ def two_turns(extra: dict[str, Any], first_hint: dict[str, Any] | None,
         stand.run([])  # to the end
         stand.reset_prefix_cache()
         turn = stand.add("turn-2", [*first, *tokens(3, 40)])
-        stand.run([])  # to the end
-        assert stand.stats.mismatched_blocks == 0 and stand.stats.failed_load_tokens == 0
-        return turn.external, side.scheduler.stats()
+        stats = run_out(stand, side)
+        return turn.external, stats
     finally:
         side.close()
 

@@ -7,11 +7,11 @@ while the long one's stores fill a small CPU tier.
 
 from __future__ import annotations
 
-import random
 from pathlib import Path
 from typing import Any
 
 import pytest
+from _turns import run_out, tokens
 
 from kvoffload import build_offloading_config
 from kvoffload.config.layout import CacheGroup, KVLayout
@@ -26,10 +26,6 @@ LAYOUT = KVLayout((CacheGroup("full", 16, ("l0", "l1"), 512),))
 NAMESPACE = namespace_of("queued-test", "bfloat16", LAYOUT)
 #: A 64-chunk CPU tier; a 320-token prompt stores 20 chunks, a 1280-token one 80.
 CPU_CHUNKS = 64
-
-
-def tokens(seed: int, n: int) -> list[int]:
-    return random.Random(seed).choices(range(1, 30000), k=n)
 
 
 def engine(share: float) -> tuple[StandIn, KVOffloadSide]:
@@ -53,9 +49,8 @@ def serve_behind_a_long_request(share: float, long_chunks: int = 40) -> tuple[in
         stand.reset_prefix_cache()  # only the connector can serve the next turn's prefix
         stand.add("long", tokens(2, 16 * long_chunks))
         turn = stand.add("turn-2", [*first, *tokens(3, 40)])
-        stand.run([])  # to the end
-        assert stand.stats.mismatched_blocks == 0 and stand.stats.failed_load_tokens == 0
-        return turn.external, side.scheduler.stats()
+        stats = run_out(stand, side)
+        return turn.external, stats
     finally:
         side.close()
 
@@ -72,6 +67,20 @@ def test_a_queued_requests_chunks_outlive_the_stores_of_those_ahead() -> None:
     # tail first), leaving its first 4 chunks.
     unheld_hit, unheld = serve_behind_a_long_request(0)
     assert unheld_hit == 64 and unheld["queued_holds"] == 0
+
+
+def test_a_request_its_arrival_step_schedules_holds_nothing() -> None:
+    stand, side = engine(0.5)
+    try:
+        first = tokens(1, 320)
+        stand.run([("turn-1", first)])
+        stand.reset_prefix_cache()
+        turn = stand.add("turn-2", [*first, *tokens(3, 40)])
+        stats = run_out(stand, side)
+        assert turn.external == 320  # its load pinned what it used
+        assert stats["queued_holds"] == stats["queued_held_chunks"] == 0
+    finally:
+        side.close()
 
 
 def test_a_long_queue_holds_at_most_its_share() -> None:
@@ -94,7 +103,9 @@ def test_a_hold_lapses_when_its_request_waits_too_long() -> None:
         first = tokens(1, 320)
         stand.run([("turn-1", first)])
         late = [*first, 7]
-        assert side.scheduler.request_queued("stuck", late, None, stand.request_hashes(late)) == 20
+        side.scheduler.request_queued("stuck", late, None, stand.request_hashes(late))
+        side.scheduler.plan_step([])  # a step left it waiting: held from here
+        assert side.scheduler.stats()["index_held"] == 20
         side.scheduler.plan_step([])
         assert side.scheduler.stats()["index_held"] == 20  # still in time
         clock[0] += MAX_WAIT_S + 1
@@ -111,7 +122,9 @@ def test_an_aborted_request_lets_go() -> None:
         first = tokens(1, 320)
         stand.run([("turn-1", first)])
         late = [*first, 7]
-        assert side.scheduler.request_queued("gone", late, None, stand.request_hashes(late)) == 20
+        side.scheduler.request_queued("gone", late, None, stand.request_hashes(late))
+        side.scheduler.plan_step([])
+        assert side.scheduler.stats()["index_held"] == 20
         side.scheduler.request_finished("gone")
         assert side.scheduler.stats()["index_held"] == 0
     finally:
@@ -145,9 +158,7 @@ def test_a_waiting_requests_disk_chunks_are_fetched_and_load_in_its_step(tmp_pat
     try:
         stand.add("long", tokens(2, 640))
         turn = stand.add("turn-2", [*tokens(1, 320), *tokens(3, 40)])
-        stand.run([])  # to the end
-        stats = side.scheduler.stats()
-        assert stand.stats.mismatched_blocks == 0 and stand.stats.failed_load_tokens == 0
+        stats = run_out(stand, side)
         assert turn.external == 320  # the whole first turn
         # Read from disk while the long request ran, held, then loaded from the CPU tier in
         # the step that scheduled it.
@@ -186,9 +197,7 @@ def test_a_fetch_that_could_never_fit_does_not_stall_those_behind_it(tmp_path: P
         stand.add("long", tokens(2, 640))
         big = stand.add("big-2", [*tokens(1, 320), *tokens(3, 40)])
         small = stand.add("small-2", [*tokens(5, 160), *tokens(6, 40)])
-        stand.run([])  # to the end
-        stats = side.scheduler.stats()
-        assert stand.stats.mismatched_blocks == 0 and stand.stats.failed_load_tokens == 0
+        stats = run_out(stand, side)
         assert (big.external, small.external) == (320, 160)  # both still hit, from either tier
         assert stats["queued_fetches"] == 1 and stats["queued_fetched_chunks"] == 10
     finally:

@@ -239,10 +239,10 @@ KEYS: tuple[Key, ...] = (
     Key(
         "queued_cpu_share",
         KeyType.SHARE,
-        "Most of the CPU tier held for requests in vLLM's waiting queue: from the moment a "
-        "request arrives, the chunks it will hit in the CPU tier are not evicted until it "
-        "is scheduled (or aborted, or has waited a minute), up to this fraction of the "
-        "tier, first come first held. 0: nothing held.",
+        "Most of the CPU tier held for requests in vLLM's waiting queue: once a step leaves "
+        "a request waiting (before that step's stores evict), the chunks it will hit in the "
+        "CPU tier are not evicted until it is scheduled (or aborted, or has waited a "
+        "minute), up to this fraction of the tier, first come first held. 0: nothing held.",
     ),
     Key(
         "retention_cpu_share",

@@ -256,7 +256,10 @@ class RetentionHints:
 
     def expire(self) -> None:
         """Let go of the kept ranges whose time is up (those made room for are gone)."""
-        now, kept = self._clock(), self._kept
+        kept = self._kept
+        if not kept:
+            return
+        now = self._clock()
         while kept and kept[0][0] <= now:
             self._let_go(heapq.heappop(kept)[1])
 

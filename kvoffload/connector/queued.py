@@ -3,10 +3,12 @@
 A request waits in vLLM's queue while others run, and their stores evict the
 least recently used chunks of the CPU tier: quite possibly the very chunks the
 waiting request arrived for, which it then recomputes. vLLM tells the connector
-of every arrival before queueing it (``on_new_request``); from then on the
-chunks of the request's hit that the CPU tier holds are *held*: passed over by
-evictions, where the policy ranks them, until the request is scheduled (its load pins them),
-finishes without running (aborted), or has waited :data:`MAX_WAIT_S`. At most
+of every arrival before queueing it (``on_new_request``); once a step leaves it
+waiting (before that step's stores evict), the chunks of the request's hit that
+the CPU tier holds are *held*: passed over by evictions, where the policy ranks
+them, until the request is scheduled (its ``plan_load``: its load pins them),
+finishes without running (aborted), or has waited :data:`MAX_WAIT_S`. A request
+the step it arrived for schedules holds nothing: most do. At most
 ``queued_cpu_share`` of the tier is held at once, first come first held, so a
 long queue cannot freeze the tier or starve the running requests' stores.
 
@@ -53,8 +55,12 @@ class QueuedHolds:
         self.limit = limit
         self.tokens_per_chunk = tuple(tokens_per_chunk)
         self._prefix = [g.reuse is Reuse.PREFIX for g in layout.groups]
+        self._plain = self._prefix == [True]
         self._stats = stats
         self._clock = clock
+        #: Requests that arrived since the last step, with their keys: held if it leaves them
+        #: waiting (most are scheduled by the step they arrive for, and need no hold).
+        self._arrived: dict[str, Sequence[Sequence[bytes]]] = {}
         #: Request -> the chunks held for it and since when, oldest first; how many in all.
         self._held: dict[str, tuple[list[bytes], float]] = {}
         self._count = 0
@@ -75,11 +81,30 @@ class QueuedHolds:
         spans = config.tokens_per_chunk
         return cls(index, config.layout, spans, limit=limit, stats=stats, clock=clock)
 
-    def hold(self, req_id: str, keys: Sequence[Sequence[bytes]]) -> int:
-        """Hold the chunks of ``keys`` (the request's, per group) its hit would use; how many."""
-        if req_id in self._held or not self.limit:
-            return 0
-        return self._take(req_id, self._would_hit(keys), self._clock())
+    def arrived(self, req_id: str, keys: Sequence[Sequence[bytes]]) -> None:
+        """A request joined the queue with ``keys`` (its own, per group): its chunks are held
+        once a step leaves it waiting (:meth:`hold_waiting`)."""
+        if self.limit and req_id not in self._held:
+            self._arrived[req_id] = keys
+
+    def step(self) -> None:
+        """After a step's scheduling, before its stores evict: the requests that arrived for
+        it and still wait hold their chunks, and holds that waited too long lapse.
+
+        Holding from the step that leaves a request waiting, not from its arrival: most
+        requests are scheduled by the step they arrive for (their ``plan_load`` releases
+        them, and their loads pin what they use), so holding them would only cost time."""
+        arrived = self._arrived
+        if not (arrived or self._held):
+            return
+        now = self._clock()
+        for req_id, keys in arrived.items():
+            if self._plain:  # one full-attention group: its leading run, in order
+                self._take(req_id, keys[0], now, leading=True)
+            else:
+                self._take(req_id, self._would_hit(keys), now)
+        arrived.clear()
+        self._expire(now)
 
     def hold_fetched(self, req_id: str, keys: Sequence[bytes]) -> int:
         """Hold chunks just fetched for a request still queued (none once it left); how many."""
@@ -101,9 +126,9 @@ class QueuedHolds:
         """Chunks that may still be held for queued requests (fetches take from it too)."""
         return max(0, self.limit - self._count)
 
-    def _take(self, req_id: str, keys: Sequence[bytes], since: float) -> int:
+    def _take(self, req_id: str, keys: Sequence[bytes], since: float, leading: bool = False) -> int:
         # Within this share alone (the index holds for retention hints too).
-        held = self.index.hold(keys, self.index.held + self.room())
+        held = self.index.hold(keys, self.index.held + self.room(), leading=leading)
         if not held:
             return 0
         self._count += len(held)
@@ -116,25 +141,28 @@ class QueuedHolds:
 
     def release(self, req_id: str) -> None:
         """The request left the queue (scheduled, or finished without running)."""
-        self._fetching.discard(req_id)
-        entry = self._held.pop(req_id, None)
+        if self._arrived:
+            self._arrived.pop(req_id, None)
+        if self._fetching:
+            self._fetching.discard(req_id)
+        entry = self._held.pop(req_id, None) if self._held else None
         if entry is not None:
             self.index.unhold(entry[0])
             self._count -= len(entry[0])
 
-    def expire(self) -> None:
+    def _expire(self, now: float) -> None:
         """Let go of the holds of requests queued longer than :data:`MAX_WAIT_S`."""
-        if not self._held:
-            return
-        since = self._clock() - MAX_WAIT_S
-        for req_id, (_, held_at) in list(self._held.items()):
+        since, held = now - MAX_WAIT_S, self._held
+        while held:
+            req_id, (_, held_at) = next(iter(held.items()))
             if held_at > since:
-                break  # in arrival order: the rest are younger
+                return  # in arrival order: the rest are younger
             self.release(req_id)
             self._stats.queued_hold_expiries += 1
 
     def clear(self) -> None:
         """The index dropped every hold (a reset): forget them here too."""
+        self._arrived.clear()
         self._held.clear()
         self._count = 0
         self._fetching.clear()
@@ -147,8 +175,6 @@ class QueuedHolds:
             for g, group_keys in enumerate(keys)
             if self._prefix[g]
         }
-        if len(keys) == 1 and runs:  # a plain transformer: its leading run, in order
-            return list(keys[0][: runs[0]])
         end = min((run * spans[g] for g, run in runs.items()), default=None)
         chunks: list[tuple[int, bytes]] = []
         for g, group_keys in enumerate(keys):
@@ -157,11 +183,6 @@ class QueuedHolds:
             chunks += [(c * spans[g], key) for c, key in enumerate(head) if found[c]]
         chunks.sort(key=lambda item: item[0])
         return [key for _, key in chunks]
-
-    @property
-    def active(self) -> bool:
-        """Whether any request holds or fetches (else a step has nothing to let go of)."""
-        return bool(self._held or self._fetching)
 
 
 class WaitingFetches:
@@ -203,6 +224,11 @@ class WaitingFetches:
         """The request was scheduled, or finished: nothing to fetch for it any more."""
         if self._waiting:
             self._waiting.pop(req_id, None)
+
+    @property
+    def waiting(self) -> bool:
+        """Whether a request waits to be fetched for."""
+        return bool(self._waiting)
 
     def fetch(self) -> None:
         """At the end of a step's scheduling: order the fetches of those it left waiting.

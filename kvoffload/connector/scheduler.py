@@ -187,16 +187,16 @@ class OffloadScheduler:
         block_hashes: Sequence[bytes] | None = None,
         *,
         fetch: bool = True,
-    ) -> int:
-        """vLLM's ``on_new_request``: hold the CPU-tier chunks the queued request will hit
-        until it runs, and with ``fetch`` read in its lower-tier ones if it waits
-        (:mod:`~kvoffload.connector.queued`); the chunks held. Keys are made once, here."""
+    ) -> None:
+        """vLLM's ``on_new_request``: if a step leaves the request waiting, hold the CPU-tier
+        chunks it will hit until it runs, and with ``fetch`` read in its lower-tier ones
+        (:mod:`~kvoffload.connector.queued`). Its keys are made once, here."""
         if not self.queued.limit:
-            return 0
+            return
         req = self.requests.arrived(req_id, token_ids, extras, block_hashes)
         if fetch:
             self.fetches.arrived(req_id, token_ids, block_hashes)
-        return self.queued.hold(req_id, req.keys)
+        self.queued.arrived(req_id, req.keys)
 
     def read_hint(self, req_id: str, params: object) -> None:
         """A client's retention hint in the request's ``kv_transfer_params`` (``hints``)."""
@@ -301,13 +301,10 @@ class OffloadScheduler:
         for req_id in preempted:
             self.preempted(req_id)
         plan, steps = self.stores.plan, list(scheduled)
-        if self.queued.active:
-            for step in steps:
-                self.queued.release(step.req_id)
-                self.fetches.left(step.req_id)
-            self.queued.expire()
+        self.queued.step()  # those scheduled left the queue in plan_load
+        if self.fetches.waiting:
+            self.fetches.fetch()
         self.hints.expire()
-        self.fetches.fetch()
         if self.config.stores:  # not a kv_consumer's, unless it writes back
             for step in steps:
                 plan(step)

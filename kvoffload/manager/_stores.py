@@ -11,6 +11,7 @@ and completes the same way. Every protocol error is detected on the whole batch
 from __future__ import annotations
 
 import functools
+from collections import deque
 from collections.abc import Callable, Sequence
 from collections.abc import Set as AbstractSet
 from itertools import filterfalse
@@ -147,15 +148,20 @@ class IndexStores(IndexEvictions):
         memo = self._after
         if links[0] is None and not links[1] and memo is not None and admitted[0] == memo[0]:
             keys, links = admitted[:1], (None, True, memo[1])  # it goes on from the lookup's
-        evicted, capped = self._make_room(admitted, found, tenant, keys, links)
-        free, key_of = self._free, self._chains.key_of
-        slots = []
-        for key in admitted:
-            slot = free.pop()
-            storing[key] = slot
-            key_of[slot] = key
-            slots.append(slot)
-        self._link_reserved(keys, admitted, slots, links)
+        free = self._free
+        if len(admitted) > len(free) or tenants is not None:
+            evicted, capped = self._make_room(admitted, found, tenant, keys, links)
+        else:
+            evicted, capped = [], 0
+        if admitted:  # the last slots freed first, as pops take them; at C speed
+            n = len(admitted)
+            slots = free[: -n - 1 : -1]
+            del free[-n:]
+            storing.update(zip(admitted, slots, strict=True))
+            deque(map(self._chains.key_of.__setitem__, slots, admitted), 0)
+            self._link_reserved(keys, admitted, slots, links)
+        else:
+            slots = []
         if tenants is not None:
             tenants.reserve(admitted, tenant)
         self._cold.update(cold)
@@ -167,7 +173,8 @@ class IndexStores(IndexEvictions):
         """Link the chunks just reserved (``admitted``, of ``keys``, in ``slots``): their
         parents, present, are no leaves while they are copied."""
         chains = self._chains
-        fresh = not chains.waiting  # no orphan waits for these chunks: they have no child
+        # No orphan waits for these chunks (at C speed): they have no child.
+        fresh = not chains.waiting or chains.waiting.keys().isdisjoint(admitted)
         if not fresh:  # a chunk back in the tier makes its children reachable
             chains.arrive(admitted, slots)
         parents, chain, after = links
@@ -197,8 +204,6 @@ class IndexStores(IndexEvictions):
 
         The parents of the store's chunks (``keys``) are no leaves while it runs."""
         tenants = self.tenants
-        if len(admitted) <= len(self._free) and tenants is None:
-            return [], 0
         keep = _NO_KEYS if self._takes_back else self._chains_kept(keys, links)
         evicted: list[bytes] = []
         if tenants is not None:

@@ -194,7 +194,7 @@ class OffloadIndex(IndexStores):
                     tenants.pinned(key, -1)
 
     # -- queued requests ------------------------------------------------------
-    def hold(self, keys: Sequence[bytes], limit: int) -> list[bytes]:
+    def hold(self, keys: Sequence[bytes], limit: int, *, leading: bool = False) -> list[bytes]:
         """Keep ready ``keys`` from eviction for a request still queued; returns those held.
 
         A held chunk stays where the policy ranks it (a hold changes no ranking, so
@@ -204,7 +204,8 @@ class OffloadIndex(IndexStores):
         store that finds no room otherwise lets go of the newest holds
         (``spilled``): the running requests come first. Holds stack like pins.
         Chunks of tenants under ``tenant_share`` are never held (a tenant's cap
-        decides).
+        decides). ``leading``: stop at the first key not ready (the run a prefix hit
+        uses), rather than skip it.
         """
         if self.tenants is not None:
             return []
@@ -212,6 +213,8 @@ class OffloadIndex(IndexStores):
         taken = []
         for key in keys:
             if key not in ready:
+                if leading:
+                    break
                 continue
             n = held.get(key, 0)
             if not n and len(held) >= limit:
