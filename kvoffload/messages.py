@@ -40,6 +40,10 @@ __all__ = [
 ]
 
 
+#: The types of a block id list that needs no closer look.
+_INTS = {int}
+
+
 @dataclass(frozen=True, slots=True)
 class BlockSpan:
     """Engine block ids of one group, moved to or from consecutive chunks.
@@ -55,8 +59,8 @@ class BlockSpan:
 
     def __post_init__(self) -> None:
         ids = self.block_ids
-        # Every order carries one per block: check plain ints at once, the rest one by one.
-        if type(ids) is not tuple or not all(type(b) is int and b >= 0 for b in ids):
+        # Every order carries one per block: check plain ints at C speed, the rest one by one.
+        if type(ids) is not tuple or (ids and ({*map(type, ids)} != _INTS or min(ids) < 0)):
             ids = tuple(checked_int("block id", b, minimum=0, error=TransferError) for b in ids)
         object.__setattr__(self, "block_ids", ids)
         if type(self.first_offset) is not int or self.first_offset < 0:  # checked in full

@@ -248,6 +248,11 @@ def test_bad_spans_and_buffers_are_refused() -> None:
         transfer.gather(0, BlockSpan(()), [])  # a promotion's blocks: none to copy
     with pytest.raises(TransferError, match="non-negative"):
         BlockSpan((-1,))
+    with pytest.raises(TransferError, match="non-negative"):
+        BlockSpan((3, 4, -1))  # the check of a whole tuple at once sees the last one too
+    with pytest.raises(TransferError, match="block id"):
+        BlockSpan((3, True))
+    assert BlockSpan([3, 4]).block_ids == (3, 4)  # a list is taken, as a tuple
 
 
 def test_span_geometry() -> None:

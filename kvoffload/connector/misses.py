@@ -29,6 +29,7 @@ import statistics
 from collections import OrderedDict, deque
 from collections.abc import Iterable, Sequence
 from enum import Enum
+from itertools import repeat
 
 from kvoffload.config import OffloadConfig
 from kvoffload.config.layout import Reuse
@@ -104,17 +105,20 @@ class MissLedger:
         """``keys`` are in the CPU tier now: no longer evicted."""
         self._stored += len(keys)
         ghosts = self._ghosts
-        if ghosts:
-            for key in keys:
-                ghosts.pop(key, None)
+        if ghosts:  # at C speed: every completed store comes here
+            deque(map(ghosts.pop, keys, repeat(None)), 0)
 
     def evicted(self, keys: Iterable[bytes], capped: int = 0) -> None:
         """``keys`` left the CPU tier, the first ``capped`` of them for their tenant's share."""
         ghosts, clock = self._ghosts, self._stored
-        for i, key in enumerate(keys):
-            ghosts[key] = (clock, i < capped)
-        while len(ghosts) > self._max_ghosts:
-            ghosts.popitem(last=False)
+        if capped:
+            keys = list(keys)
+            ghosts.update(zip(keys[:capped], repeat((clock, True))))
+            keys = keys[capped:]
+        ghosts.update(zip(keys, repeat((clock, False))))  # at C speed: every eviction
+        excess = len(ghosts) - self._max_ghosts
+        if excess > 0:  # the oldest go
+            deque(map(ghosts.popitem, repeat(False, excess)), 0)
 
     def stopped_at(self, key: bytes | None) -> MissReason:
         """Why the stored prefix ends at ``key`` (``None``: past the request's keys)."""

@@ -285,9 +285,8 @@ class IndexStores(IndexEvictions):
             for key in keys:
                 ready[key] = slot = storing.pop(key)
                 record(IndexEvent(_STORED, key, slot))
-        else:
-            for key in keys:
-                ready[key] = storing.pop(key)
+        else:  # at C speed: every store completes here
+            ready.update(zip(keys, map(storing.pop, keys), strict=True))
         self.policy.insert_many(keys)
         self._counts.stores += len(keys)
         if self.tenants is not None:
