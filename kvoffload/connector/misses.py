@@ -29,7 +29,7 @@ import statistics
 from collections import OrderedDict, deque
 from collections.abc import Iterable, Sequence
 from enum import Enum
-from itertools import repeat
+from itertools import chain, repeat
 
 from kvoffload.config import OffloadConfig
 from kvoffload.config.layout import Reuse
@@ -111,11 +111,8 @@ class MissLedger:
     def evicted(self, keys: Iterable[bytes], capped: int = 0) -> None:
         """``keys`` left the CPU tier, the first ``capped`` of them for their tenant's share."""
         ghosts, clock = self._ghosts, self._stored
-        if capped:
-            keys = list(keys)
-            ghosts.update(zip(keys[:capped], repeat((clock, True))))
-            keys = keys[capped:]
-        ghosts.update(zip(keys, repeat((clock, False))))  # at C speed: every eviction
+        marks = chain(repeat((clock, True), capped), repeat((clock, False)))
+        ghosts.update(zip(keys, marks, strict=False))  # marks never end; at C speed
         excess = len(ghosts) - self._max_ghosts
         if excess > 0:  # the oldest go
             deque(map(ghosts.popitem, repeat(False, excess)), 0)

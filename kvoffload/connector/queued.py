@@ -83,7 +83,7 @@ class QueuedHolds:
 
     def arrived(self, req_id: str, keys: Sequence[Sequence[bytes]]) -> None:
         """A request joined the queue with ``keys`` (its own, per group): its chunks are held
-        once a step leaves it waiting (:meth:`hold_waiting`)."""
+        once a step leaves it waiting (:meth:`step`)."""
         if self.limit and req_id not in self._held:
             self._arrived[req_id] = keys
 
@@ -141,11 +141,9 @@ class QueuedHolds:
 
     def release(self, req_id: str) -> None:
         """The request left the queue (scheduled, or finished without running)."""
-        if self._arrived:
-            self._arrived.pop(req_id, None)
-        if self._fetching:
-            self._fetching.discard(req_id)
-        entry = self._held.pop(req_id, None) if self._held else None
+        self._arrived.pop(req_id, None)
+        self._fetching.discard(req_id)
+        entry = self._held.pop(req_id, None)
         if entry is not None:
             self.index.unhold(entry[0])
             self._count -= len(entry[0])
@@ -224,11 +222,6 @@ class WaitingFetches:
         """The request was scheduled, or finished: nothing to fetch for it any more."""
         if self._waiting:
             self._waiting.pop(req_id, None)
-
-    @property
-    def waiting(self) -> bool:
-        """Whether a request waits to be fetched for."""
-        return bool(self._waiting)
 
     def fetch(self) -> None:
         """At the end of a step's scheduling: order the fetches of those it left waiting.

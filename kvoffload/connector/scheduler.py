@@ -302,8 +302,7 @@ class OffloadScheduler:
             self.preempted(req_id)
         plan, steps = self.stores.plan, list(scheduled)
         self.queued.step()  # those scheduled left the queue in plan_load
-        if self.fetches.waiting:
-            self.fetches.fetch()
+        self.fetches.fetch()
         self.hints.expire()
         if self.config.stores:  # not a kv_consumer's, unless it writes back
             for step in steps:
