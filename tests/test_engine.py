@@ -374,18 +374,39 @@ def other_stores(engine: OffloadEngine, count: int, first_slot: int) -> list[int
 def test_stores_copy_out_while_two_reads_of_other_chunks_are_blocked(
     gated: tuple[OffloadEngine, GatedReads],
 ) -> None:
-    """A load and a promotion each wait in a disk read: a store of other chunks submitted
-    after them still copies its blocks out, so the engine's step need not wait for disks."""
+    """A promotion and a load each wait in a disk read: a store of other chunks submitted
+    after them still copies its blocks out, so the engine's step need not wait for disks.
+    (The promotion goes first: it reads no chunk while a load runs.)"""
     engine, disk = gated
-    load = engine.submit_load([ChunkSpan(FULL, (b"d0",), (0,), BlockSpan((20, 21)))])
     promote = engine.submit_promote([promotion(1, 1)])
-    disk.waiting(2)
+    disk.waiting()
+    load = engine.submit_load([ChunkSpan(FULL, (b"d0",), (0,), BlockSpan((20, 21)))])
+    disk.waiting()
     stores = other_stores(engine, 1, first_slot=40)
     assert engine.wait_for_sources(timeout=10), "a store waited for other chunks' disk reads"
     assert {r.job_id for r in engine.get_finished()} <= set(stores)  # the reads still wait
     disk.gate.set()
     results = {r.job_id: r for r in finish(engine)}
     assert results[load].status is results[promote].status is JobStatus.SUCCESS
+
+
+def test_a_promotion_reads_no_chunk_while_a_load_runs(
+    gated: tuple[OffloadEngine, GatedReads],
+) -> None:
+    """A load waits in a disk read; a promotion of other chunks submitted after it reads
+    nothing until the load is done (the queued request's fetch leaves the drive to the
+    scheduled one's load), then reads all its chunks."""
+    engine, disk = gated
+    load = engine.submit_load([ChunkSpan(FULL, (b"d0",), (0,), BlockSpan((20, 21)))])
+    disk.waiting()
+    promote = engine.submit_promote([promotion(1, 3)])
+    # Without the wait, the promotion's first read reaches the gate within milliseconds.
+    assert not disk.reading.acquire(timeout=1.0), "a promotion read while a load ran"
+    disk.gate.set()
+    results = finish(engine)
+    assert [r.job_id for r in results] == [load, promote]  # the load ends first
+    assert all(r.status is JobStatus.SUCCESS for r in results)
+    assert results[1].done_keys == promotion(1, 3).keys
 
 
 def test_jobs_on_other_chunks_never_wait_for_a_blocked_read(

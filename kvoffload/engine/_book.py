@@ -35,6 +35,7 @@ class JobBook:
         self._pending = 0  # every job not ended, loads in the step included
         self._queued = 0  # jobs on the engine's threads (or waiting for their chunks)
         self._reading = 0  # store jobs still reading engine blocks
+        self._loading = 0  # load jobs running on the engine's threads
 
     def new_id(self) -> int:
         return next(self._ids)
@@ -77,6 +78,26 @@ class JobBook:
         with self._cond:
             self._pending -= 1
             self._cond.notify_all()
+
+    def load_started(self) -> None:
+        """A load job runs on a job thread: promotions wait for it (:meth:`wait_for_loads`)."""
+        with self._cond:
+            self._loading += 1
+
+    def load_ended(self) -> None:
+        with self._cond:
+            self._loading -= 1
+            if not self._loading:
+                self._cond.notify_all()
+
+    def wait_for_loads(self) -> None:
+        """Block until no load job runs: a promotion reads with what the loads leave.
+
+        Never a deadlock: a running load holds every job lock it needs already, and a
+        promotion waits here before a read, not inside one (see the engine's "Threads").
+        """
+        with self._cond:
+            self._cond.wait_for(lambda: self._loading == 0)
 
     def take_finished(self) -> list[JobResult]:
         """Results queued since the last call, each handed out exactly once."""

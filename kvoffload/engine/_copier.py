@@ -21,6 +21,7 @@ damage (and on the lower-tier reads ``load.slow_lower`` slows).
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
 
@@ -98,17 +99,24 @@ class ChunkCopier:
             run.ok = run.ok and self.scatter(run, after, outcome)
         self.settle(runs, outcome)
 
-    def promote(self, span: ChunkSpan, outcome: Outcome) -> None:
-        """Make each chunk of ``span`` hold its key in its CPU slot, verified, and no more."""
-        for run in self.verified_runs(span, outcome):
+    def promote(
+        self, span: ChunkSpan, outcome: Outcome, before_read: Callable[[], None] | None = None
+    ) -> None:
+        """Make each chunk of ``span`` hold its key in its CPU slot, verified, and no more;
+        ``before_read`` is called before each chunk is read (a promotion's wait for loads)."""
+        for run in self.verified_runs(span, outcome, before_read):
             keys = span.keys[run.start : run.stop]
             (outcome.done if run.ok else outcome.failed).extend(keys)
 
-    def verified_runs(self, span: ChunkSpan, outcome: Outcome) -> list[Run]:
+    def verified_runs(
+        self, span: ChunkSpan, outcome: Outcome, before_read: Callable[[], None] | None = None
+    ) -> list[Run]:
         """Each chunk of ``span`` made to hold its key in its slot, in runs of one verdict."""
         nbytes = self.transfer.chunk_bytes(span.group)
         ok = []
         for key, slot in zip(span.keys, span.slots, strict=True):
+            if before_read is not None:
+                before_read()
             why: list[str] = []
             started = time.perf_counter()
             source = self.cascade.fill(key, slot, nbytes, why)

@@ -56,7 +56,12 @@ promotion:
   at once without oversubscribing the host;
 * one *promotion* thread: reads of lower-tier chunks into the CPU tier for
   requests that still wait in the engine's queue (:meth:`OffloadEngine.submit_promote`).
-  One, because they read the same disk one after the other anyway.
+  One, because they read the same disk one after the other anyway. Before each chunk
+  it waits until no load job runs: a load is for a request the engine has scheduled,
+  whose blocks are allocated and whose first token waits on it, so a fetch ahead
+  reads with the bandwidth the loads leave instead of taking it from them (on a slow
+  drive the two would share it: docs/benchmarks.md, "A lower tier behind a small CPU
+  tier, and a queue").
 
 Loads in the step run on none of these but on the forward pass's thread (and
 the copy thread of :mod:`._layered`); they too wait only for earlier jobs of
@@ -335,15 +340,22 @@ class OffloadEngine:
         self._finish(job)
 
     def _run(self, job: _Job) -> None:
-        """Run a load or a promotion on its thread."""
+        """Run a load or a promotion on its thread (a promotion reads while no load runs)."""
+        book = self._book
+        loading = job.kind is JobKind.LOAD
+        if loading:
+            book.load_started()
         try:
             for span in job.spans:
-                if job.kind is JobKind.LOAD:
+                if loading:
                     self._copier.load(span, job.after, job.outcome)
                 else:
-                    self._copier.promote(span, job.outcome)
+                    self._copier.promote(span, job.outcome, book.wait_for_loads)
         except Exception as exc:  # a bug must still report the job, never hang the engine
             self._crashed(job, exc)
+        finally:
+            if loading:
+                book.load_ended()
         self._finish(job)
 
     def _finish(self, job: _Job) -> None:
