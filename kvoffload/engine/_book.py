@@ -25,7 +25,7 @@ def _names(spans: Sequence[ChunkSpan]) -> set[tuple[str, bytes | int]]:
 
 
 class JobBook:
-    """Ids, job locks, and the pending, queued and reading counts of an engine's jobs."""
+    """Ids, job locks, and the pending, queued, reading and loading counts of an engine's jobs."""
 
     def __init__(self) -> None:
         self.locks = JobLocks()
@@ -85,6 +85,7 @@ class JobBook:
             self._loading += 1
 
     def load_ended(self) -> None:
+        """A load job of :meth:`load_started` is done: the last one lets promotions read."""
         with self._cond:
             self._loading -= 1
             if not self._loading:
